@@ -1,0 +1,15 @@
+"""spmd's exceptions.
+
+Every error spmd raises on purpose is a :class:`SpmdError`. Its messages start with the rank that
+raised it and say what was received, what was expected, and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class SpmdError(ValueError):
+    """Base class of spmd's errors (a ``ValueError``): bad input, or ranks that disagree."""
+
+
+class SpmdTypeError(SpmdError, TypeError):
+    """An argument of the wrong type (both a :class:`SpmdError` and a ``TypeError``)."""

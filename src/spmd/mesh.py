@@ -1,0 +1,172 @@
+"""Device meshes: named axes over the world's ranks, and this rank's group on each axis.
+
+Axes are given outermost first; the last is innermost, so its groups are consecutive ranks. This
+is AITER's layout ExternalDP x DP x PP x TP: ``Mesh(dp=2, tp=4)`` on 8 ranks has the tp groups
+``[[0, 1, 2, 3], [4, 5, 6, 7]]`` and the dp groups ``[[0, 4], [1, 5], [2, 6], [3, 7]]``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+from collections.abc import Mapping
+from types import MappingProxyType, TracebackType
+
+import numpy as np
+
+from ._errors import SpmdError, SpmdTypeError
+from .runtime import Communicator, get_communicator
+
+Axis = str | tuple[str, ...]
+
+# Axes that the derived "ep" axis combines, within each slice of the other axes (AITER's EP group
+# is DP x TP inside one PP stage).
+_EP_AXES = ("dp", "tp")
+
+_active: contextvars.ContextVar[tuple[Mesh, ...]] = contextvars.ContextVar(
+    "spmd_active_meshes", default=()
+)
+
+
+def layout_rank_lists(shape: Mapping[str, int], axes: tuple[str, ...]) -> list[list[int]]:
+    """The groups of ranks that vary along ``axes`` (and agree on every other axis).
+
+    Ranks are laid out row-major over ``shape`` (first axis outermost). Groups are listed in
+    row-major order of the other axes; inside a group, ranks are ordered row-major over ``axes``
+    in the order given.
+    """
+    names = list(shape)
+    ranks = np.arange(math.prod(shape.values())).reshape([shape[n] for n in names])
+    moved = np.moveaxis(ranks, [names.index(a) for a in axes], range(-len(axes), 0))
+    group_size = math.prod(shape[a] for a in axes)
+    return [[int(r) for r in g] for g in moved.reshape(-1, group_size)]
+
+
+class Mesh:
+    """Named axes over the world's ranks, e.g. ``Mesh(dp=2, pp=2, tp=2)``.
+
+    Sizes are positive integers; one of them may be -1, inferred from the world size. The sizes'
+    product must equal the world size. Besides its own axes, a mesh answers for ``"ep"`` (if it
+    has no axis of that name): the ``dp`` and ``tp`` axes combined, within each slice of the
+    others. Wherever an axis is expected, a tuple of axis names means those axes combined.
+
+    ``with mesh:`` makes it the active mesh, whose axis names collectives accept as ``group=``.
+    Creating a mesh starts the runtime (:func:`spmd.init`) if needed.
+    """
+
+    def __init__(self, **axes: int) -> None:
+        world = get_communicator()
+        me = f"rank {world.world_rank}"
+        if not axes:
+            raise SpmdError(f"{me}: Mesh() needs at least one axis, e.g. Mesh(dp={world.size})")
+        inferred = [name for name, size in axes.items() if size == -1]
+        for name, size in axes.items():
+            if isinstance(size, bool) or not isinstance(size, int):
+                raise SpmdTypeError(f"{me}: Mesh axis {name}={size!r} is not an integer size")
+            if size < 1 and size != -1:
+                raise SpmdError(f"{me}: Mesh axis {name}={size} must be >= 1 (or -1 to infer it)")
+        if len(inferred) > 1:
+            raise SpmdError(f"{me}: Mesh({_fmt(axes)}) may infer (-1) at most one axis")
+        known = math.prod(size for size in axes.values() if size != -1)
+        shape = dict(axes)
+        if inferred:
+            if world.size % known:
+                raise SpmdError(
+                    f"{me}: Mesh({_fmt(axes)}): the world size {world.size} is not divisible "
+                    f"by {known}, so {inferred[0]}=-1 cannot be inferred"
+                )
+            shape[inferred[0]] = world.size // known
+        if math.prod(shape.values()) != world.size:
+            raise SpmdError(
+                f"{me}: Mesh({_fmt(axes)}) has {math.prod(shape.values())} ranks but the world "
+                f"has {world.size}; the axis sizes must multiply to the world size"
+            )
+        self._shape = MappingProxyType(shape)
+        self._world = world
+
+    # -- shape ----------------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> Mapping[str, int]:
+        """Axis name -> size, outermost first."""
+        return self._shape
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(self._shape)
+
+    @property
+    def size(self) -> int:
+        return self._world.size
+
+    def _axes(self, axis: Axis) -> tuple[str, ...]:
+        names = (axis,) if isinstance(axis, str) else axis
+        if not isinstance(names, tuple) or not names or not all(isinstance(a, str) for a in names):
+            raise SpmdTypeError(
+                f"rank {self._world.world_rank}: axis={axis!r} is not an axis name or a tuple of "
+                f"axis names of {self!r}"
+            )
+        if names == ("ep",) and "ep" not in self._shape:
+            derived = tuple(a for a in self._shape if a in _EP_AXES)
+            if not derived:
+                raise SpmdError(
+                    f"rank {self._world.world_rank}: {self!r} has no 'dp' or 'tp' axis, from "
+                    "which the 'ep' axis is derived; name an axis 'ep', or pass a tuple of axes"
+                )
+            return derived
+        for a in names:
+            if a not in self._shape:
+                raise SpmdError(
+                    f"rank {self._world.world_rank}: {self!r} has no axis {a!r}; its axes are "
+                    f"{', '.join(map(repr, self._shape))} (and 'ep', derived from 'dp' and 'tp')"
+                )
+        if len(set(names)) != len(names):
+            raise SpmdError(f"rank {self._world.world_rank}: axis={axis!r} repeats an axis")
+        return names
+
+    # -- groups ---------------------------------------------------------------------------------
+
+    def rank_lists(self, axis: Axis) -> list[list[int]]:
+        """Every group of ranks along ``axis``: a ``rank_list`` for collectives and
+        :func:`spmd.get_communicator`."""
+        return layout_rank_lists(self._shape, self._axes(axis))
+
+    def group(self, axis: Axis) -> Communicator:
+        """This rank's communicator along ``axis`` (created on first use, then cached)."""
+        return get_communicator(self.rank_lists(axis))
+
+    def index(self, axis: Axis) -> int:
+        """This rank's coordinate along ``axis`` (its rank within its group on that axis)."""
+        me = self._world.world_rank
+        return next(g.index(me) for g in self.rank_lists(axis) if me in g)
+
+    def coords(self) -> dict[str, int]:
+        """This rank's coordinate on every axis of the mesh."""
+        return {a: self.index(a) for a in self._shape}
+
+    # -- the active mesh ------------------------------------------------------------------------
+
+    def __enter__(self) -> Mesh:
+        _active.set((*_active.get(), self))
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        _active.set(_active.get()[:-1])
+
+    def __repr__(self) -> str:
+        return f"Mesh({_fmt(self._shape)})"
+
+
+def current_mesh() -> Mesh | None:
+    """The innermost mesh entered with ``with mesh:``, or None."""
+    stack = _active.get()
+    return stack[-1] if stack else None
+
+
+def _fmt(axes: Mapping[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in axes.items())

@@ -1,0 +1,208 @@
+"""Communicator: who this process is within a group of processes, and how the group talks.
+
+A communicator's attributes follow RAF's Distribution Mechanism: ``rank/size`` within the group,
+``local_rank/local_size`` among the group's ranks on this node, ``world_rank/world_size`` in the
+world, and ``group_id/group_size`` for a communicator made from a ``rank_list``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .._errors import SpmdError, SpmdTypeError
+from ._transport import Transport
+
+Groups = tuple[tuple[int, ...], ...]
+
+
+def resolve_rank_list(rank_list: Any, world_size: int, rank: int) -> Groups:
+    """Validate ``rank_list`` and complete it: every unlisted rank becomes a group of its own.
+
+    The result is the key of the communicator pool: ``[[0, 1, 2]]`` and ``[[0, 1, 2], [3]]``
+    resolve to the same groups on 4 ranks. The checks depend only on the arguments, so every rank
+    raises the same error.
+    """
+    hint = "expected a list of disjoint lists of ranks, e.g. rank_list=[[0, 1], [2, 3]]"
+    if isinstance(rank_list, str | bytes) or not isinstance(rank_list, Sequence):
+        raise SpmdTypeError(f"rank {rank}: rank_list={rank_list!r} is not a list; {hint}")
+    if len(rank_list) == 0:
+        raise SpmdError(
+            f"rank {rank}: rank_list=[] lists no group; {hint}, or rank_list=None for the world"
+        )
+    groups: list[tuple[int, ...]] = []
+    seen: dict[int, int] = {}
+    for gid, group in enumerate(rank_list):
+        if isinstance(group, str | bytes) or not isinstance(group, Sequence):
+            raise SpmdTypeError(
+                f"rank {rank}: rank_list={rank_list!r}: group {gid} is {group!r}, not a list of "
+                f"ranks; {hint}"
+            )
+        if len(group) == 0:
+            raise SpmdError(f"rank {rank}: rank_list={rank_list!r}: group {gid} is empty; {hint}")
+        members: list[int] = []
+        for r in group:
+            if isinstance(r, bool) or not isinstance(r, numbers.Integral):
+                raise SpmdTypeError(
+                    f"rank {rank}: rank_list={rank_list!r}: group {gid} holds {r!r}, not an "
+                    f"integer rank; {hint}"
+                )
+            r = int(r)
+            if not 0 <= r < world_size:
+                raise SpmdError(
+                    f"rank {rank}: rank_list={rank_list!r} names rank {r}, out of range for a "
+                    f"world of {world_size} ranks (valid: 0..{world_size - 1})"
+                )
+            if r in seen:
+                where = f"groups {seen[r]} and {gid}" if seen[r] != gid else f"group {gid}"
+                raise SpmdError(
+                    f"rank {rank}: rank_list={rank_list!r} lists rank {r} twice ({where}); each "
+                    "rank may appear in at most one group"
+                )
+            seen[r] = gid
+            members.append(r)
+        groups.append(tuple(members))
+    groups.extend((r,) for r in range(world_size) if r not in seen)
+    return tuple(groups)
+
+
+class Communicator:
+    """This process's view of one group of processes.
+
+    Attributes (read-only):
+        rank, size: this process's rank in the group and the group's size.
+        local_rank, local_size: rank and count among the group's ranks on this node.
+        world_rank, world_size: rank and size in the world communicator.
+        group_id, group_size: index of this process's group in the rank_list and the number of
+            groups (0 and 1 for the world communicator).
+        root_rank: world rank of the group's rank 0.
+        ranks: the world ranks of the group, in group-rank order.
+        backend: "mpi" or "void" (the file-store communicator; also a world of one).
+        groups: every group of the rank_list this communicator was made from, completed with
+            the unlisted ranks as groups of their own.
+
+    Ranks of a group exchange small Python objects with :meth:`allgather_object`,
+    :meth:`broadcast_object` and :meth:`barrier` (bootstrap data; arrays go through
+    :mod:`spmd.ops`). Every rank of the group must call them in the same order.
+    """
+
+    def __init__(
+        self,
+        *,
+        groups: Groups,
+        group_id: int,
+        world_rank: int,
+        node_ids: Sequence[str],
+        backend: str,
+        transport_factory: Callable[[Communicator], Transport],
+    ) -> None:
+        ranks = groups[group_id]
+        my_node = node_ids[world_rank]
+        on_my_node = [r for r in ranks if node_ids[r] == my_node]
+        self._groups = groups
+        self._ranks = ranks
+        self._group_id = group_id
+        self._world_rank = world_rank
+        self._world_size = len(node_ids)
+        self._rank = ranks.index(world_rank)
+        self._local_rank = on_my_node.index(world_rank)
+        self._local_size = len(on_my_node)
+        self._node_id = my_node
+        self._backend = backend
+        self._transport_factory = transport_factory
+        self._transport: Transport | None = None
+
+    # -- attributes -----------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return len(self._ranks)
+
+    @property
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self._local_size
+
+    @property
+    def world_rank(self) -> int:
+        return self._world_rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def group_id(self) -> int:
+        return self._group_id
+
+    @property
+    def group_size(self) -> int:
+        return len(self._groups)
+
+    @property
+    def root_rank(self) -> int:
+        return self._ranks[0]
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self._ranks
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @property
+    def node_id(self) -> str:
+        """This process's node identity (hostname, or ``SPMD_NODE_ID``)."""
+        return self._node_id
+
+    @property
+    def groups(self) -> Groups:
+        return self._groups
+
+    def __repr__(self) -> str:
+        return (
+            f"Communicator(backend={self._backend!r}, rank={self.rank}, size={self.size}, "
+            f"local_rank={self.local_rank}, local_size={self.local_size}, "
+            f"world_rank={self.world_rank}, world_size={self.world_size}, "
+            f"group_id={self.group_id}, group_size={self.group_size}, ranks={list(self._ranks)})"
+        )
+
+    # -- object exchange ------------------------------------------------------------------------
+
+    def _get_transport(self) -> Transport:
+        if self._transport is None:
+            self._transport = self._transport_factory(self)
+        return self._transport
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in group-rank order, on every rank of the group."""
+        return self._get_transport().allgather(obj)
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """``obj`` of group rank ``root`` on every rank of the group."""
+        if isinstance(root, bool) or not isinstance(root, numbers.Integral):
+            raise SpmdTypeError(f"rank {self.world_rank}: root={root!r} is not an integer rank")
+        if not 0 <= root < self.size:
+            raise SpmdError(
+                f"rank {self.world_rank}: root={root} is out of range for a group of "
+                f"{self.size} ranks (valid: 0..{self.size - 1})"
+            )
+        return self._get_transport().allgather(obj if self._rank == root else None)[root]
+
+    def barrier(self) -> None:
+        """Return once every rank of the group has called ``barrier``."""
+        self._get_transport().allgather(None)
+
+    def _close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None

@@ -1,0 +1,65 @@
+"""Bind this process to the accelerator of its ``local_rank`` (one process per device).
+
+On a GPU node every process sees every GPU; left alone, JAX would put all processes on GPU 0 and
+reserve memory on all of them. Before JAX starts its backends, spmd restricts JAX to one GPU,
+``local_rank`` (or the only one the launcher left visible). CUDA itself still sees every GPU, so
+peer-to-peer access and IPC between processes keep working. On CPU this does nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+_GPU_PLUGINS = {
+    "cuda": ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12",
+             "jax_plugins.xla_cuda13"),
+    "rocm": ("jax_rocm60_plugin", "jax_rocm7_plugin", "jax_plugins.xla_rocm60"),
+}
+
+
+def _has_plugin(names: tuple[str, ...]) -> bool:
+    for name in names:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):
+            continue
+    return False
+
+
+def bind_local_device(local_rank: int) -> str | None:
+    """Restrict JAX to the GPU of ``local_rank``; returns what was done, or None if nothing.
+
+    ``SPMD_BIND_DEVICE=0`` turns this off.
+    """
+    if os.environ.get("SPMD_BIND_DEVICE", "1") == "0":
+        return None
+    for platform, plugins in _GPU_PLUGINS.items():
+        if not _has_plugin(plugins):
+            continue
+        visible_var = "CUDA_VISIBLE_DEVICES" if platform == "cuda" else "HIP_VISIBLE_DEVICES"
+        visible = [d for d in os.environ.get(visible_var, "").split(",") if d.strip()]
+        if len(visible) == 1:
+            return None  # the launcher already gave this process one device
+        import jax
+
+        from jax._src import xla_bridge
+
+        if xla_bridge.backends_are_initialized():
+            return None  # too late: JAX already chose its devices (jax was used before init)
+        jax.config.update(f"jax_{platform}_visible_devices", str(local_rank))
+        return f"{platform}:{local_rank}"
+    return None
+
+
+def drain_device_work() -> None:
+    """Wait for every computation JAX has dispatched (no-op if JAX was never imported)."""
+    if "jax" not in sys.modules:
+        return
+    import jax
+
+    jax.effects_barrier()
+    for array in jax.live_arrays():
+        array.block_until_ready()

@@ -1,0 +1,151 @@
+"""What the launcher told this process: launcher detection and node identity.
+
+Pure functions of the environment; nothing here talks to other processes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from .._errors import SpmdError
+
+CommunicatorName = Literal["mpi", "void"]
+COMMUNICATOR_NAMES: tuple[CommunicatorName, ...] = ("mpi", "void")
+
+# (rank variable, size variable) pairs set by MPI launchers: MPICH/Intel MPI (Hydra, and Slurm's
+# pmi2), PMIx (Open MPI 5, Slurm's pmix), Open MPI, MVAPICH2.
+_MPI_RANK_SIZE_VARS: tuple[tuple[str, str | None], ...] = (
+    ("PMI_RANK", "PMI_SIZE"),
+    ("PMIX_RANK", None),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
+    ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"),
+)
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What the environment says about this process before any communication."""
+
+    communicator: CommunicatorName | None  # None: a world of one
+    rank: int
+    size: int | None  # None when the launcher does not say (MPI will)
+    local_rank: int | None
+    store_path: str | None = None
+
+
+def _int(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise SpmdError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def mpi_rank_size(env: Mapping[str, str]) -> tuple[int, int | None] | None:
+    """(rank, size) announced by an MPI launcher (mpiexec, srun), or None outside one."""
+    for rank_var, size_var in _MPI_RANK_SIZE_VARS:
+        rank = _int(env, rank_var)
+        if rank is None:
+            continue
+        if rank_var == "SLURM_PROCID" and "SLURM_STEP_ID" not in env:
+            continue  # a batch script, not a task started by srun
+        return rank, (_int(env, size_var) if size_var else None)
+    return None
+
+
+def detect(env: Mapping[str, str], requested: CommunicatorName | None = None) -> LaunchInfo:
+    """Decide which world communicator this process belongs to.
+
+    Order: an explicit request; ``RANK``/``WORLD_SIZE`` with ``SPMD_FILE_STORE_PATH`` (a
+    torchrun-style launcher) -> "void"; an MPI launcher's variables -> "mpi"; otherwise a world
+    of one.
+    """
+    rank = _int(env, "RANK")
+    size = _int(env, "WORLD_SIZE")
+    local_rank = _int(env, "LOCAL_RANK")
+    store = env.get("SPMD_FILE_STORE_PATH") or None
+    mpi = mpi_rank_size(env)
+
+    if requested is None:
+        if store is not None and rank is not None and size is not None:
+            requested = "void"
+        elif mpi is not None:
+            requested = "mpi"
+        elif size is not None and size > 1:
+            raise SpmdError(
+                f"rank {rank}: RANK={rank} WORLD_SIZE={size} say this is one of {size} processes "
+                "started by a torchrun-style launcher, but SPMD_FILE_STORE_PATH is not set. spmd "
+                "exchanges bootstrap data between such processes through files: set "
+                "SPMD_FILE_STORE_PATH to a directory all ranks can reach, e.g. "
+                "SPMD_FILE_STORE_PATH=$(mktemp -d) torchrun ..."
+            )
+        else:
+            return LaunchInfo(None, 0, 1, 0)
+
+    if requested == "mpi":
+        if mpi is None:
+            # MPI started without a launcher (singleton init) is a legal world of one.
+            return LaunchInfo("mpi", 0, None, None)
+        return LaunchInfo("mpi", mpi[0], mpi[1], None)
+
+    if requested == "void":
+        if rank is None:
+            rank = mpi[0] if mpi is not None else 0
+        if size is None:
+            size = mpi[1] if mpi is not None else 1
+        if size is None:
+            size = 1
+        if not 0 <= rank < size:
+            raise SpmdError(f"rank {rank}: RANK={rank} is outside WORLD_SIZE={size}")
+        if size > 1 and store is None:
+            raise SpmdError(
+                f"rank {rank}: the 'void' communicator with WORLD_SIZE={size} needs "
+                "SPMD_FILE_STORE_PATH, a directory shared by all ranks, to exchange bootstrap data"
+            )
+        return LaunchInfo("void", rank, size, local_rank, store)
+
+    raise SpmdError(
+        f"unknown communicator {requested!r}; expected one of {', '.join(COMMUNICATOR_NAMES)}"
+    )
+
+
+def node_id(env: Mapping[str, str], rank: int, size: int) -> str:
+    """This process's node identity.
+
+    ``SPMD_NODE_ID`` (any string) wins; else ``SPMD_SIMULATE_NODES=K`` splits the world into K
+    simulated nodes of consecutive ranks (for testing multi-node code paths on one machine); else
+    the hostname.
+    """
+    explicit = env.get("SPMD_NODE_ID")
+    if explicit:
+        return explicit
+    nodes = _int(env, "SPMD_SIMULATE_NODES")
+    if nodes is not None:
+        if not 1 <= nodes <= size:
+            raise SpmdError(
+                f"rank {rank}: SPMD_SIMULATE_NODES={nodes} must be between 1 and the world size "
+                f"{size}"
+            )
+        return f"simulated-node-{rank * nodes // size}"
+    return socket.gethostname()
+
+
+def timeout_seconds(env: Mapping[str, str] = os.environ) -> float:
+    """Seconds a bootstrap exchange waits for its peers before it fails (``SPMD_TIMEOUT``)."""
+    value = env.get("SPMD_TIMEOUT")
+    if not value:
+        return 300.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise SpmdError(f"SPMD_TIMEOUT={value!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise SpmdError(f"SPMD_TIMEOUT={value!r} must be positive")
+    return seconds

@@ -1,0 +1,73 @@
+"""What a rank does with an uncaught exception: say who it is, then stop the whole job.
+
+Without this, one rank's exception leaves its peers blocked in a collective forever (MPI has no
+timeouts, and MPICH's launcher does not stop the job when one rank exits non-zero).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from types import TracebackType
+
+
+def format_rank_traceback(rank: int, exc: BaseException) -> str:
+    """The exception's traceback with every line prefixed by ``[rank N]``."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return "".join(f"[rank {rank}] {line}\n" for line in text.rstrip("\n").split("\n"))
+
+
+def report_status(rank: int, status: dict[str, object]) -> None:
+    """Record this rank's outcome for ``spmd-run`` (no-op outside it)."""
+    directory = os.environ.get("SPMD_RUN_STATUS_DIR")
+    if not directory:
+        return
+    path = os.path.join(directory, f"rank{rank}.json")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"rank": rank, **status}, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # reporting must never mask the rank's own error
+
+
+def report_exception(rank: int, exc: BaseException) -> None:
+    """Print the rank-prefixed traceback and record the failure for ``spmd-run``."""
+    sys.stderr.write(format_rank_traceback(rank, exc))
+    report_status(
+        rank,
+        {"state": "failed", "exit_code": 1, "error": f"{type(exc).__name__}: {exc}"},
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+_installed: tuple[Callable[..., object], int] | None = None
+
+
+def install_abort_hook(rank: int, abort: Callable[[int], None]) -> None:
+    """Make an uncaught exception in the main thread print and then ``abort(1)`` the job."""
+    global _installed
+    if os.environ.get("SPMD_ABORT_ON_ERROR", "1") == "0":
+        return
+    previous = _installed[0] if _installed is not None else sys.excepthook
+
+    def hook(
+        tp: type[BaseException], value: BaseException, tb: TracebackType | None
+    ) -> None:
+        report_exception(rank, value.with_traceback(tb))
+        abort(1)
+
+    sys.excepthook = hook
+    _installed = (previous, rank)
+
+
+def uninstall_abort_hook() -> None:
+    global _installed
+    if _installed is not None:
+        sys.excepthook = _installed[0]  # type: ignore[assignment]
+        _installed = None

@@ -1,0 +1,240 @@
+"""The runtime singleton: ``init``, ``finalize``, the world and the pool of sub-communicators."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from .._errors import SpmdError
+from ._communicator import Communicator, Groups, resolve_rank_list
+from ._device import bind_local_device, drain_device_work
+from ._env import COMMUNICATOR_NAMES, CommunicatorName, LaunchInfo, detect, node_id
+from ._env import timeout_seconds as _timeout_seconds
+from ._failure import install_abort_hook, uninstall_abort_hook
+from ._store import FileStore, namespace_from_env
+from ._transport import FileTransport, MpiTransport, SelfTransport, Transport
+
+
+class _Runtime:
+    """Everything ``init`` set up; ``finalize`` tears it down."""
+
+    def __init__(self, launch: LaunchInfo) -> None:
+        self.name: CommunicatorName = launch.communicator or "void"
+        self.timeout = _timeout_seconds()
+        self.mpi_world: Any = None
+        self.store: FileStore | None = None
+        self.pool: dict[Groups, Communicator] = {}
+        self.bound_device: str | None = None
+
+        if launch.communicator == "mpi":
+            from mpi4py import MPI  # MPI_Init happens here, never at import of spmd
+
+            self.mpi_world = MPI.COMM_WORLD
+            rank, size = self.mpi_world.Get_rank(), self.mpi_world.Get_size()
+            if launch.size is not None and launch.size != size:
+                raise SpmdError(
+                    f"rank {rank}: the launcher started {launch.size} processes but MPI sees a "
+                    f"world of {size}: mpi4py loaded an MPI library other than the launcher's "
+                    f"({MPI.Get_library_version().splitlines()[0].strip()}). Use the mpiexec of "
+                    "that library, or point mpi4py at the launcher's library with MPI4PY_LIBMPI "
+                    "(README, 'Using a system MPI')."
+                )
+            bootstrap: Transport = MpiTransport(self.mpi_world, rank, range(size), self.timeout)
+        elif launch.communicator == "void" and launch.size and launch.size > 1:
+            rank, size = launch.rank, launch.size
+            assert launch.store_path is not None
+            self.store = FileStore(
+                launch.store_path, namespace_from_env(os.environ), rank, self.timeout
+            )
+            bootstrap = FileTransport(self.store, range(size), rank)
+        else:
+            rank, size = 0, 1
+            bootstrap = SelfTransport()
+
+        self.rank, self.size = rank, size
+        self.node_ids: tuple[str, ...] = tuple(bootstrap.allgather(node_id(os.environ, rank, size)))
+        groups: Groups = (tuple(range(size)),)
+        self.world = Communicator(
+            groups=groups,
+            group_id=0,
+            world_rank=rank,
+            node_ids=self.node_ids,
+            backend=self.name,
+            transport_factory=lambda _: bootstrap,
+        )
+        self.pool[groups] = self.world
+
+    def _transport_for(self, comm: Communicator) -> Transport:
+        if comm.size == 1:
+            return SelfTransport()
+        if self.mpi_world is not None:
+            world = self.mpi_world
+            sub = world.Create_group(world.Get_group().Incl(list(comm.ranks)))
+            return MpiTransport(sub, self.rank, comm.ranks, self.timeout)
+        assert self.store is not None
+        return FileTransport(self.store, comm.ranks, self.rank)
+
+    def communicator(self, rank_list: Any) -> Communicator:
+        groups = resolve_rank_list(rank_list, self.size, self.rank)
+        comm = self.pool.get(groups)
+        if comm is None:
+            group_id = next(i for i, g in enumerate(groups) if self.rank in g)
+            comm = Communicator(
+                groups=groups,
+                group_id=group_id,
+                world_rank=self.rank,
+                node_ids=self.node_ids,
+                backend=self.name,
+                transport_factory=self._transport_for,
+            )
+            self.pool[groups] = comm
+        return comm
+
+    def abort(self, code: int) -> None:
+        if self.mpi_world is not None:
+            self.mpi_world.Abort(code)
+        os._exit(code)
+
+    def close(self) -> None:
+        drain_device_work()
+        self.world.barrier()
+        for comm in self.pool.values():
+            if comm is not self.world:
+                comm._close()
+        if self.mpi_world is not None:
+            from mpi4py import MPI
+
+            if not MPI.Is_finalized():
+                MPI.Finalize()
+        elif self.store is not None:
+            # Everyone has passed the barrier and read its files; rank 0 removes the directory
+            # once every rank says it is done reading.
+            self.store.set(f"done.{self.rank}", b"")
+            if self.rank == 0:
+                self.store.wait(
+                    [f"done.{r}" for r in range(self.size)], "finalize", list(range(self.size))
+                )
+                self.store.remove_all()
+
+
+_lock = threading.RLock()
+_runtime: _Runtime | None = None
+_default_name: CommunicatorName | None = None
+_mpi_finalized = False
+
+
+def _requested_name(backend: str | None) -> CommunicatorName | None:
+    name = backend or _default_name or os.environ.get("SPMD_COMMUNICATOR") or None
+    if name is not None and name not in COMMUNICATOR_NAMES:
+        raise SpmdError(
+            f"unknown communicator {name!r}; expected one of {', '.join(COMMUNICATOR_NAMES)}"
+        )
+    return name  # type: ignore[return-value]
+
+
+def init(backend: str | None = None) -> Communicator:
+    """Start spmd's runtime (idempotent) and return the world communicator.
+
+    Args:
+        backend: ``"mpi"``, ``"void"``, or None to detect the launcher: ``RANK``/``WORLD_SIZE``
+            with ``SPMD_FILE_STORE_PATH`` (a torchrun-style launcher) -> ``"void"``, the
+            variables of an MPI launcher (mpiexec, srun) -> ``"mpi"``, neither -> a world of one.
+            :func:`set_default_communicator` and ``SPMD_COMMUNICATOR`` set the default.
+
+    Also binds this process to the GPU of its ``local_rank`` (GPU nodes only) and, in a world of
+    more than one process, makes an uncaught exception print a rank-prefixed traceback and stop
+    the whole job (``SPMD_ABORT_ON_ERROR=0`` turns that off).
+    """
+    global _runtime, _mpi_finalized
+    with _lock:
+        requested = _requested_name(backend)
+        if _runtime is not None:
+            if requested is not None and backend is not None and requested != _runtime.name:
+                raise SpmdError(
+                    f"rank {_runtime.rank}: spmd is already initialized with the "
+                    f"{_runtime.name!r} communicator, not {requested!r}; call spmd.finalize() "
+                    "first"
+                )
+            return _runtime.world
+        launch = detect(os.environ, requested)
+        if launch.communicator == "mpi" and _mpi_finalized:
+            raise SpmdError(
+                f"rank {launch.rank}: MPI was finalized by spmd.finalize() and cannot be "
+                "initialized again in this process"
+            )
+        runtime = _Runtime(launch)
+        runtime.bound_device = bind_local_device(runtime.world.local_rank)
+        if runtime.size > 1:
+            install_abort_hook(runtime.rank, runtime.abort)
+        _runtime = runtime
+        return runtime.world
+
+
+def finalize() -> None:
+    """Drain pending device work, wait for every rank, and shut the runtime down (MPI included).
+
+    A no-op if spmd is not initialized. Every rank must call it.
+    """
+    global _runtime, _mpi_finalized
+    with _lock:
+        runtime = _runtime
+        if runtime is None:
+            return
+        _runtime = None
+        uninstall_abort_hook()
+        runtime.close()
+        _mpi_finalized = _mpi_finalized or runtime.mpi_world is not None
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def set_default_communicator(name: str) -> None:
+    """Choose the world communicator ``init`` creates: ``"mpi"`` or ``"void"`` (RAF's names).
+
+    Call it before :func:`init`; once running, switching needs :func:`finalize` first.
+    """
+    global _default_name
+    with _lock:
+        if name not in COMMUNICATOR_NAMES:
+            raise SpmdError(
+                f"unknown communicator {name!r}; expected one of {', '.join(COMMUNICATOR_NAMES)}"
+            )
+        if _runtime is not None and _runtime.name != name:
+            raise SpmdError(
+                f"rank {_runtime.rank}: spmd is running with the {_runtime.name!r} communicator; "
+                f"call spmd.finalize() before switching to {name!r}"
+            )
+        _default_name = name  # type: ignore[assignment]
+
+
+def get_communicator(rank_list: Any = None) -> Communicator:
+    """The world communicator, or this rank's sub-communicator of ``rank_list``.
+
+    ``rank_list`` is a list of disjoint lists of world ranks, as RAF's: ranks not listed form
+    groups of their own (``[[0, 1, 2]]`` on 4 ranks is ``[[0, 1, 2], [3]]``). A rank's rank in
+    its sub-communicator is its position in its list. Sub-communicators are created on first use
+    and cached. Starts the runtime (:func:`init`) if needed. Raises :class:`spmd.SpmdError` for a
+    rank listed twice, a rank out of range, or a malformed list.
+    """
+    with _lock:
+        world = init()
+        if rank_list is None:
+            return world
+        assert _runtime is not None
+        return _runtime.communicator(rank_list)
+
+
+def runtime_info() -> dict[str, Any]:
+    """What the runtime chose (for ``python -m spmd.info``); empty if not initialized."""
+    runtime = _runtime
+    if runtime is None:
+        return {}
+    return {
+        "communicator": runtime.name,
+        "world_size": runtime.size,
+        "node_ids": runtime.node_ids,
+        "bound_device": runtime.bound_device,
+    }

@@ -1,0 +1,102 @@
+"""How a communicator's ranks exchange Python objects: MPI, files, or nothing (a group of one).
+
+These carry bootstrap data (node names, shared-memory names, NCCL ids), never tensors: tensors
+go through the native collectives. Every exchange has a deadline (``SPMD_TIMEOUT``) so a rank
+that never arrives is an error naming the group, not a hang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from .._errors import SpmdError
+from ._store import FileStore
+
+
+class Transport(Protocol):
+    def allgather(self, obj: Any) -> list[Any]: ...
+    def close(self) -> None: ...
+
+
+class SelfTransport:
+    """A group of one: every exchange is local."""
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def close(self) -> None:
+        pass
+
+
+class MpiTransport:
+    """mpi4py's pickle-based collectives, each preceded by a non-blocking barrier polled with a
+    deadline (MPI's blocking calls cannot time out)."""
+
+    def __init__(self, comm: Any, world_rank: int, ranks: Sequence[int], timeout: float) -> None:
+        self.comm = comm
+        self.world_rank = world_rank
+        self.ranks = list(ranks)
+        self.timeout = timeout
+
+    def _arrive(self, what: str) -> None:
+        request = self.comm.Ibarrier()
+        deadline = time.monotonic() + self.timeout
+        pause = 1e-5
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise SpmdError(
+                    f"rank {self.world_rank}: {what} on the group of ranks {self.ranks} timed out "
+                    f"after {self.timeout:g} s: at least one rank of the group never called it. "
+                    "Every rank of a group must make the same calls in the same order; raise "
+                    "SPMD_TIMEOUT if they are just slow."
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+
+    def allgather(self, obj: Any) -> list[Any]:
+        self._arrive("allgather_object")
+        return list(self.comm.allgather(obj))
+
+    def close(self) -> None:
+        from mpi4py import MPI
+
+        if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and not MPI.Is_finalized():
+            self.comm.Free()
+
+
+class FileTransport:
+    """Exchanges through a :class:`FileStore`; files are named ``<group>.<seq>.<rank>``.
+
+    Garbage collection: once a rank has completed exchange k, every member has written k, so
+    every member has finished reading k-1, and the rank deletes its own file of k-1.
+    """
+
+    def __init__(self, store: FileStore, ranks: Sequence[int], world_rank: int) -> None:
+        self.store = store
+        self.ranks = list(ranks)
+        self.world_rank = world_rank
+        self.tag = "g" + hashlib.blake2b(repr(self.ranks).encode(), digest_size=6).hexdigest()
+        self.seq = 0
+
+    def _key(self, seq: int, rank: int) -> str:
+        return f"{self.tag}.{seq}.{rank}"
+
+    def allgather(self, obj: Any) -> list[Any]:
+        seq = self.seq
+        self.seq += 1
+        self.store.set(self._key(seq, self.world_rank), pickle.dumps(obj))
+        blobs = self.store.wait(
+            [self._key(seq, r) for r in self.ranks],
+            f"allgather_object on the group of ranks {self.ranks}",
+            self.ranks,
+        )
+        if seq > 0:
+            self.store.delete(self._key(seq - 1, self.world_rank))
+        return [pickle.loads(b) for b in blobs]
+
+    def close(self) -> None:
+        pass
