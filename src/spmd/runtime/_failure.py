@@ -46,11 +46,23 @@ def report_exception(rank: int, exc: BaseException) -> None:
     sys.stderr.flush()
 
 
+def abort_job(code: int) -> None:
+    """Stop every rank now: ``MPI_Abort`` when MPI is running, else exit this process (the
+    launcher, ``spmd-run`` or a torchrun-style agent, stops the rest)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.COMM_WORLD.Abort(code)
+    os._exit(code)
+
+
 _installed: tuple[Callable[..., object], int] | None = None
 
 
-def install_abort_hook(rank: int, abort: Callable[[int], None]) -> None:
-    """Make an uncaught exception in the main thread print and then ``abort(1)`` the job."""
+def install_abort_hook(rank: int) -> None:
+    """Make an uncaught exception in the main thread print, then stop the job (:func:`abort_job`).
+    ``SPMD_ABORT_ON_ERROR=0`` leaves ``sys.excepthook`` alone."""
     global _installed
     if os.environ.get("SPMD_ABORT_ON_ERROR", "1") == "0":
         return
@@ -60,7 +72,7 @@ def install_abort_hook(rank: int, abort: Callable[[int], None]) -> None:
         tp: type[BaseException], value: BaseException, tb: TracebackType | None
     ) -> None:
         report_exception(rank, value.with_traceback(tb))
-        abort(1)
+        abort_job(1)
 
     sys.excepthook = hook
     _installed = (previous, rank)

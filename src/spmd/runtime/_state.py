@@ -13,7 +13,13 @@ from ._env import COMMUNICATOR_NAMES, CommunicatorName, LaunchInfo, detect, node
 from ._env import timeout_seconds as _timeout_seconds
 from ._failure import install_abort_hook, uninstall_abort_hook
 from ._store import FileStore, namespace_from_env
-from ._transport import FileTransport, MpiTransport, SelfTransport, Transport
+from ._transport import (
+    FileTransport,
+    MpiTransport,
+    SelfTransport,
+    Transport,
+    mpi_create_group,
+)
 
 
 class _Runtime:
@@ -30,7 +36,8 @@ class _Runtime:
         if launch.communicator == "mpi":
             from mpi4py import MPI  # MPI_Init happens here, never at import of spmd
 
-            self.mpi_world = MPI.COMM_WORLD
+            # A private duplicate: spmd's messages never match the application's.
+            self.mpi_world = MPI.COMM_WORLD.Dup()
             rank, size = self.mpi_world.Get_rank(), self.mpi_world.Get_size()
             if launch.size is not None and launch.size != size:
                 raise SpmdError(
@@ -69,8 +76,7 @@ class _Runtime:
         if comm.size == 1:
             return SelfTransport()
         if self.mpi_world is not None:
-            world = self.mpi_world
-            sub = world.Create_group(world.Get_group().Incl(list(comm.ranks)))
+            sub = mpi_create_group(self.mpi_world, self.rank, comm.ranks, self.timeout)
             return MpiTransport(sub, self.rank, comm.ranks, self.timeout)
         assert self.store is not None
         return FileTransport(self.store, comm.ranks, self.rank)
@@ -91,11 +97,6 @@ class _Runtime:
             self.pool[groups] = comm
         return comm
 
-    def abort(self, code: int) -> None:
-        if self.mpi_world is not None:
-            self.mpi_world.Abort(code)
-        os._exit(code)
-
     def close(self) -> None:
         drain_device_work()
         self.world.barrier()
@@ -105,6 +106,7 @@ class _Runtime:
         if self.mpi_world is not None:
             from mpi4py import MPI
 
+            self.mpi_world.Free()
             if not MPI.Is_finalized():
                 MPI.Finalize()
         elif self.store is not None:
@@ -166,7 +168,7 @@ def init(backend: str | None = None) -> Communicator:
         runtime = _Runtime(launch)
         runtime.bound_device = bind_local_device(runtime.world.local_rank)
         if runtime.size > 1:
-            install_abort_hook(runtime.rank, runtime.abort)
+            install_abort_hook(runtime.rank)
         _runtime = runtime
         return runtime.world
 

@@ -64,8 +64,50 @@ class MpiTransport:
     def close(self) -> None:
         from mpi4py import MPI
 
-        if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and not MPI.Is_finalized():
+        if self.comm != MPI.COMM_SELF and not MPI.Is_finalized():
             self.comm.Free()
+
+
+_ARRIVAL_TAG = 0x5D0
+
+
+def mpi_create_group(world: Any, world_rank: int, ranks: Sequence[int], timeout: float) -> Any:
+    """``MPI_Comm_create_group`` for ``ranks``, with a deadline.
+
+    Creating a communicator blocks until every member calls it; a member that never does would
+    hang the others. So members first report to the group's root (its first rank) with
+    non-blocking messages on ``world`` and the root answers once all are there; only then is
+    the communicator created. The root names the ranks that did not arrive.
+    """
+    root, members = ranks[0], list(ranks)
+    token = bytearray(1)
+    if world_rank == root:
+        pending = {r: world.Irecv(bytearray(1), source=r, tag=_ARRIVAL_TAG) for r in members[1:]}
+    else:
+        world.Isend(token, dest=root, tag=_ARRIVAL_TAG)
+        pending = {root: world.Irecv(bytearray(1), source=root, tag=_ARRIVAL_TAG)}
+    deadline = time.monotonic() + timeout
+    pause = 1e-5
+    while pending:
+        pending = {r: req for r, req in pending.items() if not req.Test()}
+        if not pending:
+            break
+        if time.monotonic() > deadline:
+            for req in pending.values():
+                req.Cancel()
+            who = (f"ranks {sorted(pending)} never joined" if world_rank == root
+                   else f"rank {root} (the group's root) did not confirm that all joined")
+            raise SpmdError(
+                f"rank {world_rank}: creating the communicator of ranks {members} timed out "
+                f"after {timeout:g} s: {who}. Every rank of a group must make the same calls "
+                "in the same order; raise SPMD_TIMEOUT if they are just slow."
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.005)
+    if world_rank == root:
+        for r in members[1:]:
+            world.Isend(token, dest=r, tag=_ARRIVAL_TAG)
+    return world.Create_group(world.Get_group().Incl(members))
 
 
 class FileTransport:

@@ -1,0 +1,1 @@
+"""Command-line tools: ``spmd-run`` (launcher) and ``python -m spmd.info`` (environment report)."""

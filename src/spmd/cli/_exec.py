@@ -1,0 +1,101 @@
+"""The per-rank wrapper ``spmd-run`` starts: runs the user's command and reports how it ended.
+
+``python -m spmd.cli._exec --python (-c CODE | -m MODULE | SCRIPT) ARGS...`` runs Python code in
+this process as the interpreter would, so an uncaught exception is seen here: it is printed with
+every line prefixed by ``[rank N]``, recorded for ``spmd-run``, and the job is stopped.
+``python -m spmd.cli._exec --exec CMD...`` runs any other program and records its exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import subprocess
+import sys
+from types import TracebackType
+
+from ..runtime._env import mpi_rank_size
+from ..runtime._failure import abort_job, report_exception, report_status
+
+
+def launch_rank() -> int:
+    """This process's rank as the launcher announced it (before any MPI call)."""
+    found = mpi_rank_size(os.environ)
+    if found is not None:
+        return found[0]
+    return int(os.environ.get("RANK", "0"))
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _run_python(rank: int, args: list[str]) -> int:
+    if not args:
+        raise SystemExit("spmd.cli._exec --python: nothing to run")
+    try:
+        if args[0] == "-c":
+            sys.argv = ["-c", *args[2:]]
+            code = compile(args[1], "<string>", "exec")
+            exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+        elif args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(args)
+            sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as e:
+        code = _exit_code(e.code)
+        if code != 0:
+            report_status(rank, {"state": "failed", "exit_code": code, "error": f"exit {code}"})
+            sys.stderr.write(f"[rank {rank}] exited with code {code}\n")
+            abort_job(code)
+        report_status(rank, {"state": "done", "exit_code": 0})
+        return 0
+    except BaseException as e:
+        report_exception(rank, e.with_traceback(_user_frames(e.__traceback__)))
+        abort_job(1)
+    report_status(rank, {"state": "done", "exit_code": 0})
+    return 0
+
+
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """The traceback without this wrapper's and runpy's frames."""
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename == __file__
+        or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")
+    ):
+        tb = tb.tb_next
+    return tb
+
+
+def _run_program(rank: int, argv: list[str]) -> int:
+    try:
+        code = subprocess.call(argv)
+    except OSError as e:
+        sys.stderr.write(f"[rank {rank}] cannot run {argv[0]!r}: {e}\n")
+        code = 127
+    if code != 0:
+        report_status(rank, {"state": "failed", "exit_code": code, "error": f"exit {code}"})
+    else:
+        report_status(rank, {"state": "done", "exit_code": 0})
+    return code
+
+
+def main() -> int:
+    mode, rest = sys.argv[1], sys.argv[2:]
+    rank = launch_rank()
+    report_status(rank, {"state": "running", "pid": os.getpid()})
+    if mode == "--python":
+        return _run_python(rank, rest)
+    return _run_program(rank, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""``python -m spmd.info``: versions, MPI, native layer, backends and devices, for bug reports."""
+
+from __future__ import annotations
+
+import ctypes.util
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import sys
+
+_PACKAGES = ("spmd", "jax", "jaxlib", "numpy", "mpi4py", "mpich")
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _mpi_library() -> str:
+    """The MPI library mpi4py loads, without initializing MPI."""
+    try:
+        import mpi4py
+
+        if "mpi4py.MPI" not in sys.modules:
+            mpi4py.rc.initialize = False  # report only; this process is not part of a job
+        from mpi4py import MPI
+
+        return str(MPI.Get_library_version()).strip().splitlines()[0]
+    except Exception as e:
+        return f"unavailable ({type(e).__name__}: {e})"
+
+
+def _native_layer() -> str:
+    from .._native_lib import native
+
+    try:
+        mod = native()
+    except Exception as e:
+        return f"unavailable ({e})"
+    major, minor = mod.xla_ffi_api_version()
+    return f"built (ABI {mod.abi_version()}, XLA FFI API {major}.{minor})"
+
+
+def _gpu_libraries() -> list[str]:
+    found = []
+    for module in ("cupy",):
+        found.append(f"{module}: {'found' if importlib.util.find_spec(module) else 'not found'}")
+    nccl = None
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+        nccl = "wheel" if spec is not None else None
+    except ImportError:
+        pass
+    nccl = nccl or ctypes.util.find_library("nccl")
+    found.append(f"nccl: {nccl or 'not found'}")
+    return found
+
+
+def report() -> str:
+    from .._errors import SpmdError
+    from ..runtime._env import detect
+    from ._mpiexec import find_mpiexec, flavor
+
+    lines = [f"spmd environment ({platform.platform()}, Python {platform.python_version()})"]
+    lines.append("versions:")
+    lines += [f"  {p}: {_version(p)}" for p in _PACKAGES]
+    lines.append(f"  MPI library (mpi4py): {_mpi_library()}")
+    try:
+        exe = find_mpiexec()
+        lines.append(f"  mpiexec: {exe} ({flavor(exe)})")
+    except SpmdError as e:
+        lines.append(f"  mpiexec: {e}")
+    lines.append(f"native layer: {_native_layer()}")
+    lines.append("backends:")
+    try:
+        launch = detect(os.environ)
+        here = launch.communicator or "none (a world of one)"
+        size = launch.size if launch.size is not None else "?"
+        lines.append(f"  launcher detected: {here}; rank {launch.rank} of {size}")
+    except SpmdError as e:
+        lines.append(f"  launcher detected: error: {e}")
+    lines.append("  communicators: mpi (mpi4py), void (file store, single machine)")
+    lines += [f"  gpu {g}" for g in _gpu_libraries()]
+    lines.append("devices:")
+    try:
+        import jax
+
+        for d in jax.devices():
+            lines.append(f"  {d.platform}:{d.id} {d.device_kind}")
+    except Exception as e:
+        lines.append(f"  unavailable ({type(e).__name__}: {e})")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    print(report())
+    return 0

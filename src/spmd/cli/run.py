@@ -1,0 +1,184 @@
+"""``spmd-run``: start N ranks through the installed MPI's launcher, and stop them all when one
+fails.
+
+    spmd-run -n 4 python train.py --epochs 3
+
+Each rank runs under a small wrapper (:mod:`spmd.cli._exec`) that records how it ended. When a
+rank fails, the others get ``--grace`` seconds to finish printing, then the whole job is
+stopped; the summary names the failing rank and its error (its traceback, prefixed with
+``[rank N]``, is printed above). The exit code is the failing rank's, 124 after ``--timeout``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .._errors import SpmdError
+from ._mpiexec import mpiexec_argv
+
+_PYTHON = re.compile(r"python[0-9.]*$")
+# Interpreter options that take a value (``-W error`` or ``-Werror``).
+_PYTHON_OPTS_WITH_VALUE = ("-W", "-X", "--check-hash-based-pycs")
+
+
+def wrap_command(command: list[str]) -> list[str]:
+    """The per-rank argv: Python commands run inside the wrapper, others under it."""
+    exe = command[0]
+    if _PYTHON.search(os.path.basename(exe)):
+        i = 1
+        while i < len(command) and command[i].startswith("-") and command[i] not in ("-c", "-m"):
+            if command[i] == "-":
+                break
+            takes_value = command[i] in _PYTHON_OPTS_WITH_VALUE
+            i += 2 if takes_value else 1
+        target = command[i:]
+        if target and target[0] != "-" and (target[0] not in ("-c", "-m") or len(target) >= 2):
+            return [*command[:i], "-m", "spmd.cli._exec", "--python", *target]
+    return [sys.executable, "-m", "spmd.cli._exec", "--exec", *command]
+
+
+def _read_status(directory: Path) -> dict[int, dict[str, object]]:
+    status: dict[int, dict[str, object]] = {}
+    for path in directory.glob("rank*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # being written
+        status[int(record["rank"])] = record
+    return status
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def launch(
+    nprocs: int,
+    command: list[str],
+    *,
+    nodes: int | None = None,
+    timeout: float | None = None,
+    grace: float = 2.0,
+    mpiexec: str | None = None,
+    mpi_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> int:
+    """Run ``command`` on ``nprocs`` ranks; returns the job's exit code (see module doc)."""
+    if nprocs < 1:
+        raise SpmdError(f"spmd-run: -n {nprocs}: need at least one rank")
+    if not command:
+        raise SpmdError("spmd-run: no command given; e.g. spmd-run -n 2 python train.py")
+    status_dir = Path(tempfile.mkdtemp(prefix="spmd-run-"))
+    child_env = dict(os.environ if env is None else env)
+    child_env["SPMD_RUN_STATUS_DIR"] = str(status_dir)
+    if nodes is not None:
+        child_env["SPMD_SIMULATE_NODES"] = str(nodes)
+    argv = mpiexec_argv(nprocs, wrap_command(command), mpiexec, mpi_args)
+    start = time.monotonic()
+    proc = subprocess.Popen(argv, env=child_env, start_new_session=True)
+    failed_at: float | None = None
+    stopped = timed_out = False
+    try:
+        while proc.poll() is None:
+            time.sleep(0.05)
+            now = time.monotonic()
+            status = _read_status(status_dir)
+            if failed_at is None and any(s["state"] == "failed" for s in status.values()):
+                failed_at = now
+            if failed_at is not None and now - failed_at > grace:
+                stopped = True
+                _stop(proc)
+            elif timeout is not None and now - start > timeout:
+                timed_out = stopped = True
+                _stop(proc)
+    except KeyboardInterrupt:
+        _stop(proc)
+        shutil.rmtree(status_dir, ignore_errors=True)
+        return 130
+    status = _read_status(status_dir)
+    shutil.rmtree(status_dir, ignore_errors=True)
+    return _summarize(nprocs, status, proc.returncode, stopped, timed_out, timeout)
+
+
+def _summarize(
+    nprocs: int,
+    status: dict[int, dict[str, object]],
+    returncode: int,
+    stopped: bool,
+    timed_out: bool,
+    timeout: float | None,
+) -> int:
+    failed = sorted(r for r, s in status.items() if s["state"] == "failed")
+    unfinished = [r for r in range(nprocs) if status.get(r, {}).get("state") not in ("done",)]
+    unfinished = [r for r in unfinished if r not in failed]
+    say = lambda msg: print(f"spmd-run: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    for r in failed:
+        say(f"rank {r} failed: {status[r].get('error')}")
+    if timed_out:
+        say(f"timed out after {timeout:g} s; ranks that had not finished: {unfinished}")
+        return 124
+    if failed:
+        if stopped and unfinished:
+            say(f"stopped ranks {unfinished} after rank {failed[0]} failed")
+        code = status[failed[0]].get("exit_code", 1)
+        return code if isinstance(code, int) and code != 0 else 1
+    if returncode != 0:
+        say(f"the launcher exited with code {returncode}; ranks without a clean end: {unfinished}")
+        return returncode if returncode > 0 else 128 - returncode
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="spmd-run",
+        description="Run a command on N ranks (one process per device) through MPI's launcher.",
+        epilog="example: spmd-run -n 4 python train.py",
+    )
+    parser.add_argument("-n", "--np", dest="nprocs", type=int, required=True, help="ranks")
+    parser.add_argument(
+        "--nodes", type=int, help="simulate this many nodes (consecutive ranks per node)"
+    )
+    parser.add_argument("--timeout", type=float, help="stop the job after this many seconds")
+    parser.add_argument(
+        "--grace", type=float, default=2.0,
+        help="seconds the other ranks get after one fails, before they are stopped (default 2)",
+    )
+    parser.add_argument("--mpiexec", help="the MPI launcher (default: SPMD_MPIEXEC, or mpiexec)")
+    parser.add_argument(
+        "--mpi-arg", action="append", default=[], dest="mpi_args",
+        help="an extra argument for the MPI launcher (repeatable)",
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        return launch(
+            args.nprocs, command, nodes=args.nodes, timeout=args.timeout, grace=args.grace,
+            mpiexec=args.mpiexec, mpi_args=args.mpi_args,
+        )
+    except SpmdError as e:
+        print(f"spmd-run: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+"""Run a function on N ranks under a real launcher and collect every rank's outcome.
+
+Starting N processes that import JAX costs seconds; a test suite with hundreds of multi-rank
+checks cannot pay that per check. So ranks are kept in pools: N processes started once per
+(launcher, N, environment), each running :mod:`spmd.testing._worker`, which executes the
+functions the harness sends. A check costs a round trip. A pool whose ranks hung or died is
+killed and replaced by the next check that needs it; ``fresh=True`` gives a check processes of
+its own (for what must start from a clean process: ``spmd.init`` itself, environment
+variables read at start-up, exits).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from .._errors import SpmdError
+from ..cli._mpiexec import mpiexec_argv
+from . import _wire
+
+Launcher = Literal["mpi", "env"]
+
+_STARTUP_TIMEOUT = 120.0
+_MAX_POOLS = 5
+_task_ids = itertools.count()
+
+
+class MultiRankError(AssertionError):
+    """One or more ranks failed, hung or died. The message holds each rank's traceback, its
+    captured output, and the stacks of ranks that did not finish."""
+
+
+def default_timeout() -> float:
+    """Per-check timeout in seconds: ``SPMD_TEST_TIMEOUT``, default 60."""
+    return float(os.environ.get("SPMD_TEST_TIMEOUT", "60"))
+
+
+class _Pool:
+    """N worker ranks started by one launcher, connected to this process by Unix sockets."""
+
+    def __init__(self, nprocs: int, launcher: Launcher, env: Mapping[str, str]) -> None:
+        self.nprocs = nprocs
+        self.dir = Path(tempfile.mkdtemp(prefix="spmd-test-"))
+        self.log_path = self.dir / "launcher.log"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.conns: dict[int, socket.socket] = {}
+        self.pids: dict[int, int] = {}
+        self.broken = False
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(self.dir / "sock"))
+        listener.listen(nprocs)
+        base = {
+            **os.environ,
+            **env,
+            "SPMD_TESTING_ADDR": str(self.dir / "sock"),
+            "SPMD_TESTING_DIR": str(self.dir),
+        }
+        worker = [sys.executable, "-m", "spmd.testing._worker"]
+        log = open(self.log_path, "wb")  # noqa: SIM115
+        try:
+            if launcher == "mpi":
+                self.procs.append(
+                    subprocess.Popen(
+                        mpiexec_argv(nprocs, worker), env=base, stdout=log, stderr=log,
+                        stdin=subprocess.DEVNULL, start_new_session=True,
+                    )
+                )
+            else:  # what a torchrun-style launcher does: env variables and a shared store
+                store = self.dir / "store"
+                store.mkdir()
+                shared = {**base, "WORLD_SIZE": str(nprocs), "SPMD_FILE_STORE_PATH": str(store),
+                          "SPMD_RUN_ID": uuid.uuid4().hex}
+                for r in range(nprocs):
+                    self.procs.append(
+                        subprocess.Popen(
+                            worker, env={**shared, "RANK": str(r), "LOCAL_RANK": str(r)},
+                            stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                            start_new_session=True,
+                        )
+                    )
+            self._accept(listener)
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            log.close()
+            listener.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        deadline = time.monotonic() + _STARTUP_TIMEOUT
+        while len(self.conns) < self.nprocs:
+            if any(p.poll() is not None for p in self.procs):
+                raise MultiRankError(
+                    f"the {self.nprocs}-rank test pool exited while starting:\n{self.log_tail()}"
+                )
+            listener.settimeout(max(0.0, min(0.5, deadline - time.monotonic())))
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise MultiRankError(
+                        f"only ranks {sorted(self.conns)} of {self.nprocs} connected within "
+                        f"{_STARTUP_TIMEOUT:g} s:\n{self.log_tail()}"
+                    ) from None
+                continue
+            conn.settimeout(None)
+            _, rank, pid = _wire.recv(conn)
+            self.conns[rank] = conn
+            self.pids[rank] = pid
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def run(
+        self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+        timeout: float, grace: float,
+    ) -> list[Any]:
+        task_id = next(_task_ids)
+        module = sys.modules[fn.__module__]
+        task = ("task", task_id, fn.__module__, module.__file__, fn.__qualname__,
+                tuple(args), dict(kwargs))
+        for conn in self.conns.values():
+            _wire.send(conn, task)
+        replies: dict[int, tuple[Any, ...]] = {}
+        dead: list[int] = []
+        selector = selectors.DefaultSelector()
+        for rank, conn in self.conns.items():
+            selector.register(conn, selectors.EVENT_READ, rank)
+        start = time.monotonic()
+        first_error: float | None = None
+        while len(replies) + len(dead) < self.nprocs:
+            now = time.monotonic()
+            limit = start + timeout if first_error is None else min(start + timeout,
+                                                                    first_error + grace)
+            if now >= limit:
+                break
+            for key, _ in selector.select(timeout=limit - now):
+                rank = key.data
+                reply = _wire.recv(key.fileobj)  # type: ignore[arg-type]
+                selector.unregister(key.fileobj)
+                if reply is None:
+                    dead.append(rank)
+                    first_error = first_error or time.monotonic()
+                    continue
+                replies[rank] = reply
+                if reply[0] == "error" and first_error is None:
+                    first_error = time.monotonic()
+        selector.close()
+        missing = [r for r in range(self.nprocs) if r not in replies and r not in dead]
+        errors = {r: rep for r, rep in replies.items() if rep[0] == "error"}
+        if not missing and not dead and not errors:
+            return [replies[r][2] for r in range(self.nprocs)]
+        stacks = self._stacks(missing) if missing else {}
+        if missing or dead:
+            self.kill()
+        raise MultiRankError(
+            self._report(fn, errors, dead, missing, stacks, replies, timeout, grace, first_error)
+        )
+
+    def _stacks(self, ranks: list[int]) -> dict[int, str]:
+        for r in ranks:
+            try:
+                os.kill(self.pids[r], signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+        return {r: (self.dir / f"stack.{r}").read_text(errors="replace") for r in ranks}
+
+    def _report(
+        self, fn: Callable[..., Any], errors: dict[int, tuple[Any, ...]], dead: list[int],
+        missing: list[int], stacks: dict[int, str], replies: dict[int, tuple[Any, ...]],
+        timeout: float, grace: float, first_error: float | None,
+    ) -> str:
+        parts = [f"{fn.__module__}.{fn.__qualname__} on {self.nprocs} ranks:"]
+        for r, (_, _, tb, _, out) in sorted(errors.items()):
+            parts.append(f"--- rank {r} raised ---\n{tb.rstrip()}")
+            if out:
+                parts.append(f"--- rank {r} output ---\n{out.rstrip()}")
+        for r in dead:
+            parts.append(f"--- rank {r} died (its connection closed) ---")
+        if dead:
+            parts.append(f"--- launcher output ---\n{self.log_tail()}")
+        if missing:
+            why = (f"within {grace:g} s after the first failure" if first_error is not None
+                   else f"within the timeout of {timeout:g} s")
+            parts.append(f"ranks {missing} did not finish {why}; their stacks:")
+            for r in missing:
+                parts.append(f"--- rank {r} stack ---\n{stacks.get(r, '').rstrip()}")
+        summary = []
+        if errors:
+            summary.append(f"ranks {sorted(errors)} raised")
+        if dead:
+            summary.append(f"ranks {dead} died")
+        if missing:
+            summary.append(f"ranks {missing} did not finish (hang)")
+        return "; ".join(summary) + "\n" + "\n".join(parts)
+
+    def kill(self) -> None:
+        self.broken = True
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+        self._cleanup()
+
+    def close(self) -> None:
+        if self.broken:
+            return
+        self.broken = True
+        try:
+            for conn in self.conns.values():
+                _wire.send(conn, ("exit",))
+            for proc in self.procs:
+                proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.kill()
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        for conn in self.conns.values():
+            conn.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_pools: OrderedDict[tuple[Any, ...], _Pool] = OrderedDict()
+_atexit_registered = False
+
+
+def _pool(nprocs: int, launcher: Launcher, env: Mapping[str, str]) -> _Pool:
+    global _atexit_registered
+    key = (launcher, nprocs, tuple(sorted(env.items())))
+    pool = _pools.get(key)
+    if pool is not None and not pool.broken:
+        _pools.move_to_end(key)
+        return pool
+    while len(_pools) >= _MAX_POOLS:
+        _pools.popitem(last=False)[1].close()
+    if not _atexit_registered:
+        atexit.register(shutdown_pools)
+        _atexit_registered = True
+    pool = _pools[key] = _Pool(nprocs, launcher, env)
+    return pool
+
+
+def shutdown_pools() -> None:
+    """Stop every pooled rank (the pytest plugin calls this at the end of the session)."""
+    while _pools:
+        _pools.popitem()[1].close()
+
+
+def run(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    launcher: Launcher = "mpi",
+    timeout: float | None = None,
+    grace: float = 5.0,
+    fresh: bool = False,
+) -> list[Any]:
+    """Call ``fn(*args, **kwargs)`` on each of ``nprocs`` ranks; return the results by rank.
+
+    Args:
+        fn: a module-level function (ranks import its module by name and file).
+        nprocs: the number of ranks.
+        env: extra environment variables of the ranks.
+        launcher: ``"mpi"`` (mpiexec) or ``"env"`` (torchrun-style ``RANK``/``WORLD_SIZE``
+            variables with ``SPMD_FILE_STORE_PATH``).
+        timeout: seconds before the ranks that did not finish are declared hung (default
+            ``SPMD_TEST_TIMEOUT`` or 60).
+        grace: once a rank failed, seconds the others get to finish before they count as hung.
+        fresh: run on new processes, stopped afterwards, instead of a pool.
+
+    Raises:
+        MultiRankError: naming each rank that raised (with its traceback and output), died, or
+            did not finish (with its stack).
+    """
+    if "<locals>" in fn.__qualname__ or fn.__name__ == "<lambda>":
+        raise SpmdError(
+            f"spmd.testing.run: {fn.__qualname__} is not a module-level function; the ranks "
+            "import it by name, so define it at the top level of a module"
+        )
+    if launcher not in ("mpi", "env"):
+        raise SpmdError(f"spmd.testing.run: launcher={launcher!r}; expected 'mpi' or 'env'")
+    timeout = default_timeout() if timeout is None else timeout
+    env = dict(env or {})
+    if fresh:
+        pool = _Pool(nprocs, launcher, env)
+        try:
+            return pool.run(fn, args, kwargs or {}, timeout, grace)
+        finally:
+            pool.close()
+    return _pool(nprocs, launcher, env).run(fn, args, kwargs or {}, timeout, grace)

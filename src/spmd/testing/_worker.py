@@ -1,0 +1,106 @@
+"""A rank of a test pool: runs the functions the harness sends until told to stop.
+
+Started by the harness as ``python -m spmd.testing._worker`` on every rank (under mpiexec, or
+with torchrun-style variables); connects to the harness over a Unix socket.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import faulthandler
+import importlib
+import importlib.util
+import io
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ..cli._exec import launch_rank
+from ..runtime._failure import format_rank_traceback
+from . import _wire
+
+
+def _load_module(name: str, file: str) -> ModuleType:
+    """Import the test module ``name`` from ``file``, with pytest's assertion rewriting so a
+    failed ``assert`` on a rank explains itself as it would in the pytest process."""
+    if name in sys.modules:
+        return sys.modules[name]
+    base = Path(file).resolve().parents[len(name.split(".")) - 1]
+    if str(base) not in sys.path:
+        sys.path.insert(0, str(base))
+    parent = name.rpartition(".")[0]
+    if parent:
+        importlib.import_module(parent)
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None:
+        raise ImportError(f"cannot import {name} from {file}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    source = Path(file).read_bytes()
+    try:
+        from _pytest.assertion.rewrite import rewrite_asserts
+
+        tree = ast.parse(source, filename=file)
+        rewrite_asserts(tree, source, file, None)
+        code = compile(tree, file, "exec", dont_inherit=True)
+    except ImportError:
+        code = compile(source, file, "exec", dont_inherit=True)
+    try:
+        exec(code, module.__dict__)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _resolve(module: str, file: str, qualname: str) -> Any:
+    obj: Any = _load_module(module, file)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return getattr(obj, "_spmd_body", obj)
+
+
+def _run(rank: int, task: tuple[Any, ...]) -> tuple[Any, ...]:
+    task_id, module, file, qualname, args, kwargs = task
+    out = io.StringIO()
+    try:
+        fn = _resolve(module, file, qualname)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            value = fn(*args, **kwargs)
+        return ("ok", task_id, value, out.getvalue())
+    except BaseException as e:
+        if e.__traceback__ is not None:  # drop this function's own frame
+            e = e.with_traceback(e.__traceback__.tb_next)
+        return ("error", task_id, format_rank_traceback(rank, e), repr(e), out.getvalue())
+
+
+def main() -> None:
+    rank = launch_rank()
+    dump = open(Path(os.environ["SPMD_TESTING_DIR"]) / f"stack.{rank}", "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(os.environ["SPMD_TESTING_ADDR"])
+    _wire.send(sock, ("hello", rank, os.getpid()))
+    while True:
+        msg = _wire.recv(sock)
+        if msg is None or msg[0] == "exit":
+            break
+        reply = _run(rank, msg[1:])
+        try:
+            _wire.send(sock, reply)
+        except Exception as e:  # the return value did not pickle
+            _wire.send(sock, ("error", reply[1], f"[rank {rank}] result not picklable: {e!r}",
+                              repr(e), reply[-1]))
+    if msg is not None:  # a clean shutdown: every rank got "exit"
+        import spmd
+
+        spmd.finalize()
+
+
+if __name__ == "__main__":
+    main()

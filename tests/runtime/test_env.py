@@ -1,0 +1,98 @@
+"""Launcher detection and node identity: pure functions of the environment."""
+
+import pytest
+
+from spmd import SpmdError
+from spmd.runtime._env import detect, node_id, timeout_seconds
+
+
+def test_no_launcher_is_a_world_of_one():
+    info = detect({})
+    assert (info.communicator, info.rank, info.size, info.local_rank) == (None, 0, 1, 0)
+
+
+@pytest.mark.parametrize(
+    "env, rank, size",
+    [
+        ({"PMI_RANK": "3", "PMI_SIZE": "4"}, 3, 4),  # MPICH / Intel MPI (Hydra)
+        ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}, 1, 2),  # Open MPI
+        ({"PMIX_RANK": "2"}, 2, None),  # PMIx (Open MPI 5, srun --mpi=pmix)
+        ({"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_ID": "0"}, 5, 8),
+    ],
+)
+def test_mpi_launchers(env, rank, size):
+    info = detect(env)
+    assert (info.communicator, info.rank, info.size) == ("mpi", rank, size)
+
+
+def test_slurm_batch_script_is_not_a_launched_task():
+    assert detect({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "4"}).communicator is None
+
+
+def test_torchrun_style_env_with_store_is_void():
+    env = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "SPMD_FILE_STORE_PATH": "/tmp/x"}
+    info = detect(env)
+    assert (info.communicator, info.rank, info.size, info.local_rank) == ("void", 2, 4, 0)
+    assert info.store_path == "/tmp/x"
+
+
+def test_store_wins_over_mpi_env():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "SPMD_FILE_STORE_PATH": "/s", "PMI_RANK": "1"}
+    assert detect(env).communicator == "void"
+
+
+def test_torchrun_style_env_without_store_is_an_error():
+    with pytest.raises(SpmdError, match=r"rank 2: RANK=2 WORLD_SIZE=4 .*SPMD_FILE_STORE_PATH"):
+        detect({"RANK": "2", "WORLD_SIZE": "4"})
+
+
+def test_requested_void_under_mpiexec_takes_the_mpi_rank():
+    info = detect({"PMI_RANK": "1", "PMI_SIZE": "2", "SPMD_FILE_STORE_PATH": "/s"}, "void")
+    assert (info.communicator, info.rank, info.size) == ("void", 1, 2)
+
+
+def test_requested_void_without_store_for_many_ranks_is_an_error():
+    with pytest.raises(SpmdError, match="needs SPMD_FILE_STORE_PATH"):
+        detect({"RANK": "0", "WORLD_SIZE": "2"}, "void")
+
+
+def test_requested_mpi_without_launcher_is_a_singleton():
+    assert detect({}, "mpi").communicator == "mpi"
+
+
+def test_unknown_communicator():
+    with pytest.raises(SpmdError, match="unknown communicator 'nccl'; expected one of mpi, void"):
+        detect({}, "nccl")  # type: ignore[arg-type]
+
+
+def test_bad_integer_names_the_variable():
+    with pytest.raises(SpmdError, match="RANK='one' is not an integer"):
+        detect({"RANK": "one", "WORLD_SIZE": "2"})
+
+
+def test_rank_outside_world():
+    with pytest.raises(SpmdError, match="RANK=4 is outside WORLD_SIZE=4"):
+        detect({"RANK": "4", "WORLD_SIZE": "4", "SPMD_FILE_STORE_PATH": "/s"})
+
+
+def test_node_id_order():
+    assert node_id({"SPMD_NODE_ID": "n7", "SPMD_SIMULATE_NODES": "2"}, 0, 4) == "n7"
+    ids = [node_id({"SPMD_SIMULATE_NODES": "2"}, r, 4) for r in range(4)]
+    assert ids[0] == ids[1] != ids[2] == ids[3]
+    ids = [node_id({"SPMD_SIMULATE_NODES": "3"}, r, 6) for r in range(6)]
+    assert [ids.index(i) for i in ids] == [0, 0, 2, 2, 4, 4]
+    import socket
+
+    assert node_id({}, 0, 1) == socket.gethostname()
+
+
+def test_simulated_nodes_out_of_range():
+    with pytest.raises(SpmdError, match="SPMD_SIMULATE_NODES=5 must be between 1 and"):
+        node_id({"SPMD_SIMULATE_NODES": "5"}, 0, 4)
+
+
+def test_timeout_seconds():
+    assert timeout_seconds({}) == 300.0
+    assert timeout_seconds({"SPMD_TIMEOUT": "2.5"}) == 2.5
+    with pytest.raises(SpmdError, match="SPMD_TIMEOUT='-1' must be positive"):
+        timeout_seconds({"SPMD_TIMEOUT": "-1"})
