@@ -26,4 +26,5 @@ def native() -> ModuleType:
             f"spmd's native module has ABI version {_native.abi_version()}, this Python code "
             f"expects {NATIVE_ABI_VERSION}: reinstall spmd (pip install .) to rebuild it"
         )
-    return _native
+    module: ModuleType = _native
+    return module

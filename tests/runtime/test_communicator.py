@@ -8,8 +8,19 @@ import spmd
 from spmd.runtime._env import mpi_rank_size
 from spmd.testing import multirank, run
 
-ATTRS = ("local_rank", "local_size", "rank", "size", "world_rank", "world_size", "group_id",
-         "group_size", "root_rank", "ranks", "backend")
+ATTRS = (
+    "local_rank",
+    "local_size",
+    "rank",
+    "size",
+    "world_rank",
+    "world_size",
+    "group_id",
+    "group_size",
+    "root_rank",
+    "ranks",
+    "backend",
+)
 
 
 def attributes(rank_list=None):
@@ -18,11 +29,24 @@ def attributes(rank_list=None):
 
 
 # RAF, Distribution Mechanism: rank_list=[[1, 2, 3], [0]] on two nodes of two ranks.
-RAF_GLOBAL = {"local_rank": [0, 1, 0, 1], "local_size": [2, 2, 2, 2], "rank": [0, 1, 2, 3],
-              "size": [4, 4, 4, 4], "world_rank": [0, 1, 2, 3], "world_size": [4, 4, 4, 4]}
-RAF_SUB = {"local_rank": [0, 0, 0, 1], "local_size": [1, 1, 2, 2], "rank": [0, 0, 1, 2],
-           "size": [1, 3, 3, 3], "world_rank": [0, 1, 2, 3], "world_size": [4, 4, 4, 4],
-           "group_id": [1, 0, 0, 0], "group_size": [2, 2, 2, 2]}
+RAF_GLOBAL = {
+    "local_rank": [0, 1, 0, 1],
+    "local_size": [2, 2, 2, 2],
+    "rank": [0, 1, 2, 3],
+    "size": [4, 4, 4, 4],
+    "world_rank": [0, 1, 2, 3],
+    "world_size": [4, 4, 4, 4],
+}
+RAF_SUB = {
+    "local_rank": [0, 0, 0, 1],
+    "local_size": [1, 1, 2, 2],
+    "rank": [0, 0, 1, 2],
+    "size": [1, 3, 3, 3],
+    "world_rank": [0, 1, 2, 3],
+    "world_size": [4, 4, 4, 4],
+    "group_id": [1, 0, 0, 0],
+    "group_size": [2, 2, 2, 2],
+}
 
 
 def check_raf_table(results, backend):
@@ -82,12 +106,26 @@ def group_sums(rank_lists):
 
 @pytest.mark.parametrize("launcher", ["mpi", "env"])
 def test_raf_grouping_table(launcher):
-    lists = [None, [[0, 1, 2, 3]], [[0, 1], [2, 3]], [[0, 1, 2], [3]], [[0, 1, 2]],
-             [[1, 2, 3], [0]], [[3, 1], [2, 0]]]
+    lists = [
+        None,
+        [[0, 1, 2, 3]],
+        [[0, 1], [2, 3]],
+        [[0, 1, 2], [3]],
+        [[0, 1, 2]],
+        [[1, 2, 3], [0]],
+        [[3, 1], [2, 0]],
+    ]
     by_rank = run(group_sums, 4, args=(lists,), launcher=launcher)
     by_list = list(zip(*by_rank, strict=True))
-    assert by_list == [(10,) * 4, (10,) * 4, (3, 3, 7, 7), (6, 6, 6, 4), (6, 6, 6, 4),
-                       (1, 9, 9, 9), (4, 6, 4, 6)]
+    assert by_list == [
+        (10,) * 4,
+        (10,) * 4,
+        (3, 3, 7, 7),
+        (6, 6, 6, 4),
+        (6, 6, 6, 4),
+        (1, 9, 9, 9),
+        (4, 6, 4, 6),
+    ]
 
 
 @multirank()
@@ -109,8 +147,7 @@ def test_rank_in_group_is_position_in_list(comm):
 
 @multirank(nprocs=(1, 2, 3, 4))
 def test_broadcast_and_barrier(comm):
-    assert comm.broadcast_object({"from": comm.rank}, root=comm.size - 1) == {
-        "from": comm.size - 1}
+    assert comm.broadcast_object({"from": comm.rank}, root=comm.size - 1) == {"from": comm.size - 1}
     comm.barrier()
     pairs = spmd.get_communicator([[r, r + 1] for r in range(0, comm.size - 1, 2)] or [[0]])
     got = pairs.broadcast_object(comm.rank * 10, root=pairs.size - 1)
@@ -126,7 +163,9 @@ def test_bad_rank_lists_raise_on_every_rank(comm):
         spmd.get_communicator([[0], [0]])
     with pytest.raises(spmd.SpmdError, match=rf"rank {comm.rank}: .* names rank {n}, out of"):
         spmd.get_communicator([[0, n]])
-    with pytest.raises(spmd.SpmdTypeError, match=rf"rank {comm.rank}: rank_list=\[0\]: group 0 is 0, not a list"):
+    with pytest.raises(
+        spmd.SpmdTypeError, match=rf"rank {comm.rank}: rank_list=\[0\]: group 0 is 0, not a list"
+    ):
         spmd.get_communicator([0])
     comm.barrier()  # every rank got here: nobody hung
 
@@ -144,13 +183,23 @@ def rank_skips_exchange(rank_list):
 
 @pytest.mark.parametrize("launcher", ["mpi", "env"])
 def test_missing_rank_times_out_with_a_clear_error(launcher):
-    results = run(rank_skips_exchange, 3, args=([[0, 1], [2]],), env={"SPMD_TIMEOUT": "1.5"},
-                  launcher=launcher, fresh=True)
+    results = run(
+        rank_skips_exchange,
+        3,
+        args=([[0, 1], [2]],),
+        env={"SPMD_TIMEOUT": "1.5"},
+        launcher=launcher,
+        fresh=True,
+    )
     assert results[1] == "skipped"
     assert results[2] == "completed"  # a group of one does not wait for anyone
     if launcher == "mpi":  # the group's MPI communicator is created on first use
-        assert results[0].startswith("rank 0: creating the communicator of ranks [0, 1] timed "
-                                     "out after 1.5 s: ranks [1] never joined.")
+        assert results[0].startswith(
+            "rank 0: creating the communicator of ranks [0, 1] timed "
+            "out after 1.5 s: ranks [1] never joined."
+        )
     else:
-        assert results[0].startswith("rank 0: allgather_object on the group of ranks [0, 1] "
-                                     "timed out after 1.5 s waiting for ranks [1]")
+        assert results[0].startswith(
+            "rank 0: allgather_object on the group of ranks [0, 1] "
+            "timed out after 1.5 s waiting for ranks [1]"
+        )

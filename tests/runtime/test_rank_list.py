@@ -21,8 +21,11 @@ def test_list_order_is_kept_and_numpy_ints_are_accepted():
 @pytest.mark.parametrize(
     "rank_list, message",
     [
-        ([[0, 1], [1, 2]], r"rank 3: rank_list=\[\[0, 1\], \[1, 2\]\] lists rank 1 twice "
-                           r"\(groups 0 and 1\)"),
+        (
+            [[0, 1], [1, 2]],
+            r"rank 3: rank_list=\[\[0, 1\], \[1, 2\]\] lists rank 1 twice "
+            r"\(groups 0 and 1\)",
+        ),
         ([[0, 0]], r"lists rank 0 twice \(group 0\)"),
         ([[0, 4]], r"names rank 4, out of range for a world of 4 ranks \(valid: 0..3\)"),
         ([[-1]], r"names rank -1, out of range"),

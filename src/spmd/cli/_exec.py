@@ -8,6 +8,7 @@ every line prefixed by ``[rank N]``, recorded for ``spmd-run``, and the job is s
 
 from __future__ import annotations
 
+import io
 import os
 import runpy
 import subprocess
@@ -41,8 +42,8 @@ def _run_python(rank: int, args: list[str]) -> int:
     try:
         if args[0] == "-c":
             sys.argv = ["-c", *args[2:]]
-            code = compile(args[1], "<string>", "exec")
-            exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+            program = compile(args[1], "<string>", "exec")
+            exec(program, {"__name__": "__main__", "__builtins__": __builtins__})
         elif args[0] == "-m":
             sys.argv = [args[1], *args[2:]]
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
@@ -88,7 +89,17 @@ def _run_program(rank: int, argv: list[str]) -> int:
     return code
 
 
+def _whole_lines() -> None:
+    """Send each line of output in one write: the launcher forwards every write of every rank
+    as it comes, so a line written piecewise (unbuffered Python, ``PYTHONUNBUFFERED``) gets
+    mixed with other ranks' lines."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def main() -> int:
+    _whole_lines()
     mode, rest = sys.argv[1], sys.argv[2:]
     rank = launch_rank()
     report_status(rank, {"state": "running", "pid": os.getpid()})

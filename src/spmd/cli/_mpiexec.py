@@ -35,7 +35,7 @@ def find_mpiexec(explicit: str | None = None) -> str:
 
 @functools.cache
 def flavor(mpiexec: str) -> str:
-    """"openmpi", "mpich" (Hydra) or "unknown", from ``mpiexec --version``."""
+    """ "openmpi", "mpich" (Hydra) or "unknown", from ``mpiexec --version``."""
     try:
         out = subprocess.run(
             [mpiexec, "--version"], capture_output=True, text=True, timeout=30

@@ -31,10 +31,22 @@ _PYTHON = re.compile(r"python[0-9.]*$")
 _PYTHON_OPTS_WITH_VALUE = ("-W", "-X", "--check-hash-based-pycs")
 
 
+def _has_spmd(python: str) -> bool:
+    """Whether ``python`` is this interpreter or another one that can import the wrapper."""
+    found = shutil.which(python)
+    if found is None:
+        return False
+    if os.path.realpath(found) == os.path.realpath(sys.executable):
+        return True
+    probe = [found, "-c", "import spmd.cli._exec"]
+    return subprocess.run(probe, capture_output=True, timeout=60).returncode == 0
+
+
 def wrap_command(command: list[str]) -> list[str]:
-    """The per-rank argv: Python commands run inside the wrapper, others under it."""
+    """The per-rank argv: Python commands run inside the wrapper (tracebacks are caught and
+    named), other programs and Python interpreters without spmd run under it."""
     exe = command[0]
-    if _PYTHON.search(os.path.basename(exe)):
+    if _PYTHON.search(os.path.basename(exe)) and _has_spmd(exe):
         i = 1
         while i < len(command) and command[i].startswith("-") and command[i] not in ("-c", "-m"):
             if command[i] == "-":
@@ -130,7 +142,10 @@ def _summarize(
     failed = sorted(r for r, s in status.items() if s["state"] == "failed")
     unfinished = [r for r in range(nprocs) if status.get(r, {}).get("state") not in ("done",)]
     unfinished = [r for r in unfinished if r not in failed]
-    say = lambda msg: print(f"spmd-run: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+
+    def say(msg: str) -> None:
+        print(f"spmd-run: {msg}", file=sys.stderr, flush=True)
+
     for r in failed:
         say(f"rank {r} failed: {status[r].get('error')}")
     if timed_out:
@@ -159,12 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, help="stop the job after this many seconds")
     parser.add_argument(
-        "--grace", type=float, default=2.0,
+        "--grace",
+        type=float,
+        default=2.0,
         help="seconds the other ranks get after one fails, before they are stopped (default 2)",
     )
     parser.add_argument("--mpiexec", help="the MPI launcher (default: SPMD_MPIEXEC, or mpiexec)")
     parser.add_argument(
-        "--mpi-arg", action="append", default=[], dest="mpi_args",
+        "--mpi-arg",
+        action="append",
+        default=[],
+        dest="mpi_args",
         help="an extra argument for the MPI launcher (repeatable)",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
@@ -172,8 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
         return launch(
-            args.nprocs, command, nodes=args.nodes, timeout=args.timeout, grace=args.grace,
-            mpiexec=args.mpiexec, mpi_args=args.mpi_args,
+            args.nprocs,
+            command,
+            nodes=args.nodes,
+            timeout=args.timeout,
+            grace=args.grace,
+            mpiexec=args.mpiexec,
+            mpi_args=args.mpi_args,
         )
     except SpmdError as e:
         print(f"spmd-run: {e}", file=sys.stderr)

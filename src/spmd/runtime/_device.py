@@ -13,8 +13,12 @@ import os
 import sys
 
 _GPU_PLUGINS = {
-    "cuda": ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12",
-             "jax_plugins.xla_cuda13"),
+    "cuda": (
+        "jax_cuda12_plugin",
+        "jax_cuda13_plugin",
+        "jax_plugins.xla_cuda12",
+        "jax_plugins.xla_cuda13",
+    ),
     "rocm": ("jax_rocm60_plugin", "jax_rocm7_plugin", "jax_plugins.xla_rocm60"),
 }
 
@@ -44,12 +48,11 @@ def bind_local_device(local_rank: int) -> str | None:
         if len(visible) == 1:
             return None  # the launcher already gave this process one device
         import jax
-
         from jax._src import xla_bridge
 
         if xla_bridge.backends_are_initialized():
             return None  # too late: JAX already chose its devices (jax was used before init)
-        jax.config.update(f"jax_{platform}_visible_devices", str(local_rank))
+        jax.config.update(f"jax_{platform}_visible_devices", str(local_rank))  # type: ignore[no-untyped-call]
         return f"{platform}:{local_rank}"
     return None
 
@@ -60,6 +63,6 @@ def drain_device_work() -> None:
         return
     import jax
 
-    jax.effects_barrier()
-    for array in jax.live_arrays():
+    jax.effects_barrier()  # type: ignore[no-untyped-call]
+    for array in jax.live_arrays():  # type: ignore[no-untyped-call]
         array.block_until_ready()

@@ -12,6 +12,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 
 def format_rank_traceback(rank: int, exc: BaseException) -> str:
@@ -57,7 +58,7 @@ def abort_job(code: int) -> None:
     os._exit(code)
 
 
-_installed: tuple[Callable[..., object], int] | None = None
+_installed: tuple[Callable[..., Any], int] | None = None
 
 
 def install_abort_hook(rank: int) -> None:
@@ -68,9 +69,7 @@ def install_abort_hook(rank: int) -> None:
         return
     previous = _installed[0] if _installed is not None else sys.excepthook
 
-    def hook(
-        tp: type[BaseException], value: BaseException, tb: TracebackType | None
-    ) -> None:
+    def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         report_exception(rank, value.with_traceback(tb))
         abort_job(1)
 
@@ -81,5 +80,5 @@ def install_abort_hook(rank: int) -> None:
 def uninstall_abort_hook() -> None:
     global _installed
     if _installed is not None:
-        sys.excepthook = _installed[0]  # type: ignore[assignment]
+        sys.excepthook = _installed[0]
         _installed = None

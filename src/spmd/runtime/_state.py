@@ -25,7 +25,7 @@ from ._transport import (
 class _Runtime:
     """Everything ``init`` set up; ``finalize`` tears it down."""
 
-    def __init__(self, launch: LaunchInfo) -> None:
+    def __init__(self, launch: LaunchInfo, generation: int = 0) -> None:
         self.name: CommunicatorName = launch.communicator or "void"
         self.timeout = _timeout_seconds()
         self.mpi_world: Any = None
@@ -51,9 +51,10 @@ class _Runtime:
         elif launch.communicator == "void" and launch.size and launch.size > 1:
             rank, size = launch.rank, launch.size
             assert launch.store_path is not None
-            self.store = FileStore(
-                launch.store_path, namespace_from_env(os.environ), rank, self.timeout
-            )
+            # Each init of the process gets a directory of its own: after finalize, a fast rank
+            # may start again while rank 0 still removes the previous one.
+            namespace = f"{namespace_from_env(os.environ)}-{generation}"
+            self.store = FileStore(launch.store_path, namespace, rank, self.timeout)
             bootstrap = FileTransport(self.store, range(size), rank)
         else:
             rank, size = 0, 1
@@ -124,6 +125,7 @@ _lock = threading.RLock()
 _runtime: _Runtime | None = None
 _default_name: CommunicatorName | None = None
 _mpi_finalized = False
+_generation = 0  # how many runtimes this process has started
 
 
 def _requested_name(backend: str | None) -> CommunicatorName | None:
@@ -132,7 +134,7 @@ def _requested_name(backend: str | None) -> CommunicatorName | None:
         raise SpmdError(
             f"unknown communicator {name!r}; expected one of {', '.join(COMMUNICATOR_NAMES)}"
         )
-    return name  # type: ignore[return-value]
+    return name
 
 
 def init(backend: str | None = None) -> Communicator:
@@ -148,7 +150,7 @@ def init(backend: str | None = None) -> Communicator:
     more than one process, makes an uncaught exception print a rank-prefixed traceback and stop
     the whole job (``SPMD_ABORT_ON_ERROR=0`` turns that off).
     """
-    global _runtime, _mpi_finalized
+    global _runtime, _generation
     with _lock:
         requested = _requested_name(backend)
         if _runtime is not None:
@@ -165,7 +167,8 @@ def init(backend: str | None = None) -> Communicator:
                 f"rank {launch.rank}: MPI was finalized by spmd.finalize() and cannot be "
                 "initialized again in this process"
             )
-        runtime = _Runtime(launch)
+        runtime = _Runtime(launch, _generation)
+        _generation += 1
         runtime.bound_device = bind_local_device(runtime.world.local_rank)
         if runtime.size > 1:
             install_abort_hook(runtime.rank)
@@ -209,7 +212,7 @@ def set_default_communicator(name: str) -> None:
                 f"rank {_runtime.rank}: spmd is running with the {_runtime.name!r} communicator; "
                 f"call spmd.finalize() before switching to {name!r}"
             )
-        _default_name = name  # type: ignore[assignment]
+        _default_name = name
 
 
 def get_communicator(rank_list: Any = None) -> Communicator:

@@ -95,8 +95,11 @@ def mpi_create_group(world: Any, world_rank: int, ranks: Sequence[int], timeout:
         if time.monotonic() > deadline:
             for req in pending.values():
                 req.Cancel()
-            who = (f"ranks {sorted(pending)} never joined" if world_rank == root
-                   else f"rank {root} (the group's root) did not confirm that all joined")
+            who = (
+                f"ranks {sorted(pending)} never joined"
+                if world_rank == root
+                else f"rank {root} (the group's root) did not confirm that all joined"
+            )
             raise SpmdError(
                 f"rank {world_rank}: creating the communicator of ranks {members} timed out "
                 f"after {timeout:g} s: {who}. Every rank of a group must make the same calls "

@@ -75,20 +75,31 @@ class _Pool:
             if launcher == "mpi":
                 self.procs.append(
                     subprocess.Popen(
-                        mpiexec_argv(nprocs, worker), env=base, stdout=log, stderr=log,
-                        stdin=subprocess.DEVNULL, start_new_session=True,
+                        mpiexec_argv(nprocs, worker),
+                        env=base,
+                        stdout=log,
+                        stderr=log,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
                     )
                 )
             else:  # what a torchrun-style launcher does: env variables and a shared store
                 store = self.dir / "store"
                 store.mkdir()
-                shared = {**base, "WORLD_SIZE": str(nprocs), "SPMD_FILE_STORE_PATH": str(store),
-                          "SPMD_RUN_ID": uuid.uuid4().hex}
+                shared = {
+                    **base,
+                    "WORLD_SIZE": str(nprocs),
+                    "SPMD_FILE_STORE_PATH": str(store),
+                    "SPMD_RUN_ID": uuid.uuid4().hex,
+                }
                 for r in range(nprocs):
                     self.procs.append(
                         subprocess.Popen(
-                            worker, env={**shared, "RANK": str(r), "LOCAL_RANK": str(r)},
-                            stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                            worker,
+                            env={**shared, "RANK": str(r), "LOCAL_RANK": str(r)},
+                            stdout=log,
+                            stderr=log,
+                            stdin=subprocess.DEVNULL,
                             start_new_session=True,
                         )
                     )
@@ -130,13 +141,24 @@ class _Pool:
         return "\n".join(text.splitlines()[-lines:])
 
     def run(
-        self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
-        timeout: float, grace: float,
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        timeout: float,
+        grace: float,
     ) -> list[Any]:
         task_id = next(_task_ids)
         module = sys.modules[fn.__module__]
-        task = ("task", task_id, fn.__module__, module.__file__, fn.__qualname__,
-                tuple(args), dict(kwargs))
+        task = (
+            "task",
+            task_id,
+            fn.__module__,
+            module.__file__,
+            fn.__qualname__,
+            tuple(args),
+            dict(kwargs),
+        )
         for conn in self.conns.values():
             _wire.send(conn, task)
         replies: dict[int, tuple[Any, ...]] = {}
@@ -148,8 +170,11 @@ class _Pool:
         first_error: float | None = None
         while len(replies) + len(dead) < self.nprocs:
             now = time.monotonic()
-            limit = start + timeout if first_error is None else min(start + timeout,
-                                                                    first_error + grace)
+            limit = (
+                start + timeout
+                if first_error is None
+                else min(start + timeout, first_error + grace)
+            )
             if now >= limit:
                 break
             for key, _ in selector.select(timeout=limit - now):
@@ -185,9 +210,16 @@ class _Pool:
         return {r: (self.dir / f"stack.{r}").read_text(errors="replace") for r in ranks}
 
     def _report(
-        self, fn: Callable[..., Any], errors: dict[int, tuple[Any, ...]], dead: list[int],
-        missing: list[int], stacks: dict[int, str], replies: dict[int, tuple[Any, ...]],
-        timeout: float, grace: float, first_error: float | None,
+        self,
+        fn: Callable[..., Any],
+        errors: dict[int, tuple[Any, ...]],
+        dead: list[int],
+        missing: list[int],
+        stacks: dict[int, str],
+        replies: dict[int, tuple[Any, ...]],
+        timeout: float,
+        grace: float,
+        first_error: float | None,
     ) -> str:
         parts = [f"{fn.__module__}.{fn.__qualname__} on {self.nprocs} ranks:"]
         for r, (_, _, tb, _, out) in sorted(errors.items()):
@@ -199,8 +231,11 @@ class _Pool:
         if dead:
             parts.append(f"--- launcher output ---\n{self.log_tail()}")
         if missing:
-            why = (f"within {grace:g} s after the first failure" if first_error is not None
-                   else f"within the timeout of {timeout:g} s")
+            why = (
+                f"within {grace:g} s after the first failure"
+                if first_error is not None
+                else f"within the timeout of {timeout:g} s"
+            )
             parts.append(f"ranks {missing} did not finish {why}; their stacks:")
             for r in missing:
                 parts.append(f"--- rank {r} stack ---\n{stacks.get(r, '').rstrip()}")

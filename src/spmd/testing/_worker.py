@@ -94,8 +94,16 @@ def main() -> None:
         try:
             _wire.send(sock, reply)
         except Exception as e:  # the return value did not pickle
-            _wire.send(sock, ("error", reply[1], f"[rank {rank}] result not picklable: {e!r}",
-                              repr(e), reply[-1]))
+            _wire.send(
+                sock,
+                (
+                    "error",
+                    reply[1],
+                    f"[rank {rank}] result not picklable: {e!r}",
+                    repr(e),
+                    reply[-1],
+                ),
+            )
     if msg is not None:  # a clean shutdown: every rank got "exit"
         import spmd
 

@@ -1,0 +1,29 @@
+"""python -m spmd.info: the environment report."""
+
+import importlib.metadata
+import subprocess
+import sys
+
+
+def test_info_reports_versions_mpi_native_and_devices():
+    out = subprocess.run(
+        [sys.executable, "-m", "spmd.info"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for dist in ("spmd", "jax", "jaxlib", "numpy", "mpi4py"):
+        assert f"  {dist}: {importlib.metadata.version(dist)}\n" in text
+    assert "MPI library (mpi4py): MPICH Version:" in text
+    assert "native layer: built (ABI 1, XLA FFI API " in text
+    assert "launcher detected: none (a world of one); rank 0 of 1" in text
+    assert "devices:\n  cpu:0" in text
+
+
+def test_info_under_mpiexec_sees_the_launcher():
+    from spmd.cli._mpiexec import mpiexec_argv
+
+    argv = mpiexec_argv(2, [sys.executable, "-m", "spmd.info"])
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "launcher detected: mpi; rank 0 of 2" in out.stdout
+    assert "launcher detected: mpi; rank 1 of 2" in out.stdout

@@ -1,0 +1,143 @@
+"""spmd-run under the real mpiexec: output, exit codes, failing and hanging ranks."""
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from spmd.cli.run import wrap_command
+
+SPMD_RUN = [sys.executable, "-m", "spmd.cli.run"]
+
+
+def spmd_run(*args, timeout=120):
+    start = time.monotonic()
+    out = subprocess.run([*SPMD_RUN, *args], capture_output=True, text=True, timeout=timeout)
+    return out, time.monotonic() - start
+
+
+def test_four_ranks_print_rank_and_size():
+    out, _ = spmd_run(
+        "-n", "4", sys.executable, "-c", "import spmd; c = spmd.init(); print(c.rank, c.size)"
+    )
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["0 4", "1 4", "2 4", "3 4"]
+
+
+@pytest.mark.parametrize("uses_mpi", [True, False])
+def test_failing_rank_stops_the_job_and_is_named(tmp_path, uses_mpi):
+    script = tmp_path / "fail.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import os, time
+        if {uses_mpi}:
+            import spmd
+            comm = spmd.init()
+            rank = comm.rank
+        else:
+            rank = int(os.environ["PMI_RANK"])
+        if rank == 1:
+            raise ValueError("rank one cannot go on")
+        if {uses_mpi}:
+            comm.barrier()   # would wait forever for rank 1
+        time.sleep(60)
+    """)
+    )
+    out, elapsed = spmd_run("-n", "3", sys.executable, str(script))
+    assert out.returncode == 1
+    assert elapsed < 30, f"the job took {elapsed:.1f} s to stop"  # not the 60 s of a hang
+    assert "[rank 1] ValueError: rank one cannot go on" in out.stderr
+    assert f'[rank 1]   File "{script}", line 10, in <module>' in out.stderr
+    assert "spmd-run: rank 1 failed: ValueError: rank one cannot go on" in out.stderr
+    assert "_exec.py" not in out.stderr  # the wrapper's frames are not the user's problem
+
+
+def test_exit_code_of_a_failing_program_is_returned():
+    out, _ = spmd_run("-n", "2", "sh", "-c", 'if [ "$PMI_RANK" = 1 ]; then exit 3; fi')
+    assert out.returncode == 3
+    assert "spmd-run: rank 1 failed: exit 3" in out.stderr
+
+
+def test_sys_exit_nonzero_is_a_failure():
+    out, _ = spmd_run(
+        "-n",
+        "2",
+        sys.executable,
+        "-c",
+        "import os, sys; sys.exit(4 if os.environ['PMI_RANK'] == '0' else 0)",
+    )
+    assert out.returncode == 4
+    assert "spmd-run: rank 0 failed: exit 4" in out.stderr
+
+
+def test_timeout_names_the_ranks_that_did_not_finish():
+    out, elapsed = spmd_run(
+        "-n",
+        "2",
+        "--timeout",
+        "3",
+        sys.executable,
+        "-c",
+        "import os, time; time.sleep(0 if os.environ['PMI_RANK'] == '0' else 60)",
+    )
+    assert out.returncode == 124
+    assert "spmd-run: timed out after 3 s; ranks that had not finished: [1]" in out.stderr
+    assert elapsed < 30
+
+
+def test_script_arguments_module_mode_and_simulated_nodes(tmp_path):
+    script = tmp_path / "show.py"
+    script.write_text(
+        "import sys, spmd\nc = spmd.init()\n"
+        "print(c.rank, c.local_rank, c.local_size, sys.argv[1:])\n"
+    )
+    out, _ = spmd_run("-n", "4", "--nodes", "2", sys.executable, "-u", str(script), "a", "-b")
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == [
+        "0 0 2 ['a', '-b']",
+        "1 1 2 ['a', '-b']",
+        "2 0 2 ['a', '-b']",
+        "3 1 2 ['a', '-b']",
+    ]
+    out, _ = spmd_run("-n", "2", sys.executable, "-m", "json.tool", "--help")
+    assert out.returncode == 0 and out.stdout.count("usage:") == 2
+
+
+def test_usage_errors():
+    out, _ = spmd_run("-n", "0", "true")
+    assert out.returncode == 2 and "need at least one rank" in out.stderr
+    out, _ = spmd_run("-n", "2")
+    assert out.returncode == 2 and "no command given" in out.stderr
+
+
+def test_wrap_command(tmp_path):
+    exec_ = [sys.executable, "-m", "spmd.cli._exec"]
+    py = sys.executable
+    assert wrap_command([py, "-u", "-W", "error", "t.py", "x"]) == [
+        py,
+        "-u",
+        "-W",
+        "error",
+        "-m",
+        "spmd.cli._exec",
+        "--python",
+        "t.py",
+        "x",
+    ]
+    assert wrap_command([py, "-c", "pass"]) == [
+        py,
+        "-m",
+        "spmd.cli._exec",
+        "--python",
+        "-c",
+        "pass",
+    ]
+    assert wrap_command(["hostname"]) == [*exec_, "--exec", "hostname"]
+    assert wrap_command([py]) == [*exec_, "--exec", py]  # interactive: as is
+    # An interpreter that cannot import spmd runs the command as a plain program.
+    other = tmp_path / "python3"
+    other.write_text("#!/bin/sh\nexit 1\n")
+    other.chmod(0o755)
+    assert wrap_command([str(other), "t.py"]) == [*exec_, "--exec", str(other), "t.py"]

@@ -1,0 +1,109 @@
+"""spmd.init / finalize / set_default_communicator in fresh processes."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import spmd
+from spmd.runtime._env import LaunchInfo
+from spmd.testing import run
+
+
+def _clean_env():
+    launcher_vars = (
+        "PMI_",
+        "PMIX_",
+        "OMPI_",
+        "MV2_",
+        "SLURM_",
+        "SPMD_",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+    )
+    return {k: v for k, v in os.environ.items() if not k.startswith(launcher_vars)}
+
+
+def test_import_starts_nothing_and_init_without_launcher_is_a_world_of_one():
+    code = (
+        "import sys, spmd\n"
+        "assert 'mpi4py.MPI' not in sys.modules and 'jax' not in sys.modules\n"
+        "assert not spmd.is_initialized()\n"
+        "c = spmd.init()\n"
+        "assert spmd.init() is c and spmd.get_communicator() is c\n"
+        "assert 'mpi4py.MPI' not in sys.modules\n"
+        "print(c.backend, c.rank, c.size, c.local_rank, c.local_size, c.group_id, c.group_size)\n"
+        "spmd.finalize(); spmd.finalize()\n"
+        "assert not spmd.is_initialized()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["void", "0", "1", "0", "1", "0", "1"]
+
+
+def idempotent_init():
+    first = spmd.init()
+    return first is spmd.init() is spmd.init("mpi") is spmd.get_communicator(), first.backend
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+def test_init_is_idempotent(nprocs):
+    assert run(idempotent_init, nprocs) == [(True, "mpi")] * nprocs
+
+
+def finalize_then_reinit(store):
+    os.environ["SPMD_FILE_STORE_PATH"] = store
+    spmd.set_default_communicator("void")
+    comm = spmd.init()
+    first = (comm.backend, comm.rank, comm.size, sum(comm.allgather_object(comm.rank)))
+    with pytest.raises(spmd.SpmdError, match=r"already initialized with the 'void' communicator"):
+        spmd.init("mpi")
+    with pytest.raises(spmd.SpmdError, match=r"call spmd\.finalize\(\) before switching to 'mpi'"):
+        spmd.set_default_communicator("mpi")
+    spmd.finalize()
+    again = spmd.init()  # the file store can start again after finalize
+    second = (again.backend, again.size, again is comm)
+    spmd.finalize()
+    spmd.set_default_communicator("mpi")
+    mpi = spmd.init()
+    third = (mpi.backend, mpi.size, sum(mpi.allgather_object(mpi.rank)))
+    spmd.finalize()
+    with pytest.raises(spmd.SpmdError, match=r"MPI was finalized by spmd\.finalize"):
+        spmd.init()
+    return first, second, third
+
+
+def test_void_under_mpiexec_finalize_and_switch(tmp_path):
+    results = run(finalize_then_reinit, 3, args=(str(tmp_path),), fresh=True)
+    assert [r[0] for r in results] == [("void", r, 3, 3) for r in range(3)]
+    assert [r[1] for r in results] == [("void", 3, False)] * 3
+    assert [r[2] for r in results] == [("mpi", 3, 3)] * 3
+    assert list(tmp_path.iterdir()) == []  # finalize removed the bootstrap files
+
+
+def mismatched_world():
+    from spmd.runtime._state import _Runtime
+
+    try:
+        _Runtime(LaunchInfo("mpi", 0, 3, None))
+    except spmd.SpmdError as e:
+        return str(e)
+    return "no error"
+
+
+def test_mpi_world_size_that_differs_from_the_launcher_is_an_error():
+    messages = run(mismatched_world, 2, fresh=True)
+    for rank, message in enumerate(messages):
+        assert message.startswith(
+            f"rank {rank}: the launcher started 3 processes but MPI sees a world of 2"
+        )
+        assert "MPI4PY_LIBMPI" in message
+
+
+def test_unknown_default_communicator():
+    with pytest.raises(spmd.SpmdError, match="unknown communicator 'gloo'"):
+        spmd.set_default_communicator("gloo")

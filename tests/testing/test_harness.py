@@ -1,0 +1,115 @@
+"""The multi-rank harness itself: results, failures, hangs, dead ranks, pools."""
+
+import os
+import time
+
+import pytest
+
+import spmd
+from spmd.testing import MultiRankError, multirank, run
+
+
+def rank_and_pid(value):
+    return spmd.init().rank, os.getpid(), value * 2
+
+
+@pytest.mark.parametrize("launcher", ["mpi", "env"])
+def test_results_by_rank_and_pool_reuse(launcher):
+    first = run(rank_and_pid, 3, args=(21,), launcher=launcher)
+    assert [(r, v) for r, _, v in first] == [(0, 42), (1, 42), (2, 42)]
+    second = run(rank_and_pid, 3, kwargs={"value": 1}, launcher=launcher)
+    assert [p for _, p, _ in second] == [p for _, p, _ in first]  # same processes
+    fresh = run(rank_and_pid, 3, args=(0,), launcher=launcher, fresh=True)
+    assert not {p for _, p, _ in fresh} & {p for _, p, _ in first}
+
+
+def fails_on_odd_ranks():
+    rank = spmd.init().rank
+    print(f"output of rank {rank}")
+    assert rank % 2 == 0
+
+
+def test_failures_show_each_rank_traceback_and_output():
+    with pytest.raises(MultiRankError) as info:
+        run(fails_on_odd_ranks, 4)
+    text = str(info.value)
+    assert text.startswith("ranks [1, 3] raised\n")
+    assert "[rank 1] AssertionError: assert (1 % 2) == 0" in text  # rewritten asserts
+    assert "[rank 3] AssertionError" in text and "[rank 0]" not in text
+    assert "--- rank 3 output ---\noutput of rank 3" in text
+    assert run(rank_and_pid, 4, args=(1,))[3][0] == 3  # the pool survived
+
+
+def hangs_on_rank(rank_to_hang):
+    comm = spmd.init()
+    if comm.rank == rank_to_hang:
+        time.sleep(600)
+    return comm.rank
+
+
+def test_hang_names_the_ranks_and_shows_their_stacks():
+    with pytest.raises(MultiRankError) as info:
+        run(hangs_on_rank, 3, args=(2,), timeout=3)
+    text = str(info.value)
+    assert text.startswith("ranks [2] did not finish (hang)")
+    assert "--- rank 2 stack ---" in text and "in hangs_on_rank" in text
+    assert run(hangs_on_rank, 3, args=(-1,)) == [0, 1, 2]  # a new pool replaced the hung one
+
+
+def fails_then_others_wait():
+    comm = spmd.init()
+    if comm.rank == 0:
+        raise RuntimeError("rank 0 gives up")
+    comm.barrier()  # waits for rank 0 forever
+
+
+def test_ranks_stuck_after_a_failure_are_reported_after_the_grace():
+    start = time.monotonic()
+    with pytest.raises(MultiRankError) as info:
+        run(fails_then_others_wait, 3, grace=1.0, timeout=60)
+    assert time.monotonic() - start < 30  # the grace, not the timeout
+    text = str(info.value)
+    assert text.startswith("ranks [0] raised; ranks [1, 2] did not finish (hang)")
+    assert "within 1 s after the first failure" in text
+
+
+def dies_on_rank_one():
+    if spmd.init().rank == 1:
+        os._exit(7)
+    return "alive"
+
+
+def test_dead_rank_is_named():
+    with pytest.raises(MultiRankError, match=r"ranks \[1\] died"):
+        run(dies_on_rank_one, 2, grace=2.0)
+
+
+def unpicklable():
+    return lambda: None
+
+
+def test_unpicklable_result_is_an_error():
+    with pytest.raises(MultiRankError, match="result not picklable"):
+        run(unpicklable, 1)
+
+
+def test_local_functions_are_refused():
+    def local():
+        return 1
+
+    with pytest.raises(spmd.SpmdError, match="not a module-level function"):
+        run(local, 1)
+
+
+def test_env_reaches_the_ranks():
+    assert run(read_env, 2, env={"SPMD_TEST_MARKER": "x7"}) == ["x7", "x7"]
+
+
+def read_env():
+    return os.environ.get("SPMD_TEST_MARKER")
+
+
+@multirank(nprocs=(1, 2, 3, 4), launcher="env")
+def test_multirank_decorator_passes_the_world(comm):
+    assert comm is spmd.init() and comm.backend == "void"
+    assert comm.allgather_object(comm.rank) == list(range(comm.size))
