@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from .._errors import SpmdError
+from ._wait import wait_until
 
 
 def namespace_from_env(env: dict[str, str] | os._Environ[str]) -> str:
@@ -55,27 +55,25 @@ class FileStore:
 
     def wait(self, keys: Sequence[str], what: str, owners: Sequence[int]) -> list[bytes]:
         """The values of ``keys``, once all exist. ``owners[i]`` is the rank that writes keys[i]."""
-        deadline = time.monotonic() + self.timeout
         values: list[bytes | None] = [None] * len(keys)
-        pause = 1e-4
-        while True:
+
+        def all_present() -> bool:
             for i, key in enumerate(keys):
                 if values[i] is None:
                     try:
                         values[i] = (self.dir / key).read_bytes()
                     except FileNotFoundError:
-                        pass
+                        return False
+            return True
+
+        if not wait_until(all_present, self.timeout):
             missing = [owners[i] for i, v in enumerate(values) if v is None]
-            if not missing:
-                return [v for v in values if v is not None]
-            if time.monotonic() > deadline:
-                raise SpmdError(
-                    f"rank {self.rank}: {what} timed out after {self.timeout:g} s waiting for "
-                    f"ranks {missing} (store {self.dir}). Every rank of the group must make the "
-                    "same calls in the same order; raise SPMD_TIMEOUT if they are just slow."
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
+            raise SpmdError(
+                f"rank {self.rank}: {what} timed out after {self.timeout:g} s waiting for "
+                f"ranks {missing} (store {self.dir}). Every rank of the group must make the "
+                "same calls in the same order; raise SPMD_TIMEOUT if they are just slow."
+            )
+        return [v for v in values if v is not None]
 
     def remove_all(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)

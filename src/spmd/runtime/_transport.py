@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from .._errors import SpmdError
 from ._store import FileStore
+from ._wait import wait_until
 
 
 class Transport(Protocol):
@@ -44,18 +44,13 @@ class MpiTransport:
 
     def _arrive(self, what: str) -> None:
         request = self.comm.Ibarrier()
-        deadline = time.monotonic() + self.timeout
-        pause = 1e-5
-        while not request.Test():
-            if time.monotonic() > deadline:
-                raise SpmdError(
-                    f"rank {self.world_rank}: {what} on the group of ranks {self.ranks} timed out "
-                    f"after {self.timeout:g} s: at least one rank of the group never called it. "
-                    "Every rank of a group must make the same calls in the same order; raise "
-                    "SPMD_TIMEOUT if they are just slow."
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 0.005)
+        if not wait_until(request.Test, self.timeout):
+            raise SpmdError(
+                f"rank {self.world_rank}: {what} on the group of ranks {self.ranks} timed out "
+                f"after {self.timeout:g} s: at least one rank of the group never called it. "
+                "Every rank of a group must make the same calls in the same order; raise "
+                "SPMD_TIMEOUT if they are just slow."
+            )
 
     def allgather(self, obj: Any) -> list[Any]:
         self._arrive("allgather_object")
@@ -83,33 +78,33 @@ def mpi_create_group(world: Any, world_rank: int, ranks: Sequence[int], timeout:
     token = bytearray(1)
     if world_rank == root:
         pending = {r: world.Irecv(bytearray(1), source=r, tag=_ARRIVAL_TAG) for r in members[1:]}
+        sent = []
     else:
-        world.Isend(token, dest=root, tag=_ARRIVAL_TAG)
         pending = {root: world.Irecv(bytearray(1), source=root, tag=_ARRIVAL_TAG)}
-    deadline = time.monotonic() + timeout
-    pause = 1e-5
-    while pending:
-        pending = {r: req for r, req in pending.items() if not req.Test()}
-        if not pending:
-            break
-        if time.monotonic() > deadline:
-            for req in pending.values():
-                req.Cancel()
-            who = (
-                f"ranks {sorted(pending)} never joined"
-                if world_rank == root
-                else f"rank {root} (the group's root) did not confirm that all joined"
-            )
-            raise SpmdError(
-                f"rank {world_rank}: creating the communicator of ranks {members} timed out "
-                f"after {timeout:g} s: {who}. Every rank of a group must make the same calls "
-                "in the same order; raise SPMD_TIMEOUT if they are just slow."
-            )
-        time.sleep(pause)
-        pause = min(pause * 2, 0.005)
-    if world_rank == root:
-        for r in members[1:]:
-            world.Isend(token, dest=r, tag=_ARRIVAL_TAG)
+        sent = [world.Isend(token, dest=root, tag=_ARRIVAL_TAG)]
+
+    def all_arrived() -> bool:
+        for r in [r for r, request in pending.items() if request.Test()]:
+            del pending[r]
+        return not pending
+
+    if not wait_until(all_arrived, timeout):
+        for request in pending.values():
+            request.Cancel()
+        who = (
+            f"ranks {sorted(pending)} never joined"
+            if world_rank == root
+            else f"rank {root} (the group's root) did not confirm that all joined"
+        )
+        raise SpmdError(
+            f"rank {world_rank}: creating the communicator of ranks {members} timed out "
+            f"after {timeout:g} s: {who}. Every rank of a group must make the same calls "
+            "in the same order; raise SPMD_TIMEOUT if they are just slow."
+        )
+    if world_rank == root:  # every member's receive is posted: these complete at once
+        sent = [world.Isend(token, dest=r, tag=_ARRIVAL_TAG) for r in members[1:]]
+    for request in sent:
+        request.Wait()
     return world.Create_group(world.Get_group().Incl(members))
 
 
