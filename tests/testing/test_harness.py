@@ -80,8 +80,12 @@ def dies_on_rank_one():
 
 
 def test_dead_rank_is_named():
-    with pytest.raises(MultiRankError, match=r"ranks \[1\] died"):
+    with pytest.raises(MultiRankError) as info:
         run(dies_on_rank_one, 2, grace=2.0)
+    text = str(info.value)
+    # MPI is initialized, so the launcher may take rank 0 down with rank 1 before it replies.
+    assert text.startswith(("ranks [1] died\n", "ranks [0, 1] died\n")), text
+    assert "--- rank 1 died (its connection closed) ---" in text
 
 
 def unpicklable():

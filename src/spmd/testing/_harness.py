@@ -226,7 +226,7 @@ class _Pool:
             parts.append(f"--- rank {r} raised ---\n{tb.rstrip()}")
             if out:
                 parts.append(f"--- rank {r} output ---\n{out.rstrip()}")
-        for r in dead:
+        for r in sorted(dead):
             parts.append(f"--- rank {r} died (its connection closed) ---")
         if dead:
             parts.append(f"--- launcher output ---\n{self.log_tail()}")
@@ -243,7 +243,7 @@ class _Pool:
         if errors:
             summary.append(f"ranks {sorted(errors)} raised")
         if dead:
-            summary.append(f"ranks {dead} died")
+            summary.append(f"ranks {sorted(dead)} died")
         if missing:
             summary.append(f"ranks {missing} did not finish (hang)")
         return "; ".join(summary) + "\n" + "\n".join(parts)
