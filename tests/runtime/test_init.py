@@ -89,7 +89,7 @@ def mismatched_world():
     from spmd.runtime._state import _Runtime
 
     try:
-        _Runtime(LaunchInfo("mpi", 0, 3, None))
+        _Runtime(LaunchInfo("mpi", 0, 3))
     except spmd.SpmdError as e:
         return str(e)
     return "no error"

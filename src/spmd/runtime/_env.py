@@ -29,12 +29,14 @@ _MPI_RANK_SIZE_VARS: tuple[tuple[str, str | None], ...] = (
 
 @dataclass(frozen=True)
 class LaunchInfo:
-    """What the environment says about this process before any communication."""
+    """What the environment says about this process before any communication.
+
+    A launcher's ``LOCAL_RANK`` is not taken: local ranks derive from node identity, the same
+    way under every launcher."""
 
     communicator: CommunicatorName | None  # None: a world of one
     rank: int
     size: int | None  # None when the launcher does not say (MPI will)
-    local_rank: int | None
     store_path: str | None = None
 
 
@@ -69,7 +71,6 @@ def detect(env: Mapping[str, str], requested: CommunicatorName | None = None) ->
     """
     rank = _int(env, "RANK")
     size = _int(env, "WORLD_SIZE")
-    local_rank = _int(env, "LOCAL_RANK")
     store = env.get("SPMD_FILE_STORE_PATH") or None
     mpi = mpi_rank_size(env)
 
@@ -87,13 +88,13 @@ def detect(env: Mapping[str, str], requested: CommunicatorName | None = None) ->
                 "SPMD_FILE_STORE_PATH=$(mktemp -d) torchrun ..."
             )
         else:
-            return LaunchInfo(None, 0, 1, 0)
+            return LaunchInfo(None, 0, 1)
 
     if requested == "mpi":
         if mpi is None:
             # MPI started without a launcher (singleton init) is a legal world of one.
-            return LaunchInfo("mpi", 0, None, None)
-        return LaunchInfo("mpi", mpi[0], mpi[1], None)
+            return LaunchInfo("mpi", 0, None)
+        return LaunchInfo("mpi", mpi[0], mpi[1])
 
     if requested == "void":
         if rank is None:
@@ -109,7 +110,7 @@ def detect(env: Mapping[str, str], requested: CommunicatorName | None = None) ->
                 f"rank {rank}: the 'void' communicator with WORLD_SIZE={size} needs "
                 "SPMD_FILE_STORE_PATH, a directory shared by all ranks, to exchange bootstrap data"
             )
-        return LaunchInfo("void", rank, size, local_rank, store)
+        return LaunchInfo("void", rank, size, store)
 
     raise SpmdError(
         f"unknown communicator {requested!r}; expected one of {', '.join(COMMUNICATOR_NAMES)}"

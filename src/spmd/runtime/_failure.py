@@ -58,27 +58,27 @@ def abort_job(code: int) -> None:
     os._exit(code)
 
 
-_installed: tuple[Callable[..., Any], int] | None = None
+_previous_hook: Callable[..., Any] | None = None  # set while spmd's hook is installed
 
 
 def install_abort_hook(rank: int) -> None:
     """Make an uncaught exception in the main thread print, then stop the job (:func:`abort_job`).
     ``SPMD_ABORT_ON_ERROR=0`` leaves ``sys.excepthook`` alone."""
-    global _installed
+    global _previous_hook
     if os.environ.get("SPMD_ABORT_ON_ERROR", "1") == "0":
         return
-    previous = _installed[0] if _installed is not None else sys.excepthook
+    if _previous_hook is None:
+        _previous_hook = sys.excepthook
 
     def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         report_exception(rank, value.with_traceback(tb))
         abort_job(1)
 
     sys.excepthook = hook
-    _installed = (previous, rank)
 
 
 def uninstall_abort_hook() -> None:
-    global _installed
-    if _installed is not None:
-        sys.excepthook = _installed[0]
-        _installed = None
+    global _previous_hook
+    if _previous_hook is not None:
+        sys.excepthook = _previous_hook
+        _previous_hook = None

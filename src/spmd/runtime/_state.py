@@ -31,7 +31,6 @@ class _Runtime:
         self.mpi_world: Any = None
         self.store: FileStore | None = None
         self.pool: dict[Groups, Communicator] = {}
-        self.bound_device: str | None = None
 
         if launch.communicator == "mpi":
             from mpi4py import MPI  # MPI_Init happens here, never at import of spmd
@@ -169,7 +168,7 @@ def init(backend: str | None = None) -> Communicator:
             )
         runtime = _Runtime(launch, _generation)
         _generation += 1
-        runtime.bound_device = bind_local_device(runtime.world.local_rank)
+        bind_local_device(runtime.world.local_rank)
         if runtime.size > 1:
             install_abort_hook(runtime.rank)
         _runtime = runtime
@@ -230,16 +229,3 @@ def get_communicator(rank_list: Any = None) -> Communicator:
             return world
         assert _runtime is not None
         return _runtime.communicator(rank_list)
-
-
-def runtime_info() -> dict[str, Any]:
-    """What the runtime chose (for ``python -m spmd.info``); empty if not initialized."""
-    runtime = _runtime
-    if runtime is None:
-        return {}
-    return {
-        "communicator": runtime.name,
-        "world_size": runtime.size,
-        "node_ids": runtime.node_ids,
-        "bound_device": runtime.bound_device,
-    }
