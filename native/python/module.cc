@@ -1,12 +1,38 @@
-// spmd._native: the one Python extension module of spmd. It reports what it was built with; the
-// XLA FFI handlers (native/cpu, native/cuda) are exported from here as PyCapsules for
-// jax.ffi.register_ffi_target.
+// spmd._native: the one Python extension module of spmd. It hands the XLA FFI handlers to JAX as
+// PyCapsules and lets spmd/ops register the groups the handlers run on.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <string>
+#include <vector>
+
+#include "../cpu/groups.h"
+#include "../cpu/handlers.h"
+#include "../cpu/mpi.h"
 #include "spmd/common.h"
 
 namespace {
+
+PyObject* Raise(const spmd::Status& s) {
+  PyErr_SetString(PyExc_RuntimeError, s.message().c_str());
+  return nullptr;
+}
+
+bool IntList(PyObject* seq, std::vector<int>* out) {
+  PyObject* fast = PySequence_Fast(seq, "expected a sequence of ints");
+  if (fast == nullptr) return false;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+    if (v == -1 && PyErr_Occurred()) {
+      Py_DECREF(fast);
+      return false;
+    }
+    out->push_back(static_cast<int>(v));
+  }
+  Py_DECREF(fast);
+  return true;
+}
 
 // abi_version() -> int: SPMD_NATIVE_ABI_VERSION this module was compiled with.
 PyObject* AbiVersion(PyObject*, PyObject*) { return PyLong_FromLong(SPMD_NATIVE_ABI_VERSION); }
@@ -16,10 +42,127 @@ PyObject* XlaFfiApiVersion(PyObject*, PyObject*) {
   return Py_BuildValue("(ii)", XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
 }
 
+// cpu_handlers() -> {target name: PyCapsule of its XLA_FFI_Handler}.
+PyObject* CpuHandlers(PyObject*, PyObject*) {
+  PyObject* d = PyDict_New();
+  for (const spmd::HandlerEntry* e = spmd::CpuHandlers(); e->name != nullptr; ++e) {
+    PyObject* cap = PyCapsule_New(e->handler, nullptr, nullptr);
+    if (cap == nullptr || PyDict_SetItemString(d, e->name, cap) != 0) {
+      Py_XDECREF(cap);
+      Py_DECREF(d);
+      return nullptr;
+    }
+    Py_DECREF(cap);
+  }
+  return d;
+}
+
+// mpi_load(library, (byte, c_bool, int8, uint8, int32, int64, float32, float64,
+//                    sum, prod, max, min, land, lor)) -> None
+PyObject* MpiLoad(PyObject*, PyObject* args) {
+  const char* lib;
+  spmd::MpiConstants c;
+  unsigned long long v[14];
+  if (!PyArg_ParseTuple(args, "s(KKKKKKKKKKKKKK)", &lib, &v[0], &v[1], &v[2], &v[3], &v[4],
+                        &v[5], &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13])) {
+    return nullptr;
+  }
+  spmd::MpiHandle* fields[] = {&c.byte, &c.c_bool, &c.int8, &c.uint8, &c.int32,
+                               &c.int64, &c.float32, &c.float64, &c.sum, &c.prod,
+                               &c.max, &c.min, &c.land, &c.lor};
+  for (int i = 0; i < 14; ++i) *fields[i] = static_cast<spmd::MpiHandle>(v[i]);
+  spmd::Status s = spmd::MpiLoad(lib, c);
+  if (!s.ok()) return Raise(s);
+  Py_RETURN_NONE;
+}
+
+// group_create(id, rank, size, world_ranks, timeout_s, debug, one_shot_max) -> None
+PyObject* GroupCreate(PyObject*, PyObject* args) {
+  long long id, one_shot_max;
+  int rank, size, debug;
+  double timeout;
+  PyObject* ranks;
+  if (!PyArg_ParseTuple(args, "LiiOdpL", &id, &rank, &size, &ranks, &timeout, &debug,
+                        &one_shot_max)) {
+    return nullptr;
+  }
+  std::vector<int> r;
+  if (!IntList(ranks, &r)) return nullptr;
+  spmd::Status s = spmd::GroupCreate(id, rank, size, std::move(r), timeout, debug != 0,
+                                     static_cast<size_t>(one_shot_max));
+  if (!s.ok()) return Raise(s);
+  Py_RETURN_NONE;
+}
+
+// group_attach_shm(id, which, name, create, rank, size, world_ranks, chunk) -> None
+PyObject* GroupAttachShm(PyObject*, PyObject* args) {
+  long long id, chunk;
+  int which, create, rank, size;
+  const char* name;
+  PyObject* ranks;
+  if (!PyArg_ParseTuple(args, "LispiiOL", &id, &which, &name, &create, &rank, &size, &ranks,
+                        &chunk)) {
+    return nullptr;
+  }
+  std::vector<int> r;
+  if (!IntList(ranks, &r)) return nullptr;
+  spmd::Status s;
+  Py_BEGIN_ALLOW_THREADS;
+  s = spmd::GroupAttachShm(id, which, name, create != 0, rank, size, std::move(r),
+                           static_cast<size_t>(chunk));
+  Py_END_ALLOW_THREADS;
+  if (!s.ok()) return Raise(s);
+  Py_RETURN_NONE;
+}
+
+// group_attach_mpi(id, which, comm_handle, rank, size, world_ranks) -> None
+PyObject* GroupAttachMpi(PyObject*, PyObject* args) {
+  long long id;
+  unsigned long long handle;
+  int which, rank, size;
+  PyObject* ranks;
+  if (!PyArg_ParseTuple(args, "LiKiiO", &id, &which, &handle, &rank, &size, &ranks)) {
+    return nullptr;
+  }
+  std::vector<int> r;
+  if (!IntList(ranks, &r)) return nullptr;
+  spmd::Status s = spmd::GroupAttachMpi(id, which, static_cast<spmd::MpiHandle>(handle), rank,
+                                        size, std::move(r));
+  if (!s.ok()) return Raise(s);
+  Py_RETURN_NONE;
+}
+
+// group_set_backend(id, code) -> None
+PyObject* GroupSetBackend(PyObject*, PyObject* args) {
+  long long id;
+  int code;
+  if (!PyArg_ParseTuple(args, "Li", &id, &code)) return nullptr;
+  spmd::Status s = spmd::GroupSetBackend(id, static_cast<spmd::Backend>(code));
+  if (!s.ok()) return Raise(s);
+  Py_RETURN_NONE;
+}
+
+// group_destroy(id) -> None; waits for a collective of the group still running.
+PyObject* GroupDestroy(PyObject*, PyObject* args) {
+  long long id;
+  if (!PyArg_ParseTuple(args, "L", &id)) return nullptr;
+  Py_BEGIN_ALLOW_THREADS;
+  spmd::GroupDestroy(id);
+  Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
 PyMethodDef kMethods[] = {
     {"abi_version", AbiVersion, METH_NOARGS, "ABI version of spmd's native layer."},
     {"xla_ffi_api_version", XlaFfiApiVersion, METH_NOARGS,
      "(major, minor) of the XLA FFI C API the module was compiled against."},
+    {"cpu_handlers", CpuHandlers, METH_NOARGS, "The CPU FFI handlers by target name."},
+    {"mpi_load", MpiLoad, METH_VARARGS, "Resolve MPI functions from the library mpi4py loaded."},
+    {"group_create", GroupCreate, METH_VARARGS, "Register a group."},
+    {"group_attach_shm", GroupAttachShm, METH_VARARGS, "Map a group's shared-memory segment."},
+    {"group_attach_mpi", GroupAttachMpi, METH_VARARGS, "Give a group an MPI communicator."},
+    {"group_set_backend", GroupSetBackend, METH_VARARGS, "Choose how a group moves data."},
+    {"group_destroy", GroupDestroy, METH_VARARGS, "Unregister a group."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -1,7 +1,11 @@
 """spmd: JAX-style SPMD distributed training, one process per device.
 
-Importing spmd starts nothing: no MPI, no JAX backend. :func:`spmd.init` does.
+Importing spmd starts nothing: no MPI, no JAX backend. :func:`spmd.init` does. The collectives
+(``spmd.allreduce`` and the rest of :mod:`spmd.ops`) load JAX on first access, so that tools
+such as ``spmd-run`` start fast.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from ._errors import SpmdError as SpmdError
 from ._errors import SpmdTypeError as SpmdTypeError
@@ -15,7 +19,47 @@ from .runtime import init as init
 from .runtime import is_initialized as is_initialized
 from .runtime import set_default_communicator as set_default_communicator
 
+if TYPE_CHECKING:
+    from . import ops as ops
+    from .ops import all_to_all as all_to_all
+    from .ops import allgather as allgather
+    from .ops import allgatherv as allgatherv
+    from .ops import allreduce as allreduce
+    from .ops import barrier as barrier
+    from .ops import broadcast as broadcast
+    from .ops import recv as recv
+    from .ops import reduce_scatter as reduce_scatter
+    from .ops import reduce_scatterv as reduce_scatterv
+    from .ops import send as send
+    from .ops import sendrecv as sendrecv
+
+_OPS = (
+    "all_to_all",
+    "allgather",
+    "allgatherv",
+    "allreduce",
+    "barrier",
+    "broadcast",
+    "recv",
+    "reduce_scatter",
+    "reduce_scatterv",
+    "send",
+    "sendrecv",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ops" or name in _OPS:
+        import importlib
+
+        ops = importlib.import_module(".ops", __name__)
+        return ops if name == "ops" else getattr(ops, name)
+    raise AttributeError(f"module 'spmd' has no attribute {name!r}")
+
+
 __all__ = [
+    *_OPS,
+    "ops",
     "Communicator",
     "Mesh",
     "SpmdError",

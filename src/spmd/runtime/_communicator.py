@@ -109,6 +109,7 @@ class Communicator:
         self._local_rank = on_my_node.index(world_rank)
         self._local_size = len(on_my_node)
         self._node_id = my_node
+        self._node_ids = tuple(node_ids)
         self._backend = backend
         self._transport_factory = transport_factory
         self._transport: Transport | None = None
@@ -165,6 +166,11 @@ class Communicator:
         return self._node_id
 
     @property
+    def node_ids(self) -> tuple[str, ...]:
+        """The node identity of every world rank, indexed by world rank."""
+        return self._node_ids
+
+    @property
     def groups(self) -> Groups:
         return self._groups
 
@@ -201,6 +207,12 @@ class Communicator:
     def barrier(self) -> None:
         """Return once every rank of the group has called ``barrier``."""
         self._get_transport().allgather(None)
+
+    def mpi_comm(self) -> Any:
+        """The group's mpi4py communicator (used for bootstrap exchanges), or None when the
+        group has no MPI (a group of one, or the file-store communicator)."""
+        transport = self._get_transport()
+        return getattr(transport, "comm", None)
 
     def _close(self) -> None:
         if self._transport is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from .._errors import SpmdError
@@ -12,6 +13,7 @@ from ._device import bind_local_device, drain_device_work
 from ._env import COMMUNICATOR_NAMES, CommunicatorName, LaunchInfo, detect, node_id
 from ._env import timeout_seconds as _timeout_seconds
 from ._failure import install_abort_hook, uninstall_abort_hook
+from ._malloc import tune as _tune_malloc
 from ._store import FileStore, namespace_from_env
 from ._transport import (
     FileTransport,
@@ -100,6 +102,8 @@ class _Runtime:
     def close(self) -> None:
         drain_device_work()
         self.world.barrier()
+        for callback in reversed(_finalizers):
+            callback()
         for comm in self.pool.values():
             if comm is not self.world:
                 comm._close()
@@ -121,6 +125,9 @@ class _Runtime:
 
 
 _lock = threading.RLock()
+# Called by finalize (after draining device work, before communicators are freed): layers above
+# the runtime release what they built on it (spmd.ops's native groups).
+_finalizers: list[Callable[[], None]] = []
 _runtime: _Runtime | None = None
 _default_name: CommunicatorName | None = None
 _mpi_finalized = False
@@ -145,7 +152,9 @@ def init(backend: str | None = None) -> Communicator:
             variables of an MPI launcher (mpiexec, srun) -> ``"mpi"``, neither -> a world of one.
             :func:`set_default_communicator` and ``SPMD_COMMUNICATOR`` set the default.
 
-    Also binds this process to the GPU of its ``local_rank`` (GPU nodes only) and, in a world of
+    Also raises glibc's malloc thresholds so that large XLA buffers are reused rather than
+    mapped afresh on every call (``SPMD_MALLOC_TUNING=0`` to skip; see runtime/_malloc.py), binds
+    this process to the GPU of its ``local_rank`` (GPU nodes only) and, in a world of
     more than one process, makes an uncaught exception print a rank-prefixed traceback and stop
     the whole job (``SPMD_ABORT_ON_ERROR=0`` turns that off).
     """
@@ -166,6 +175,7 @@ def init(backend: str | None = None) -> Communicator:
                 f"rank {launch.rank}: MPI was finalized by spmd.finalize() and cannot be "
                 "initialized again in this process"
             )
+        _tune_malloc()
         runtime = _Runtime(launch, _generation)
         _generation += 1
         bind_local_device(runtime.world.local_rank)
@@ -189,6 +199,13 @@ def finalize() -> None:
         uninstall_abort_hook()
         runtime.close()
         _mpi_finalized = _mpi_finalized or runtime.mpi_world is not None
+
+
+def on_finalize(callback: Callable[[], None]) -> None:
+    """Run ``callback`` in every later :func:`finalize`, before communicators are freed."""
+    with _lock:
+        if callback not in _finalizers:
+            _finalizers.append(callback)
 
 
 def is_initialized() -> bool:

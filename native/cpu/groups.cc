@@ -1,0 +1,88 @@
+#include "groups.h"
+
+#include <map>
+
+namespace spmd {
+namespace {
+
+std::mutex registry_mu;
+std::map<int64_t, std::unique_ptr<Group>>& Registry() {
+  static auto* r = new std::map<int64_t, std::unique_ptr<Group>>();
+  return *r;
+}
+
+}  // namespace
+
+Group* GroupFind(int64_t id) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  auto it = Registry().find(id);
+  return it == Registry().end() ? nullptr : it->second.get();
+}
+
+Status GroupCreate(int64_t id, int rank, int size, std::vector<int> world_ranks, double timeout_s,
+                   bool debug, size_t one_shot_max) {
+  auto g = std::make_unique<Group>();
+  g->id = id;
+  g->rank = rank;
+  g->size = size;
+  g->world_ranks = std::move(world_ranks);
+  g->timeout_s = timeout_s;
+  g->debug = debug;
+  g->one_shot_max = one_shot_max;
+  std::lock_guard<std::mutex> lock(registry_mu);
+  if (Registry().count(id)) return Status::Error("group id " + std::to_string(id) + " exists");
+  Registry()[id] = std::move(g);
+  return Status::Ok();
+}
+
+Status GroupAttachShm(int64_t id, int which, const std::string& name, bool create, int rank,
+                      int size, std::vector<int> world_ranks, size_t chunk) {
+  Group* g = GroupFind(id);
+  if (g == nullptr) return Status::Error("no group " + std::to_string(id));
+  ShmGroup* shm = nullptr;
+  SPMD_RETURN_IF_ERROR(
+      ShmGroup::Open(name, create, rank, size, chunk, g->timeout_s, std::move(world_ranks), &shm));
+  (which == 0 ? g->shm : g->local).reset(shm);
+  return Status::Ok();
+}
+
+Status GroupAttachMpi(int64_t id, int which, MpiHandle comm, int rank, int size,
+                      std::vector<int> world_ranks) {
+  Group* g = GroupFind(id);
+  if (g == nullptr) return Status::Error("no group " + std::to_string(id));
+  if (!MpiLoaded()) return Status::Error("MPI is not loaded");
+  MpiComm& m = which == 0 ? g->mpi : g->leaders;
+  m.comm = comm;
+  m.rank = rank;
+  m.size = size;
+  m.timeout_s = g->timeout_s;
+  m.world_ranks = std::move(world_ranks);
+  if (which == 0) {
+    g->has_mpi = true;
+  } else {
+    g->is_leader = true;
+  }
+  return Status::Ok();
+}
+
+Status GroupSetBackend(int64_t id, Backend backend) {
+  Group* g = GroupFind(id);
+  if (g == nullptr) return Status::Error("no group " + std::to_string(id));
+  std::lock_guard<std::mutex> lock(g->mu);
+  g->backend = backend;
+  return Status::Ok();
+}
+
+void GroupDestroy(int64_t id) {
+  std::unique_ptr<Group> g;
+  {
+    std::lock_guard<std::mutex> lock(registry_mu);
+    auto it = Registry().find(id);
+    if (it == Registry().end()) return;
+    g = std::move(it->second);
+    Registry().erase(it);
+  }
+  std::lock_guard<std::mutex> lock(g->mu);  // wait for a collective still running
+}
+
+}  // namespace spmd

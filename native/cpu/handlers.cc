@@ -1,0 +1,465 @@
+// The XLA FFI handlers of the CPU collectives. Each takes, after the ordering operand, the leaves
+// of one fused call and returns, after the ordering result, their results. The ordering operand
+// is the previous collective's ordering result: that data dependency makes XLA run collectives
+// in program order (see spmd/ops/_core.py).
+#include "handlers.h"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "groups.h"
+#include "reduce.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace spmd {
+namespace {
+
+// Op codes for signatures and messages.
+enum Code : uint64_t {
+  kAllreduce = 1,
+  kAllgather,
+  kReduceScatter,
+  kBroadcast,
+  kAllToAll,
+  kSendRecv,
+  kBarrier
+};
+const char* kNames[] = {"?", "allreduce", "allgather", "reduce_scatter", "broadcast",
+                        "all_to_all", "sendrecv", "barrier"};
+const char* kReduceNames[] = {"sum", "prod", "max", "min"};
+
+const char* DtypeName(ffi::DataType d) {
+  switch (d) {
+    case ffi::DataType::PRED:
+      return "bool";
+    case ffi::DataType::S8:
+      return "int8";
+    case ffi::DataType::U8:
+      return "uint8";
+    case ffi::DataType::S32:
+      return "int32";
+    case ffi::DataType::S64:
+      return "int64";
+    case ffi::DataType::F16:
+      return "float16";
+    case ffi::DataType::BF16:
+      return "bfloat16";
+    case ffi::DataType::F32:
+      return "float32";
+    case ffi::DataType::F64:
+      return "float64";
+    default:
+      return "unsupported";
+  }
+}
+
+size_t ElemBytes(ffi::DataType d) {
+  switch (d) {
+    case ffi::DataType::PRED:
+    case ffi::DataType::S8:
+    case ffi::DataType::U8:
+      return 1;
+    case ffi::DataType::F16:
+    case ffi::DataType::BF16:
+      return 2;
+    case ffi::DataType::S32:
+    case ffi::DataType::F32:
+      return 4;
+    case ffi::DataType::S64:
+    case ffi::DataType::F64:
+      return 8;
+    default:
+      return 0;
+  }
+}
+
+// A decoded call: the group, the leaves, and what every rank must agree on.
+struct Call {
+  explicit Call(Code c) : code(c) {}
+  Code code;
+  Group* group = nullptr;
+  std::vector<Leaf> in, out;
+  std::vector<std::vector<int64_t>> dims;  // of the inputs
+  std::string params;                      // human-readable static parameters
+  uint64_t hash = 1469598103934665603ull;
+
+  void Mix(uint64_t x) {
+    for (int i = 0; i < 8; ++i) {
+      hash ^= (x >> (8 * i)) & 0xff;
+      hash *= 1099511628211ull;
+    }
+  }
+  std::string Describe() const {
+    std::string s = std::string(kNames[code]) + "(" + params + ") of ";
+    if (in.empty()) s += "no arrays";
+    for (size_t i = 0; i < in.size(); ++i) {
+      s += (i ? ", " : "") + std::string(DtypeName(in[i].dtype)) + "[";
+      for (size_t k = 0; k < dims[i].size(); ++k) {
+        s += (k ? "," : "") + std::to_string(dims[i][k]);
+      }
+      s += "]";
+    }
+    return s;
+  }
+  ShmGroup::Signature Sig() const {
+    return {hash, [](const void* c) { return static_cast<const Call*>(c)->Describe(); }, this};
+  }
+};
+
+ffi::Error Fail(const Call& call, const std::string& message) {
+  int rank = call.group ? call.group->world_ranks[call.group->rank] : -1;
+  return ffi::Error(ffi::ErrorCode::kInternal, "spmd.SpmdError: [rank " + std::to_string(rank) +
+                                                   "] " + kNames[call.code] + ": " + message);
+}
+
+// Decodes the ordering operand/result and the leaves; checks dtypes.
+ffi::Error Decode(Call& call, int64_t group_id, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                  bool reduce) {
+  call.group = GroupFind(group_id);
+  if (call.group == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string("spmd.SpmdError: ") + kNames[call.code] +
+                          ": its group is not initialized (spmd.finalize() was called, or the "
+                          "program was compiled in another process); call spmd.init() first");
+  }
+  call.Mix(call.code);
+  for (size_t i = 1; i < args.size(); ++i) {
+    auto b = args.get<ffi::AnyBuffer>(i);
+    if (!b.has_value()) return b.error();
+    ffi::DataType dt = b->element_type();
+    size_t w = ElemBytes(dt);
+    if (w == 0 || (reduce && false)) {
+      return Fail(call, "unsupported dtype; spmd's collectives take float16, bfloat16, float32, "
+                        "float64, int8, uint8, int32, int64 and bool arrays");
+    }
+    call.in.push_back({static_cast<char*>(b->untyped_data()), b->size_bytes(), dt, w});
+    auto d = b->dimensions();
+    call.dims.emplace_back(d.begin(), d.end());
+    call.Mix(static_cast<uint64_t>(dt));
+    call.Mix(d.size());
+    for (int64_t x : d) call.Mix(static_cast<uint64_t>(x));
+  }
+  for (size_t i = 1; i < rets.size(); ++i) {
+    auto b = rets.get<ffi::AnyBuffer>(i);
+    if (!b.has_value()) return b.error();
+    ffi::DataType dt = (*b)->element_type();
+    call.out.push_back(
+        {static_cast<char*>((*b)->untyped_data()), (*b)->size_bytes(), dt, ElemBytes(dt)});
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error FromStatus(const Call& call, const Status& s) {
+  return s.ok() ? ffi::Error::Success() : Fail(call, s.message());
+}
+
+// Under SPMD_DEBUG=1 the MPI path checks the signatures first (shared memory always does).
+Status DebugCheck(const Call& call, const MpiComm& comm) {
+  if (!call.group->debug) return Status::Ok();
+  return comm.CheckSame(call.hash, call.Describe());
+}
+
+Status NoBackend(const Call&) {
+  return Status::Error("this group has no transport for the operation (send/recv/sendrecv need "
+                       "MPI; the file-store communicator has only shared memory)");
+}
+
+// -- allreduce --------------------------------------------------------------------------------
+
+Status AllreduceMpi(const Call& call, const MpiComm& comm, ReduceOp op,
+                    const std::vector<Leaf>& in, const std::vector<Leaf>& out) {
+  for (size_t i = 0; i < in.size(); ++i) {
+    SPMD_RETURN_IF_ERROR(comm.Allreduce(in[i].data, out[i].data, in[i].bytes / in[i].elem,
+                                        in[i].dtype, op));
+  }
+  (void)call;
+  return Status::Ok();
+}
+
+thread_local std::vector<char> hier_scratch;
+
+Status AllreduceImpl(Call& call, ReduceOp op) {
+  Group& g = *call.group;
+  Backend b = g.backend;
+  if (b == Backend::kShm && g.shm) {
+    return g.shm->Allreduce(call.Sig(), op, call.in, call.out, g.one_shot_max);
+  }
+  if (b == Backend::kHier && g.local) {
+    // Reduce inside the node, across node leaders over MPI, then broadcast inside the node.
+    SPMD_RETURN_IF_ERROR(g.local->Allreduce(call.Sig(), op, call.in, call.out, g.one_shot_max));
+    for (size_t i = 0; i < call.out.size(); ++i) {
+      const Leaf& o = call.out[i];
+      if (hier_scratch.size() < o.bytes) hier_scratch.resize(o.bytes);
+      Leaf tmp{hier_scratch.data(), o.bytes, o.dtype, o.elem};
+      if (g.is_leader) {
+        SPMD_RETURN_IF_ERROR(
+            g.leaders.Allreduce(o.data, tmp.data, o.bytes / o.elem, o.dtype, op));
+      }
+      SPMD_RETURN_IF_ERROR(g.local->Broadcast(call.Sig(), 0, g.is_leader ? tmp : o, o));
+    }
+    return Status::Ok();
+  }
+  if (g.has_mpi) {
+    SPMD_RETURN_IF_ERROR(DebugCheck(call, g.mpi));
+    return AllreduceMpi(call, g.mpi, op, call.in, call.out);
+  }
+  if (g.shm) return g.shm->Allreduce(call.Sig(), op, call.in, call.out, g.one_shot_max);
+  return NoBackend(call);
+}
+
+ffi::Error AllreduceFfi(int64_t group, int32_t op, ffi::RemainingArgs args,
+                        ffi::RemainingRets rets) {
+  Call call(kAllreduce);
+  if (ffi::Error e = Decode(call, group, args, rets, true); e.failure()) return e;
+  if (op < 0 || op > 3) return Fail(call, "unknown reduction code " + std::to_string(op));
+  call.params = std::string("op=") + kReduceNames[op];
+  call.Mix(static_cast<uint64_t>(op));
+  std::lock_guard<std::mutex> lock(call.group->mu);
+  return FromStatus(call, AllreduceImpl(call, static_cast<ReduceOp>(op)));
+}
+
+// -- allgather(v) / reduce_scatter(v) ---------------------------------------------------------
+
+// Per leaf, the bytes of each rank's rows: `sizes` rows per rank, `row` bytes per row.
+std::vector<size_t> RowBytes(ffi::Span<const int64_t> sizes, size_t row) {
+  std::vector<size_t> b;
+  for (int64_t s : sizes) b.push_back(static_cast<size_t>(s) * row);
+  return b;
+}
+
+ffi::Error AllgatherFfi(int64_t group, ffi::Span<const int64_t> sizes, ffi::RemainingArgs args,
+                        ffi::RemainingRets rets) {
+  Call call(kAllgather);
+  if (ffi::Error e = Decode(call, group, args, rets, false); e.failure()) return e;
+  Group& g = *call.group;
+  // No sizes: every rank contributes its whole input (allgather).
+  if (!(sizes.size() == 0) && static_cast<int>(sizes.size()) != g.size) {
+    return Fail(call, "sizes has " + std::to_string(sizes.size()) + " entries for a group of " +
+                          std::to_string(g.size));
+  }
+  int64_t total = 0;
+  for (int64_t s : sizes) {
+    total += s;
+    call.Mix(static_cast<uint64_t>(s));
+  }
+  call.params = "sizes=[";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    call.params += (i ? "," : "") + std::to_string(sizes[i]);
+  }
+  call.params += "]";
+  std::lock_guard<std::mutex> lock(g.mu);
+  for (size_t i = 0; i < call.in.size(); ++i) {
+    std::vector<size_t> bytes(g.size, call.in[i].bytes);
+    if (!(sizes.size() == 0)) {
+      bytes = RowBytes(sizes, total ? call.out[i].bytes / static_cast<size_t>(total) : 0);
+    }
+    Status s;
+    if (g.backend == Backend::kShm && g.shm) {
+      s = g.shm->Allgatherv(call.Sig(), call.in[i], call.out[i], bytes);
+    } else if (g.has_mpi) {
+      s = DebugCheck(call, g.mpi);
+      if (s.ok()) s = g.mpi.Allgatherv(call.in[i].data, call.out[i].data, bytes);
+    } else if (g.shm) {
+      s = g.shm->Allgatherv(call.Sig(), call.in[i], call.out[i], bytes);
+    } else {
+      s = NoBackend(call);
+    }
+    if (!s.ok()) return FromStatus(call, s);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ReduceScatterFfi(int64_t group, int32_t op, ffi::Span<const int64_t> sizes,
+                            ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  Call call(kReduceScatter);
+  if (ffi::Error e = Decode(call, group, args, rets, true); e.failure()) return e;
+  Group& g = *call.group;
+  if (op < 0 || op > 3) return Fail(call, "unknown reduction code " + std::to_string(op));
+  // No sizes: the input splits into equal blocks (reduce_scatter).
+  if (!(sizes.size() == 0) && static_cast<int>(sizes.size()) != g.size) {
+    return Fail(call, "sizes has " + std::to_string(sizes.size()) + " entries for a group of " +
+                          std::to_string(g.size));
+  }
+  int64_t total = 0;
+  call.Mix(static_cast<uint64_t>(op));
+  for (int64_t s : sizes) {
+    total += s;
+    call.Mix(static_cast<uint64_t>(s));
+  }
+  call.params = std::string("op=") + kReduceNames[op] + ", sizes=[";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    call.params += (i ? "," : "") + std::to_string(sizes[i]);
+  }
+  call.params += "]";
+  std::lock_guard<std::mutex> lock(g.mu);
+  for (size_t i = 0; i < call.in.size(); ++i) {
+    std::vector<size_t> bytes(g.size, call.out[i].bytes);
+    if (!(sizes.size() == 0)) {
+      bytes = RowBytes(sizes, total ? call.in[i].bytes / static_cast<size_t>(total) : 0);
+    }
+    Status s;
+    if (g.backend == Backend::kShm && g.shm) {
+      s = g.shm->ReduceScatterv(call.Sig(), static_cast<ReduceOp>(op), call.in[i], call.out[i],
+                                bytes);
+    } else if (g.has_mpi) {
+      s = DebugCheck(call, g.mpi);
+      std::vector<size_t> counts;
+      for (size_t b : bytes) counts.push_back(b / call.in[i].elem);
+      if (s.ok()) {
+        s = g.mpi.ReduceScatterv(call.in[i].data, call.out[i].data, counts, call.in[i].dtype,
+                                 static_cast<ReduceOp>(op));
+      }
+    } else if (g.shm) {
+      s = g.shm->ReduceScatterv(call.Sig(), static_cast<ReduceOp>(op), call.in[i], call.out[i],
+                                bytes);
+    } else {
+      s = NoBackend(call);
+    }
+    if (!s.ok()) return FromStatus(call, s);
+  }
+  return ffi::Error::Success();
+}
+
+// -- broadcast, all_to_all --------------------------------------------------------------------
+
+ffi::Error BroadcastFfi(int64_t group, int64_t root, ffi::RemainingArgs args,
+                        ffi::RemainingRets rets) {
+  Call call(kBroadcast);
+  if (ffi::Error e = Decode(call, group, args, rets, false); e.failure()) return e;
+  Group& g = *call.group;
+  call.params = "root=" + std::to_string(root);
+  call.Mix(static_cast<uint64_t>(root));
+  std::lock_guard<std::mutex> lock(g.mu);
+  for (size_t i = 0; i < call.in.size(); ++i) {
+    Status s;
+    if (g.backend == Backend::kShm && g.shm) {
+      s = g.shm->Broadcast(call.Sig(), static_cast<int>(root), call.in[i], call.out[i]);
+    } else if (g.has_mpi) {
+      s = DebugCheck(call, g.mpi);
+      if (s.ok() && g.rank == root) std::memcpy(call.out[i].data, call.in[i].data, call.in[i].bytes);
+      if (s.ok()) s = g.mpi.Broadcast(call.out[i].data, call.out[i].bytes, static_cast<int>(root));
+    } else if (g.shm) {
+      s = g.shm->Broadcast(call.Sig(), static_cast<int>(root), call.in[i], call.out[i]);
+    } else {
+      s = NoBackend(call);
+    }
+    if (!s.ok()) return FromStatus(call, s);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error AllToAllFfi(int64_t group, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  Call call(kAllToAll);
+  if (ffi::Error e = Decode(call, group, args, rets, false); e.failure()) return e;
+  Group& g = *call.group;
+  std::lock_guard<std::mutex> lock(g.mu);
+  for (size_t i = 0; i < call.in.size(); ++i) {
+    size_t block = call.in[i].bytes / static_cast<size_t>(g.size);
+    Status s;
+    if (g.backend == Backend::kShm && g.shm) {
+      s = g.shm->AllToAll(call.Sig(), call.in[i], call.out[i], block);
+    } else if (g.has_mpi) {
+      s = DebugCheck(call, g.mpi);
+      if (s.ok()) s = g.mpi.AllToAll(call.in[i].data, call.out[i].data, block);
+    } else if (g.shm) {
+      s = g.shm->AllToAll(call.Sig(), call.in[i], call.out[i], block);
+    } else {
+      s = NoBackend(call);
+    }
+    if (!s.ok()) return FromStatus(call, s);
+  }
+  return ffi::Error::Success();
+}
+
+// -- point to point, barrier ------------------------------------------------------------------
+
+// send: src < 0 and no result; recv: dst < 0 and no operand.
+ffi::Error SendRecvFfi(int64_t group, int64_t src, int64_t dst, ffi::RemainingArgs args,
+                       ffi::RemainingRets rets) {
+  Call call(kSendRecv);
+  if (ffi::Error e = Decode(call, group, args, rets, false); e.failure()) return e;
+  Group& g = *call.group;
+  if (!g.has_mpi) return FromStatus(call, NoBackend(call));
+  std::lock_guard<std::mutex> lock(g.mu);
+  const Leaf* in = call.in.empty() ? nullptr : &call.in[0];
+  const Leaf* out = call.out.empty() ? nullptr : &call.out[0];
+  return FromStatus(call, g.mpi.SendRecv(in ? in->data : nullptr, in ? in->bytes : 0,
+                                         static_cast<int>(dst), out ? out->data : nullptr,
+                                         out ? out->bytes : 0, static_cast<int>(src)));
+}
+
+ffi::Error BarrierFfi(int64_t group, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  Call call(kBarrier);
+  if (ffi::Error e = Decode(call, group, args, rets, false); e.failure()) return e;
+  Group& g = *call.group;
+  std::lock_guard<std::mutex> lock(g.mu);
+  if (g.backend != Backend::kMpi && g.shm) return FromStatus(call, g.shm->Barrier(call.Sig()));
+  if (g.has_mpi) return FromStatus(call, g.mpi.Barrier());
+  if (g.shm) return FromStatus(call, g.shm->Barrier(call.Sig()));
+  return FromStatus(call, NoBackend(call));
+}
+
+}  // namespace
+
+// spmd_allreduce: attrs group (i64), op (i32).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduce_, AllreduceFfi,
+                              ffi::Ffi::Bind()
+                                  .Attr<int64_t>("group")
+                                  .Attr<int32_t>("op")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+// spmd_allgather: attrs group, sizes (rows per rank).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllgather_, AllgatherFfi,
+                              ffi::Ffi::Bind()
+                                  .Attr<int64_t>("group")
+                                  .Attr<ffi::Span<const int64_t>>("sizes")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+// spmd_reduce_scatter: attrs group, op, sizes (rows per rank).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kReduceScatter_, ReduceScatterFfi,
+                              ffi::Ffi::Bind()
+                                  .Attr<int64_t>("group")
+                                  .Attr<int32_t>("op")
+                                  .Attr<ffi::Span<const int64_t>>("sizes")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+// spmd_broadcast: attrs group, root (group rank).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBroadcast_, BroadcastFfi,
+                              ffi::Ffi::Bind()
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("root")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+// spmd_all_to_all: attr group; operand and result hold `size` blocks along their first axis.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAll_, AllToAllFfi,
+                              ffi::Ffi::Bind().Attr<int64_t>("group").RemainingArgs().RemainingRets());
+// spmd_sendrecv: attrs group, src, dst (group ranks; -1 for none).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kSendRecv_, SendRecvFfi,
+                              ffi::Ffi::Bind()
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("src")
+                                  .Attr<int64_t>("dst")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+// spmd_barrier: attr group.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBarrier_, BarrierFfi,
+                              ffi::Ffi::Bind().Attr<int64_t>("group").RemainingArgs().RemainingRets());
+
+const HandlerEntry* CpuHandlers() {
+  static const HandlerEntry entries[] = {
+      {"spmd_allreduce", reinterpret_cast<void*>(kAllreduce_)},
+      {"spmd_allgather", reinterpret_cast<void*>(kAllgather_)},
+      {"spmd_reduce_scatter", reinterpret_cast<void*>(kReduceScatter_)},
+      {"spmd_broadcast", reinterpret_cast<void*>(kBroadcast_)},
+      {"spmd_all_to_all", reinterpret_cast<void*>(kAllToAll_)},
+      {"spmd_sendrecv", reinterpret_cast<void*>(kSendRecv_)},
+      {"spmd_barrier", reinterpret_cast<void*>(kBarrier_)},
+      {nullptr, nullptr},
+  };
+  return entries;
+}
+
+}  // namespace spmd

@@ -1,0 +1,17 @@
+// The CPU FFI handlers, listed for the Python module to hand to jax.ffi.register_ffi_target.
+#ifndef SPMD_CPU_HANDLERS_H_
+#define SPMD_CPU_HANDLERS_H_
+
+namespace spmd {
+
+struct HandlerEntry {
+  const char* name;  // the custom-call target name
+  void* handler;     // an XLA_FFI_Handler*
+};
+
+// Null-terminated.
+const HandlerEntry* CpuHandlers();
+
+}  // namespace spmd
+
+#endif  // SPMD_CPU_HANDLERS_H_

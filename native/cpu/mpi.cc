@@ -1,0 +1,308 @@
+// MPI collectives through the library mpi4py loaded; see mpi.h.
+#include "mpi.h"
+
+#include <dlfcn.h>
+#include <sched.h>
+
+#include <chrono>
+#include <cstring>
+#include <limits>
+
+namespace spmd {
+namespace {
+
+using H = MpiHandle;
+using Count = int64_t;  // MPI_Count
+using Aint = intptr_t;  // MPI_Aint
+
+struct Fns {
+  int (*Iallreduce_c)(const void*, void*, Count, H, H, H, H*);
+  int (*Iallgatherv_c)(const void*, Count, H, void*, const Count*, const Aint*, H, H, H*);
+  int (*Ireduce_scatter_c)(const void*, void*, const Count*, H, H, H, H*);
+  int (*Ibcast_c)(void*, Count, H, int, H, H*);
+  int (*Ialltoall_c)(const void*, Count, H, void*, Count, H, H, H*);
+  int (*Isend_c)(const void*, Count, H, int, int, H, H*);
+  int (*Irecv_c)(void*, Count, H, int, int, H, H*);
+  int (*Ibarrier)(H, H*);
+  int (*Test)(H*, int*, void*);
+  int (*Cancel)(H*);
+  int (*Request_free)(H*);
+  int (*Error_string)(int, char*, int*);
+};
+
+Fns fns;
+MpiConstants consts;
+bool loaded = false;
+
+std::string RankList(const std::vector<int>& ranks) {
+  std::string s = "[";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s + "]";
+}
+
+template <typename F>
+bool Resolve(void* lib, const char* name, F* fn) {
+  *fn = reinterpret_cast<F>(dlsym(lib, name));
+  return *fn != nullptr;
+}
+
+Status Check(int code, const char* what) {
+  if (code == 0) return Status::Ok();
+  char text[1024] = {0};
+  int len = 0;
+  if (fns.Error_string(code, text, &len) != 0) std::strcpy(text, "unknown MPI error");
+  return Status::Error(std::string(what) + " failed in MPI: " + text);
+}
+
+H Datatype(xla::ffi::DataType dtype) {
+  using xla::ffi::DataType;
+  switch (dtype) {
+    case DataType::F32:
+      return consts.float32;
+    case DataType::F64:
+      return consts.float64;
+    case DataType::S8:
+      return consts.int8;
+    case DataType::U8:
+      return consts.uint8;
+    case DataType::S32:
+      return consts.int32;
+    case DataType::S64:
+      return consts.int64;
+    case DataType::PRED:
+      return consts.c_bool;
+    default:
+      return 0;
+  }
+}
+
+H Op(ReduceOp op, bool logical) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return logical ? consts.lor : consts.sum;
+    case ReduceOp::kProd:
+      return logical ? consts.land : consts.prod;
+    case ReduceOp::kMax:
+      return logical ? consts.lor : consts.max;
+    case ReduceOp::kMin:
+      return logical ? consts.land : consts.min;
+  }
+  return consts.sum;
+}
+
+bool IsHalf(xla::ffi::DataType d) {
+  return d == xla::ffi::DataType::F16 || d == xla::ffi::DataType::BF16;
+}
+
+void HalfToFloat32(xla::ffi::DataType d, const void* in, float* out, size_t count) {
+  const uint16_t* h = static_cast<const uint16_t*>(in);
+  if (d == xla::ffi::DataType::F16) {
+    for (size_t i = 0; i < count; ++i) out[i] = HalfToFloat(h[i]);
+  } else {
+    for (size_t i = 0; i < count; ++i) out[i] = Bf16ToFloat(h[i]);
+  }
+}
+
+void Float32ToHalf(xla::ffi::DataType d, const float* in, void* out, size_t count) {
+  uint16_t* h = static_cast<uint16_t*>(out);
+  if (d == xla::ffi::DataType::F16) {
+    for (size_t i = 0; i < count; ++i) h[i] = FloatToHalf(in[i]);
+  } else {
+    for (size_t i = 0; i < count; ++i) h[i] = FloatToBf16(in[i]);
+  }
+}
+
+// Scratch for float16/bfloat16 reductions, kept between calls (grows, never shrinks).
+thread_local std::vector<float> scratch_in, scratch_out;
+
+}  // namespace
+
+Status MpiLoad(const std::string& library, const MpiConstants& constants) {
+  void* lib = dlopen(library.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  if (lib == nullptr) lib = dlopen(library.c_str(), RTLD_NOW);
+  if (lib == nullptr) {
+    return Status::Error("cannot open the MPI library " + library + ": " + dlerror());
+  }
+  bool ok = Resolve(lib, "MPI_Iallreduce_c", &fns.Iallreduce_c) &&
+            Resolve(lib, "MPI_Iallgatherv_c", &fns.Iallgatherv_c) &&
+            Resolve(lib, "MPI_Ireduce_scatter_c", &fns.Ireduce_scatter_c) &&
+            Resolve(lib, "MPI_Ibcast_c", &fns.Ibcast_c) &&
+            Resolve(lib, "MPI_Ialltoall_c", &fns.Ialltoall_c) &&
+            Resolve(lib, "MPI_Isend_c", &fns.Isend_c) && Resolve(lib, "MPI_Irecv_c", &fns.Irecv_c) &&
+            Resolve(lib, "MPI_Ibarrier", &fns.Ibarrier) && Resolve(lib, "MPI_Test", &fns.Test) &&
+            Resolve(lib, "MPI_Cancel", &fns.Cancel) &&
+            Resolve(lib, "MPI_Request_free", &fns.Request_free) &&
+            Resolve(lib, "MPI_Error_string", &fns.Error_string);
+  if (!ok) {
+    return Status::Error("the MPI library " + library +
+                         " lacks the MPI-4 large-count functions spmd needs (MPI_Iallreduce_c, "
+                         "...); use MPICH >= 4 or Open MPI >= 5");
+  }
+  consts = constants;
+  loaded = true;
+  return Status::Ok();
+}
+
+bool MpiLoaded() { return loaded; }
+
+namespace {
+
+// Polls `requests` to completion, or fails after the deadline naming the group.
+Status WaitAll(H* requests, int n, double timeout_s, const std::vector<int>& group,
+               const char* what) {
+  auto start = std::chrono::steady_clock::now();
+  int spins = 0;
+  for (int i = 0; i < n; ++i) {
+    for (;;) {
+      int done = 0;
+      char status[256];
+      SPMD_RETURN_IF_ERROR(Check(fns.Test(&requests[i], &done, status), what));
+      if (done) break;
+      if (++spins % 1024 == 0) {
+        sched_yield();
+        std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
+        if (waited.count() > timeout_s) {
+          return Status::Error(std::string(what) + " over MPI on the group " + RankList(group) +
+                               " timed out after " + std::to_string(static_cast<int>(timeout_s)) +
+                               " s: at least one rank of the group never made the matching "
+                               "call. Every rank of a group must make the same collective calls "
+                               "in the same order; raise SPMD_TIMEOUT if they are just slow");
+        }
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status MpiComm::Allreduce(const void* in, void* out, size_t count, xla::ffi::DataType dtype,
+                          ReduceOp op) const {
+  const void* send = in;
+  void* recv = out;
+  H type = Datatype(dtype);
+  if (IsHalf(dtype)) {
+    if (scratch_in.size() < count) scratch_in.resize(count), scratch_out.resize(count);
+    HalfToFloat32(dtype, in, scratch_in.data(), count);
+    send = scratch_in.data();
+    recv = scratch_out.data();
+    type = consts.float32;
+  }
+  if (type == 0) return Status::Error("allreduce over MPI does not support this dtype");
+  H request = 0;
+  SPMD_RETURN_IF_ERROR(Check(fns.Iallreduce_c(send, recv, static_cast<Count>(count), type,
+                                              Op(op, dtype == xla::ffi::DataType::PRED), comm,
+                                              &request),
+                             "allreduce"));
+  SPMD_RETURN_IF_ERROR(WaitAll(&request, 1, timeout_s, world_ranks, "allreduce"));
+  if (IsHalf(dtype)) Float32ToHalf(dtype, scratch_out.data(), out, count);
+  return Status::Ok();
+}
+
+Status MpiComm::Allgatherv(const void* in, void* out, const std::vector<size_t>& bytes) const {
+  std::vector<Count> counts(size);
+  std::vector<Aint> displs(size);
+  Aint at = 0;
+  for (int r = 0; r < size; ++r) {
+    counts[r] = static_cast<Count>(bytes[r]);
+    displs[r] = at;
+    at += static_cast<Aint>(bytes[r]);
+  }
+  H request = 0;
+  SPMD_RETURN_IF_ERROR(Check(fns.Iallgatherv_c(in, counts[rank], consts.byte, out, counts.data(),
+                                               displs.data(), consts.byte, comm, &request),
+                             "allgather"));
+  return WaitAll(&request, 1, timeout_s, world_ranks, "allgather");
+}
+
+Status MpiComm::ReduceScatterv(const void* in, void* out, const std::vector<size_t>& counts,
+                               xla::ffi::DataType dtype, ReduceOp op) const {
+  std::vector<Count> c(counts.begin(), counts.end());
+  size_t total = 0;
+  for (size_t x : counts) total += x;
+  const void* send = in;
+  void* recv = out;
+  H type = Datatype(dtype);
+  if (IsHalf(dtype)) {
+    if (scratch_in.size() < total) scratch_in.resize(total);
+    if (scratch_out.size() < counts[rank]) scratch_out.resize(counts[rank]);
+    HalfToFloat32(dtype, in, scratch_in.data(), total);
+    send = scratch_in.data();
+    recv = scratch_out.data();
+    type = consts.float32;
+  }
+  if (type == 0) return Status::Error("reduce_scatter over MPI does not support this dtype");
+  H request = 0;
+  SPMD_RETURN_IF_ERROR(Check(fns.Ireduce_scatter_c(send, recv, c.data(), type,
+                                                   Op(op, dtype == xla::ffi::DataType::PRED),
+                                                   comm, &request),
+                             "reduce_scatter"));
+  SPMD_RETURN_IF_ERROR(WaitAll(&request, 1, timeout_s, world_ranks, "reduce_scatter"));
+  if (IsHalf(dtype)) Float32ToHalf(dtype, scratch_out.data(), out, counts[rank]);
+  return Status::Ok();
+}
+
+Status MpiComm::Broadcast(void* buf, size_t bytes, int root) const {
+  H request = 0;
+  SPMD_RETURN_IF_ERROR(Check(
+      fns.Ibcast_c(buf, static_cast<Count>(bytes), consts.byte, root, comm, &request),
+      "broadcast"));
+  return WaitAll(&request, 1, timeout_s, world_ranks, "broadcast");
+}
+
+Status MpiComm::AllToAll(const void* in, void* out, size_t block_bytes) const {
+  H request = 0;
+  SPMD_RETURN_IF_ERROR(Check(fns.Ialltoall_c(in, static_cast<Count>(block_bytes), consts.byte,
+                                             out, static_cast<Count>(block_bytes), consts.byte,
+                                             comm, &request),
+                             "all_to_all"));
+  return WaitAll(&request, 1, timeout_s, world_ranks, "all_to_all");
+}
+
+Status MpiComm::SendRecv(const void* send, size_t send_bytes, int dst, void* recv,
+                         size_t recv_bytes, int src) const {
+  constexpr int kTag = 0x5d1;
+  H requests[2] = {0, 0};
+  int n = 0;
+  if (src >= 0) {
+    SPMD_RETURN_IF_ERROR(Check(fns.Irecv_c(recv, static_cast<Count>(recv_bytes), consts.byte, src,
+                                           kTag, comm, &requests[n++]),
+                               "recv"));
+  }
+  if (dst >= 0) {
+    SPMD_RETURN_IF_ERROR(Check(fns.Isend_c(send, static_cast<Count>(send_bytes), consts.byte, dst,
+                                           kTag, comm, &requests[n++]),
+                               "send"));
+  }
+  return WaitAll(requests, n, timeout_s, world_ranks, dst >= 0 && src >= 0 ? "sendrecv"
+                                                      : dst >= 0           ? "send"
+                                                                           : "recv");
+}
+
+Status MpiComm::Barrier() const {
+  H request = 0;
+  SPMD_RETURN_IF_ERROR(Check(fns.Ibarrier(comm, &request), "barrier"));
+  return WaitAll(&request, 1, timeout_s, world_ranks, "barrier");
+}
+
+Status MpiComm::CheckSame(uint64_t hash, const std::string& mine) const {
+  std::vector<uint64_t> all(size);
+  SPMD_RETURN_IF_ERROR(Allgatherv(&hash, all.data(), std::vector<size_t>(size, 8)));
+  bool same = true;
+  for (uint64_t h : all) same = same && h == hash;
+  if (same) return Status::Ok();
+  constexpr size_t kDesc = 512;
+  std::vector<char> text(kDesc * size, 0), own(kDesc, 0);
+  std::strncpy(own.data(), mine.c_str(), kDesc - 1);
+  SPMD_RETURN_IF_ERROR(Allgatherv(own.data(), text.data(), std::vector<size_t>(size, kDesc)));
+  std::string msg = "the ranks of the group " + RankList(world_ranks) +
+                    " made different collective calls:";
+  for (int r = 0; r < size; ++r) {
+    msg += "\n  rank " + std::to_string(world_ranks[r]) + ": " + std::string(&text[r * kDesc]);
+  }
+  msg += "\nEvery rank of a group must call the same collectives in the same order with the "
+         "same shapes and dtypes (allgatherv/reduce_scatterv: the same sizes).";
+  return Status::Error(msg);
+}
+
+}  // namespace spmd

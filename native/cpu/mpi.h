@@ -1,0 +1,58 @@
+// MPI through the library mpi4py loaded, resolved at run time with dlsym: spmd never links
+// against an MPI, so it works with whichever implementation the launcher and mpi4py agree on.
+//
+// Handles (MPI_Comm, MPI_Datatype, MPI_Op, MPI_Request) are passed as integers of pointer width;
+// they are ints in MPICH's ABI and pointers in Open MPI's and the standard ABI, and either way fit
+// the argument register or 8-byte stack slot the calling convention gives them. Every operation
+// is non-blocking and polled with a deadline, so a rank that never arrives is an error, not a
+// hang.
+#ifndef SPMD_CPU_MPI_H_
+#define SPMD_CPU_MPI_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "reduce.h"
+#include "spmd/status.h"
+
+namespace spmd {
+
+using MpiHandle = intptr_t;
+
+// Handles of the MPI constants spmd uses, read by Python from mpi4py.
+struct MpiConstants {
+  MpiHandle byte, c_bool, int8, uint8, int32, int64, float32, float64;
+  MpiHandle sum, prod, max, min, land, lor;
+};
+
+// Loads the MPI functions from `library` (already loaded by mpi4py).
+Status MpiLoad(const std::string& library, const MpiConstants& constants);
+bool MpiLoaded();
+
+// The collectives spmd runs over MPI, on communicator `comm` of `size` ranks. Counts are
+// elements; reductions work on every dtype spmd supports (float16/bfloat16 through float32).
+struct MpiComm {
+  MpiHandle comm = 0;
+  int rank = 0, size = 1;
+  double timeout_s = 300;
+  std::vector<int> world_ranks;
+
+  Status Allreduce(const void* in, void* out, size_t count, xla::ffi::DataType dtype,
+                   ReduceOp op) const;
+  Status Allgatherv(const void* in, void* out, const std::vector<size_t>& bytes) const;
+  Status ReduceScatterv(const void* in, void* out, const std::vector<size_t>& counts,
+                        xla::ffi::DataType dtype, ReduceOp op) const;
+  Status Broadcast(void* buf, size_t bytes, int root) const;
+  Status AllToAll(const void* in, void* out, size_t block_bytes) const;
+  Status SendRecv(const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
+                  int src) const;
+  Status Barrier() const;
+  // Signature check (allgather of a hash): used under SPMD_DEBUG=1.
+  Status CheckSame(uint64_t hash, const std::string& mine) const;
+};
+
+}  // namespace spmd
+
+#endif  // SPMD_CPU_MPI_H_

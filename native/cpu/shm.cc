@@ -1,0 +1,361 @@
+// Shared-memory collectives; see shm.h for the protocol.
+#include "shm.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define SPMD_PAUSE() _mm_pause()
+#elif defined(__aarch64__)
+#define SPMD_PAUSE() asm volatile("yield")
+#else
+#define SPMD_PAUSE() ((void)0)
+#endif
+
+namespace spmd {
+namespace {
+
+std::string RankList(const std::vector<int>& ranks) {
+  std::string s = "[";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s + "]";
+}
+
+constexpr size_t kAlign = 64;
+size_t RoundUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+}  // namespace
+
+size_t ShmGroup::SegmentBytes(int size, size_t chunk) {
+  return RoundUp(size * sizeof(Ctrl), 4096) + static_cast<size_t>(size) * 4 * chunk;
+}
+
+Status ShmGroup::Open(const std::string& name, bool create, int rank, int size, size_t chunk,
+                      double timeout_s, std::vector<int> world_ranks, ShmGroup** out) {
+  size_t bytes = SegmentBytes(size, chunk);
+  int fd = shm_open(name.c_str(), create ? (O_RDWR | O_CREAT | O_EXCL) : O_RDWR, 0600);
+  if (fd < 0) {
+    return Status::Error("cannot " + std::string(create ? "create" : "open") +
+                         " the shared-memory segment " + name + ": " + std::strerror(errno));
+  }
+  if (create && ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    int err = errno;
+    close(fd);
+    shm_unlink(name.c_str());
+    return Status::Error("cannot size the shared-memory segment " + name + " to " +
+                         std::to_string(bytes) + " bytes: " + std::strerror(err) +
+                         " (is /dev/shm large enough?)");
+  }
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int err = errno;
+  close(fd);
+  if (base == MAP_FAILED) {
+    if (create) shm_unlink(name.c_str());
+    return Status::Error("cannot map the shared-memory segment " + name + ": " +
+                         std::strerror(err));
+  }
+  auto* g = new ShmGroup();
+  g->name_ = name;
+  g->rank_ = rank;
+  g->size_ = size;
+  g->chunk_ = chunk;
+  g->bytes_ = bytes;
+  g->base_ = static_cast<char*>(base);
+  g->data_ = g->base_ + RoundUp(size * sizeof(Ctrl), 4096);
+  g->timeout_s_ = timeout_s;
+  g->world_ranks_ = std::move(world_ranks);
+  *out = g;
+  return Status::Ok();
+}
+
+ShmGroup::~ShmGroup() {
+  if (base_ != nullptr) munmap(base_, bytes_);
+}
+
+Status ShmGroup::Sync() {
+  if (broken_) return Status::Error(broken_reason_);
+  uint64_t t = ++epoch_;
+  ctrl(rank_)->arrive.store(t, std::memory_order_release);
+  // Oversubscribed (more ranks than cores): yield early so that the ranks we wait for can run.
+  static const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const int spin_limit = static_cast<unsigned>(size_) > cores ? 16 : 4096;
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    std::atomic<uint64_t>& a = ctrl(r)->arrive;
+    int spins = 0;
+    std::chrono::steady_clock::time_point deadline{};
+    while (a.load(std::memory_order_acquire) < t) {
+      if (++spins < spin_limit) {
+        SPMD_PAUSE();
+        continue;
+      }
+      sched_yield();
+      if ((spins & 1023) != 0) continue;
+      auto now = std::chrono::steady_clock::now();
+      if (deadline == std::chrono::steady_clock::time_point{}) {
+        deadline = now + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                             std::chrono::duration<double>(timeout_s_));
+      } else if (now > deadline) {
+        std::vector<int> missing;
+        for (int q = 0; q < size_; ++q) {
+          if (q != rank_ && ctrl(q)->arrive.load(std::memory_order_acquire) < t) {
+            missing.push_back(world_ranks_[q]);
+          }
+        }
+        broken_ = true;
+        broken_reason_ = "the shared-memory group of ranks " + RankList(world_ranks_) +
+                         " is unusable: an earlier collective timed out";
+        return Status::Error("timed out after " + std::to_string(static_cast<int>(timeout_s_)) +
+                             " s waiting for ranks " + RankList(missing) + " of the group " +
+                             RankList(world_ranks_) +
+                             " (collective #" + std::to_string(t) +
+                             "): they never made the matching call. Every rank of a group must "
+                             "make the same collective calls in the same order; raise "
+                             "SPMD_TIMEOUT if they are just slow");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status ShmGroup::Mismatch(const Signature& sig) {
+  // Every rank saw the same signatures, so every rank is here: exchange the descriptions.
+  std::string mine = sig.describe(sig.ctx);
+  std::strncpy(ctrl(rank_)->desc, mine.c_str(), sizeof(Ctrl::desc) - 1);
+  ctrl(rank_)->desc[sizeof(Ctrl::desc) - 1] = 0;
+  SPMD_RETURN_IF_ERROR(Sync());
+  std::string msg = "the ranks of the group " + RankList(world_ranks_) +
+                    " made different collective calls:";
+  for (int r = 0; r < size_; ++r) {
+    msg += "\n  rank " + std::to_string(world_ranks_[r]) + ": " + std::string(ctrl(r)->desc);
+  }
+  msg += "\nEvery rank of a group must call the same collectives in the same order with the "
+         "same shapes and dtypes (allgatherv/reduce_scatterv: the same sizes).";
+  SPMD_RETURN_IF_ERROR(Sync());  // nobody rewrites a description before all have read them
+  return Status::Error(msg);
+}
+
+Status ShmGroup::Begin(const Signature& sig) {
+  uint64_t t = next();
+  ctrl(rank_)->sig[t & 1] = sig.hash;
+  SPMD_RETURN_IF_ERROR(Sync());
+  for (int r = 0; r < size_; ++r) {
+    if (ctrl(r)->sig[t & 1] != sig.hash) return Mismatch(sig);
+  }
+  return Status::Ok();
+}
+
+Status ShmGroup::Barrier(const Signature& sig) { return Begin(sig); }
+
+namespace {
+
+// The leaves of a fused allreduce laid end to end in a "virtual" byte space, each starting on a
+// 64-byte boundary so that any split at a multiple of 64 falls between elements.
+struct Virtual {
+  std::vector<size_t> start;
+  size_t total = 0;
+  explicit Virtual(const std::vector<Leaf>& leaves) {
+    for (const Leaf& l : leaves) {
+      start.push_back(total);
+      total += RoundUp(l.bytes, kAlign);
+    }
+  }
+  // Calls fn(leaf index, offset in leaf, length) for the parts of [lo, hi) that hold data.
+  template <typename F>
+  void Pieces(const std::vector<Leaf>& leaves, size_t lo, size_t hi, F&& fn) const {
+    for (size_t i = 0; i < leaves.size(); ++i) {
+      size_t a = std::max(lo, start[i]);
+      size_t b = std::min(hi, start[i] + leaves[i].bytes);
+      if (a < b) fn(i, a - start[i], b - a);
+    }
+  }
+};
+
+}  // namespace
+
+Status ShmGroup::Allreduce(const Signature& sig, ReduceOp op, const std::vector<Leaf>& in,
+                           const std::vector<Leaf>& out, size_t one_shot_max) {
+  const int n = size_, me = rank_;
+  Virtual v(in);
+  std::vector<const void*> src(n);
+  if (v.total <= std::min(one_shot_max, chunk_)) {
+    // One-shot: everyone publishes everything, everyone reduces everything in rank order.
+    uint64_t t = next();
+    v.Pieces(in, 0, v.total, [&](size_t i, size_t off, size_t len) {
+      std::memcpy(slot(me, t) + v.start[i] + off, in[i].data + off, len);
+    });
+    SPMD_RETURN_IF_ERROR(Begin(sig));
+    v.Pieces(in, 0, v.total, [&](size_t i, size_t off, size_t len) {
+      for (int r = 0; r < n; ++r) {
+        src[r] = r == me ? in[i].data + off : slot(r, t) + v.start[i] + off;
+      }
+      Reduce(in[i].dtype, op, out[i].data + off, src.data(), n, len / in[i].elem);
+    });
+    return Status::Ok();
+  }
+  // Two-shot: step by step, rank j reduces sub-chunk j of the step from every rank's staged
+  // copy (its own straight from its input) and publishes it; the others copy it out.
+  const size_t cb = chunk_ / n / kAlign * kAlign;
+  const size_t step = cb * n;
+  bool first = true;
+  size_t prev_lo = 0;
+  uint64_t prev_t = 0;
+  auto copy_out = [&](size_t lo, uint64_t tr) {
+    for (int j = 0; j < n; ++j) {
+      if (j == me) continue;
+      size_t a = lo + j * cb;
+      v.Pieces(in, a, std::min(a + cb, v.total), [&](size_t i, size_t off, size_t len) {
+        std::memcpy(out[i].data + off, res(j, tr) + (v.start[i] + off - lo), len);
+      });
+    }
+  };
+  for (size_t lo = 0; lo < v.total; lo += step) {
+    uint64_t t = next();
+    for (int j = 0; j < n; ++j) {
+      if (j == me) continue;
+      size_t a = lo + j * cb;
+      v.Pieces(in, a, std::min(a + cb, v.total), [&](size_t i, size_t off, size_t len) {
+        std::memcpy(slot(me, t) + (v.start[i] + off - lo), in[i].data + off, len);
+      });
+    }
+    if (!first) copy_out(prev_lo, prev_t);
+    if (first) {
+      SPMD_RETURN_IF_ERROR(Begin(sig));
+      first = false;
+    } else {
+      SPMD_RETURN_IF_ERROR(Sync());
+    }
+    uint64_t tr = next();
+    size_t a = lo + me * cb;
+    v.Pieces(in, a, std::min(a + cb, v.total), [&](size_t i, size_t off, size_t len) {
+      size_t so = v.start[i] + off - lo;
+      for (int r = 0; r < n; ++r) src[r] = r == me ? in[i].data + off : slot(r, t) + so;
+      Reduce(in[i].dtype, op, res(me, tr) + so, src.data(), n, len / in[i].elem);
+      std::memcpy(out[i].data + off, res(me, tr) + so, len);
+    });
+    SPMD_RETURN_IF_ERROR(Sync());
+    prev_lo = lo;
+    prev_t = tr;
+  }
+  if (first) return Begin(sig);
+  copy_out(prev_lo, prev_t);
+  return Status::Ok();
+}
+
+Status ShmGroup::Allgatherv(const Signature& sig, const Leaf& in, const Leaf& out,
+                            const std::vector<size_t>& bytes) {
+  const int n = size_, me = rank_;
+  std::vector<size_t> off(n + 1, 0);
+  size_t most = 0;
+  for (int r = 0; r < n; ++r) {
+    off[r + 1] = off[r] + bytes[r];
+    most = std::max(most, bytes[r]);
+  }
+  if (out.data + off[me] != in.data) std::memcpy(out.data + off[me], in.data, bytes[me]);
+  bool first = true;
+  for (size_t lo = 0; first || lo < most; lo += chunk_) {
+    uint64_t t = next();
+    if (lo < bytes[me]) std::memcpy(slot(me, t), in.data + lo, std::min(chunk_, bytes[me] - lo));
+    if (first) {
+      SPMD_RETURN_IF_ERROR(Begin(sig));
+      first = false;
+    } else {
+      SPMD_RETURN_IF_ERROR(Sync());
+    }
+    for (int r = 0; r < n; ++r) {
+      if (r == me || lo >= bytes[r]) continue;
+      std::memcpy(out.data + off[r] + lo, slot(r, t), std::min(chunk_, bytes[r] - lo));
+    }
+  }
+  return Status::Ok();
+}
+
+Status ShmGroup::ReduceScatterv(const Signature& sig, ReduceOp op, const Leaf& in,
+                                const Leaf& out, const std::vector<size_t>& bytes) {
+  const int n = size_, me = rank_;
+  std::vector<size_t> off(n + 1, 0);
+  size_t most = 0;
+  for (int r = 0; r < n; ++r) {
+    off[r + 1] = off[r] + bytes[r];
+    most = std::max(most, bytes[r]);
+  }
+  const size_t cb = chunk_ / n / kAlign * kAlign;
+  std::vector<const void*> src(n);
+  bool first = true;
+  for (size_t lo = 0; first || lo < most; lo += cb) {
+    uint64_t t = next();
+    for (int j = 0; j < n; ++j) {
+      if (j == me || lo >= bytes[j]) continue;
+      std::memcpy(slot(me, t) + j * cb, in.data + off[j] + lo, std::min(cb, bytes[j] - lo));
+    }
+    if (first) {
+      SPMD_RETURN_IF_ERROR(Begin(sig));
+      first = false;
+    } else {
+      SPMD_RETURN_IF_ERROR(Sync());
+    }
+    if (lo < bytes[me]) {
+      size_t len = std::min(cb, bytes[me] - lo);
+      for (int r = 0; r < n; ++r) {
+        src[r] = r == me ? in.data + off[me] + lo : slot(r, t) + me * cb;
+      }
+      Reduce(in.dtype, op, out.data + lo, src.data(), n, len / in.elem);
+    }
+  }
+  return Status::Ok();
+}
+
+Status ShmGroup::Broadcast(const Signature& sig, int root, const Leaf& in, const Leaf& out) {
+  const int me = rank_;
+  if (me == root && out.data != in.data) std::memcpy(out.data, in.data, in.bytes);
+  bool first = true;
+  for (size_t lo = 0; first || lo < in.bytes; lo += chunk_) {
+    uint64_t t = next();
+    size_t len = std::min(chunk_, in.bytes - lo);
+    if (me == root && len) std::memcpy(slot(me, t), in.data + lo, len);
+    if (first) {
+      SPMD_RETURN_IF_ERROR(Begin(sig));
+      first = false;
+    } else {
+      SPMD_RETURN_IF_ERROR(Sync());
+    }
+    if (me != root && len) std::memcpy(out.data + lo, slot(root, t), len);
+  }
+  return Status::Ok();
+}
+
+Status ShmGroup::AllToAll(const Signature& sig, const Leaf& in, const Leaf& out, size_t block) {
+  const int n = size_, me = rank_;
+  const size_t cb = chunk_ / n / kAlign * kAlign;
+  std::memcpy(out.data + me * block, in.data + me * block, block);
+  bool first = true;
+  for (size_t lo = 0; first || lo < block; lo += cb) {
+    uint64_t t = next();
+    size_t len = lo < block ? std::min(cb, block - lo) : 0;
+    for (int j = 0; j < n; ++j) {
+      if (j != me && len) std::memcpy(slot(me, t) + j * cb, in.data + j * block + lo, len);
+    }
+    if (first) {
+      SPMD_RETURN_IF_ERROR(Begin(sig));
+      first = false;
+    } else {
+      SPMD_RETURN_IF_ERROR(Sync());
+    }
+    for (int j = 0; j < n; ++j) {
+      if (j != me && len) std::memcpy(out.data + j * block + lo, slot(j, t) + me * cb, len);
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace spmd

@@ -1,0 +1,103 @@
+// Shared-memory collectives among the ranks of one group on one node: the CPU counterpart of the
+// GPU IPC all-reduce. Every rank maps one segment holding, per rank, a control block and two
+// parities of a staging slot and a result slot. Buffers are registered once, when the group is
+// created; a collective only copies through them.
+//
+// Synchronisation: each rank owns an `arrive` counter. A sync point increments it to t and waits
+// until every peer's counter reaches t. Data written in the phase that ends with sync t lives in
+// parity t % 2 and is read in the phase after it; it is overwritten two syncs later, when every
+// reader has provably finished. Every wait has a deadline, so a missing rank is an error naming
+// it, not a hang.
+#ifndef SPMD_CPU_SHM_H_
+#define SPMD_CPU_SHM_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "reduce.h"
+#include "spmd/status.h"
+
+namespace spmd {
+
+// One operand or result of a collective: a host buffer and its element type.
+struct Leaf {
+  char* data;
+  size_t bytes;
+  xla::ffi::DataType dtype;
+  size_t elem;  // bytes per element
+};
+
+class ShmGroup {
+ public:
+  // Creates (`create`) or attaches to the named POSIX shared-memory segment.
+  static Status Open(const std::string& name, bool create, int rank, int size, size_t chunk,
+                     double timeout_s, std::vector<int> world_ranks, ShmGroup** out);
+  ~ShmGroup();
+  static size_t SegmentBytes(int size, size_t chunk);
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  size_t chunk() const { return chunk_; }
+
+  // Each collective first publishes a signature of its arguments (`sig`, with `describe`
+  // producing the human-readable form only when ranks disagree) and fails on every rank alike
+  // when they differ.
+  struct Signature {
+    uint64_t hash;
+    std::string (*describe)(const void* ctx);
+    const void* ctx;
+  };
+
+  Status Barrier(const Signature& sig);
+  // Inputs and outputs are lists of leaves with equal byte sizes (outputs may alias inputs).
+  Status Allreduce(const Signature& sig, ReduceOp op, const std::vector<Leaf>& in,
+                   const std::vector<Leaf>& out, size_t one_shot_max);
+  // Per leaf: rank r contributes bytes[r] (in rank order in the output).
+  Status Allgatherv(const Signature& sig, const Leaf& in, const Leaf& out,
+                    const std::vector<size_t>& bytes);
+  // Per leaf: block r of the input (bytes[r]) is reduced over ranks into rank r's output.
+  Status ReduceScatterv(const Signature& sig, ReduceOp op, const Leaf& in, const Leaf& out,
+                        const std::vector<size_t>& bytes);
+  Status Broadcast(const Signature& sig, int root, const Leaf& in, const Leaf& out);
+  // Input and output hold `size` blocks of `block` bytes; output block j = rank j's block rank.
+  Status AllToAll(const Signature& sig, const Leaf& in, const Leaf& out, size_t block);
+
+  // Signature check for a group of ops run as one call (the fused list of leaves counts as
+  // one op); exposed so that composite algorithms check once.
+  Status Begin(const Signature& sig);
+
+ private:
+  struct alignas(64) Ctrl {
+    std::atomic<uint64_t> arrive;
+    char pad0[56];
+    uint64_t sig[2];
+    char pad1[48];
+    char desc[512];
+  };
+
+  ShmGroup() = default;
+  Ctrl* ctrl(int r) const { return reinterpret_cast<Ctrl*>(base_ + r * sizeof(Ctrl)); }
+  char* slot(int r, uint64_t t) const { return data_ + (r * 4 + (t & 1)) * chunk_; }
+  char* res(int r, uint64_t t) const { return data_ + (r * 4 + 2 + (t & 1)) * chunk_; }
+  uint64_t next() const { return epoch_ + 1; }  // the sync point the current phase ends with
+  Status Sync();
+  Status Mismatch(const Signature& sig);
+
+  std::string name_;
+  int rank_ = 0, size_ = 1;
+  size_t chunk_ = 0, bytes_ = 0;
+  char* base_ = nullptr;
+  char* data_ = nullptr;
+  uint64_t epoch_ = 0;
+  double timeout_s_ = 300;
+  bool broken_ = false;
+  std::string broken_reason_;
+  std::vector<int> world_ranks_;
+};
+
+}  // namespace spmd
+
+#endif  // SPMD_CPU_SHM_H_

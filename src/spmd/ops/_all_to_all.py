@@ -1,0 +1,106 @@
+"""all_to_all: rank r sends block j of its array to rank j and concatenates what it receives.
+
+The primitive exchanges blocks along a leading axis of length ``size``: result block j on rank r
+is input block r of rank j. That exchange is its own transpose (the cotangent of block j on rank
+r goes back to block r of rank j), so the transpose of ``all_to_all(split_axis=a,
+concat_axis=b)`` is ``all_to_all(split_axis=b, concat_axis=a)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax._src import core
+from jax._src.ad_util import Zero
+from jax._src.interpreters import ad, batching
+
+from .._errors import SpmdError
+from ._core import (
+    arg_aval,
+    bind,
+    check_axis,
+    collective_primitive,
+    flatten,
+    instantiate,
+    register_cpu_lowering,
+    zero_tangent,
+)
+from ._groups import GroupRef, resolve
+
+all_to_all_p = collective_primitive("spmd_all_to_all")
+
+
+def all_to_all(
+    x: Any, split_axis: int = 0, concat_axis: int = 0, *, rank_list: Any = None, group: Any = None
+) -> Any:
+    """Split ``x`` along ``split_axis`` into ``size`` blocks, send block j to rank j, and
+    concatenate the blocks received along ``concat_axis`` in rank order.
+
+    ``x.shape[split_axis]`` must divide by the group size. Same shapes on every rank. The result
+    has ``split_axis`` ``size`` times shorter and ``concat_axis`` ``size`` times longer (as
+    ``jax.lax.all_to_all(..., tiled=True)``).
+    """
+    ref = resolve(rank_list, group)
+    leaves, treedef, paths = flatten(x, "all_to_all", ref)
+    n = ref.size
+    plans = []
+    for v, p in zip(leaves, paths):
+        s = check_axis(split_axis, v.ndim, "split_axis", "all_to_all", ref, p)
+        c = check_axis(concat_axis, v.ndim, "concat_axis", "all_to_all", ref, p)
+        if v.shape[s] % n:
+            raise SpmdError(
+                f"rank {ref.world_rank}: all_to_all: {p} has {v.shape[s]} elements along "
+                f"split_axis={s}, not divisible by the group size {n}"
+            )
+        plans.append((s, c))
+    if n == 1:
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+    blocks = []
+    for v, (s, _) in zip(leaves, plans):
+        m = jnp.moveaxis(v, s, 0)
+        blocks.append(m.reshape(n, m.shape[0] // n, *m.shape[1:]))
+    outs = bind(all_to_all_p, *blocks, group=ref)
+    results = []
+    for v, y, (s, c) in zip(leaves, outs, plans):
+        y = jnp.moveaxis(y, 1, s + 1)  # (n, *x.shape with split_axis / n)
+        y = jnp.moveaxis(y, 0, c)  # rank axis right before concat_axis
+        shape = list(y.shape)
+        results.append(y.reshape(*shape[:c], shape[c] * shape[c + 1], *shape[c + 2 :]))
+    return jax.tree_util.tree_unflatten(treedef, results)
+
+
+def _abstract_eval(*avals: core.ShapedArray, group: GroupRef) -> list[Any]:
+    return [core.ShapedArray(a.shape, a.dtype) for a in avals]
+
+
+all_to_all_p.def_abstract_eval(_abstract_eval)
+register_cpu_lowering(all_to_all_p, "spmd_all_to_all")
+
+
+def _jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef) -> Any:
+    outs = all_to_all_p.bind(*primals, group=group)
+    t_outs: list[Any] = [zero_tangent(y) for y in outs]
+    live = [i for i, t in enumerate(tangents) if not isinstance(t, Zero)]
+    if live:
+        for i, r in zip(live, all_to_all_p.bind(*[tangents[i] for i in live], group=group)):
+            t_outs[i] = r
+    return outs, t_outs
+
+
+def _transpose(cts: list[Any], *args: Any, group: GroupRef) -> list[Any]:
+    cts = [instantiate(ct, arg_aval(a)) for ct, a in zip(cts, args)]
+    return list(all_to_all_p.bind(*cts, group=group))
+
+
+def _batch(args: list[Any], dims: list[Any], *, group: GroupRef) -> Any:
+    # Axis 0 holds the blocks: batch dimensions go to axis 1.
+    moved = [a if d is batching.not_mapped else jnp.moveaxis(a, d, 1) for a, d in zip(args, dims)]
+    out_dims = [batching.not_mapped if d is batching.not_mapped else 1 for d in dims]
+    return all_to_all_p.bind(*moved, group=group), out_dims
+
+
+ad.primitive_jvps[all_to_all_p] = _jvp
+ad.primitive_transposes[all_to_all_p] = _transpose
+batching.primitive_batchers[all_to_all_p] = _batch

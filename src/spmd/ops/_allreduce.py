@@ -1,0 +1,116 @@
+"""allreduce: every rank gets the reduction of every rank's array.
+
+Gradient convention (all of spmd.ops): each rank holds its own objective L_r and spmd
+differentiates the global objective L = sum_r L_r. A cotangent on rank r is dL/dy_r, so the
+transpose of a sum-allreduce is a sum-allreduce of the cotangents (dL/dx_r = sum_s dL/dy_s).
+Values that are the same on every rank (replicated parameters) count as one independent copy per
+rank: the gradient for rank r's copy is what reaches rank r; allreduce it for the gradient of
+the shared value (what spmd.data_parallel does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core
+from jax._src.ad_util import Zero
+from jax._src.interpreters import ad, batching
+
+from ._core import (
+    REDUCE_OPS,
+    arg_aval,
+    bind,
+    check_reduce_op,
+    collective_primitive,
+    flatten,
+    instantiate,
+    register_cpu_lowering,
+    zero_tangent,
+)
+from ._groups import GroupRef, resolve
+
+allreduce_p = collective_primitive("spmd_allreduce")
+
+
+def allreduce(x: Any, op: str = "sum", *, rank_list: Any = None, group: Any = None) -> Any:
+    """Reduce ``x`` over the ranks of the group; every rank gets the result.
+
+    Args:
+        x: an array or a pytree of arrays (sent in one fused call). Same shapes and dtypes on
+            every rank of the group.
+        op: ``"sum"``, ``"avg"`` (floating dtypes), ``"max"``, ``"min"`` or ``"prod"``. On bool
+            arrays sum/max are logical or, prod/min logical and.
+        rank_list: RAF's grouping, e.g. ``[[0, 1], [2, 3]]``: each rank reduces within its
+            list; unlisted ranks form groups of their own. Default: all ranks.
+        group: a Communicator, or an axis name of the active mesh (instead of rank_list).
+
+    Returns:
+        ``x``'s structure, shapes and dtypes, reduced in rank order (identical on every rank).
+    """
+    ref = resolve(rank_list, group)
+    leaves, treedef, _ = flatten(x, "allreduce", ref)
+    check_reduce_op(op, "allreduce", ref, leaves)
+    if ref.size == 1:
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+    outs = bind(allreduce_p, *leaves, group=ref, op="sum" if op == "avg" else op)
+    if op == "avg":
+        outs = [(y / ref.size).astype(y.dtype) for y in outs]
+    return jax.tree_util.tree_unflatten(treedef, outs)
+
+
+def _abstract_eval(*avals: core.ShapedArray, group: GroupRef, op: str) -> list[core.ShapedArray]:
+    return [core.ShapedArray(a.shape, a.dtype) for a in avals]
+
+
+allreduce_p.def_abstract_eval(_abstract_eval)
+register_cpu_lowering(allreduce_p, "spmd_allreduce", op=lambda op, **_: np.int32(REDUCE_OPS[op]))
+
+
+def _sum(values: list[Any], group: GroupRef) -> list[Any]:
+    return list(allreduce_p.bind(*values, group=group, op="sum"))
+
+
+def _jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, op: str) -> Any:
+    outs = allreduce_p.bind(*primals, group=group, op=op)
+    # Which tangents are symbolic zeros is decided by the program, so the same on every rank.
+    live = [i for i, t in enumerate(tangents) if not isinstance(t, Zero)]
+    t_outs: list[Any] = [zero_tangent(y) for y in outs]
+    if not live:
+        return outs, t_outs
+    xs = [primals[i] for i in live]
+    ts = [tangents[i] for i in live]
+    ys = [outs[i] for i in live]
+    if op == "sum":
+        res = _sum(ts, group)
+    elif op == "prod":
+        # d(prod_r x_r) = prod * sum_r t_r / x_r (undefined where some x_r == 0).
+        res = [y * s for y, s in zip(ys, _sum([t / x for t, x in zip(ts, xs)], group))]
+    else:
+        # max/min: the tangent of the rank(s) holding the extreme value, averaged over ties.
+        masks = [(x == y) for x, y in zip(xs, ys)]
+        num = _sum([jnp.where(m, t, jnp.zeros_like(t)) for m, t in zip(masks, ts)], group)
+        cnt = _sum([m.astype(t.dtype) for m, t in zip(masks, ts)], group)
+        res = [n / c for n, c in zip(num, cnt)]
+    for i, r in zip(live, res):
+        t_outs[i] = r
+    return outs, t_outs
+
+
+def _transpose(cts: list[Any], *args: Any, group: GroupRef, op: str) -> list[Any]:
+    # Only op="sum" is linear. Transpose of sum-allreduce is sum-allreduce: dL/dx_r = sum_s ct_s.
+    assert op == "sum", op
+    avals = [arg_aval(a) for a in args]
+    return _sum([instantiate(ct, aval) for ct, aval in zip(cts, avals)], group)
+
+
+def _batch(args: list[Any], dims: list[Any], *, group: GroupRef, op: str) -> Any:
+    # Element-wise across ranks: batch dimensions pass through untouched.
+    return allreduce_p.bind(*args, group=group, op=op), list(dims)
+
+
+ad.primitive_jvps[allreduce_p] = _jvp
+ad.primitive_transposes[allreduce_p] = _transpose
+batching.primitive_batchers[allreduce_p] = _batch

@@ -1,0 +1,81 @@
+"""broadcast: every rank gets the root's array.
+
+Transpose under the global-objective convention (see _allreduce.py): every rank's output is the
+root's input, so dL/dx_root = sum_r ct_r and the other ranks' inputs get zero: a sum-reduction
+to the root (run as an allreduce whose result only the root keeps).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax._src import core
+from jax._src.ad_util import Zero
+from jax._src.interpreters import ad, batching
+
+from ._allreduce import allreduce_p
+from ._core import (
+    arg_aval,
+    bind,
+    check_rank,
+    collective_primitive,
+    flatten,
+    instantiate,
+    register_cpu_lowering,
+    zero_tangent,
+)
+from ._groups import GroupRef, resolve
+
+broadcast_p = collective_primitive("spmd_broadcast")
+
+
+def broadcast(x: Any, root: int = 0, *, rank_list: Any = None, group: Any = None) -> Any:
+    """Every rank of the group gets ``x`` of the rank at position ``root`` in the group.
+
+    ``x`` (array or pytree, one fused call) has the same shapes and dtypes on every rank; the
+    other ranks' values are ignored. Grouping: ``rank_list=`` or ``group=``.
+    """
+    ref = resolve(rank_list, group)
+    leaves, treedef, _ = flatten(x, "broadcast", ref)
+    r = check_rank(root, "root", "broadcast", ref)
+    if ref.size == 1:
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+    return jax.tree_util.tree_unflatten(treedef, bind(broadcast_p, *leaves, group=ref, root=r))
+
+
+def _abstract_eval(*avals: core.ShapedArray, group: GroupRef, root: int) -> list[Any]:
+    return [core.ShapedArray(a.shape, a.dtype) for a in avals]
+
+
+broadcast_p.def_abstract_eval(_abstract_eval)
+register_cpu_lowering(broadcast_p, "spmd_broadcast", root=lambda root, **_: int(root))
+
+
+def _jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, root: int) -> Any:
+    outs = broadcast_p.bind(*primals, group=group, root=root)
+    t_outs: list[Any] = [zero_tangent(y) for y in outs]
+    live = [i for i, t in enumerate(tangents) if not isinstance(t, Zero)]
+    if live:
+        res = broadcast_p.bind(*[tangents[i] for i in live], group=group, root=root)
+        for i, r in zip(live, res):
+            t_outs[i] = r
+    return outs, t_outs
+
+
+def _transpose(cts: list[Any], *args: Any, group: GroupRef, root: int) -> list[Any]:
+    cts = [instantiate(ct, arg_aval(a)) for ct, a in zip(cts, args)]
+    summed = allreduce_p.bind(*cts, group=group, op="sum")
+    if group.rank == root:
+        return list(summed)
+    return [jnp.zeros_like(s) for s in summed]
+
+
+def _batch(args: list[Any], dims: list[Any], *, group: GroupRef, root: int) -> Any:
+    return broadcast_p.bind(*args, group=group, root=root), list(dims)
+
+
+ad.primitive_jvps[broadcast_p] = _jvp
+ad.primitive_transposes[broadcast_p] = _transpose
+batching.primitive_batchers[broadcast_p] = _batch

@@ -1,0 +1,264 @@
+"""What every collective shares: the primitive factory, the FFI lowering with its ordering
+chain, eager calls and their errors, dtype checks and pytree handling. Written once here; each
+op module holds only what is particular to its family.
+
+Ordering. Collectives must run in the same order on every rank, and XLA:CPU runs independent
+custom calls as a dataflow graph (possibly concurrently, possibly reordered). JAX effects would
+order them but take jit off its fast dispatch path (~115-187 us per call). Instead every
+collective's custom call takes one extra operand, the previous collective's extra one-byte
+result in the same computation, and returns its own: a data dependency, so XLA runs the
+collectives of a computation in program order at no cost. Separate executions on one CPU device
+already run in dispatch order. Custom calls are marked ``has_side_effect`` in HLO so XLA never
+removes or merges them; primitives without results (send, barrier) also carry a DCE rule that
+keeps them in the jaxpr.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core, dispatch
+from jax._src.interpreters import mlir
+from jax._src.interpreters import partial_eval as pe
+from jax._src.lib.mlir import ir
+
+from .._errors import SpmdError, SpmdTypeError
+from ._groups import GroupRef
+
+SUPPORTED_DTYPES = tuple(
+    np.dtype(d)
+    for d in ("float16", jnp.bfloat16, "float32", "float64", "int8", "uint8", "int32", "int64",
+              "bool")
+)  # fmt: skip
+REDUCE_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3}
+REDUCE_NAMES = (*REDUCE_OPS, "avg")
+_MARKER = "spmd.SpmdError: "
+
+
+def _supported_names() -> str:
+    return ", ".join(str(d) for d in SUPPORTED_DTYPES)
+
+
+# -- primitives ---------------------------------------------------------------------------------
+
+
+def _keep(used_outputs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
+    """DCE rule of primitives whose only purpose is their side effect: never removed."""
+    return [True] * len(eqn.invars), eqn
+
+
+def collective_primitive(name: str) -> core.Primitive:
+    """A multiple-results primitive run eagerly through a cached jit of itself (compiled once per
+    parameters, never per call).
+
+    Never removed as dead code, even with its results unused: ranks may run different programs
+    (``if rank == 0: print(allreduce(x)) else: allreduce(x)``), and a collective dropped on one
+    rank only would leave the others waiting.
+    """
+    p = core.Primitive(name)
+    p.multiple_results = True
+    p.def_impl(functools.partial(dispatch.apply_primitive, p))
+    pe.dce_rules[p] = _keep
+    return p
+
+
+# -- lowering -----------------------------------------------------------------------------------
+
+_ORDER_TYPE: Callable[[], ir.Type] = lambda: ir.RankedTensorType.get(  # noqa: E731
+    [1], ir.IntegerType.get_unsigned(8)
+)
+
+
+_CHAINS_KEY: Any = ("spmd", "order-chains")
+
+
+def _layout(aval: core.ShapedArray) -> list[int]:
+    return list(reversed(range(len(aval.shape))))
+
+
+def _attr(value: Any) -> ir.Attribute:
+    if isinstance(value, bool):
+        return ir.BoolAttr.get(value)
+    if isinstance(value, tuple):
+        return ir.DenseI64ArrayAttr.get([int(v) for v in value])
+    if isinstance(value, np.int32):
+        return ir.IntegerAttr.get(ir.IntegerType.get_signless(32), int(value))
+    return ir.IntegerAttr.get(ir.IntegerType.get_signless(64), int(value))
+
+
+def lower_collective(
+    ctx: mlir.LoweringRuleContext, target: str, operands: Sequence[ir.Value], **attrs: Any
+) -> list[ir.Value]:
+    """Emit the FFI custom call ``target``, chained after the previous collective of the block.
+
+    Attributes: Python ints become i64, ``np.int32`` i32, tuples i64 arrays.
+    """
+    # Per-module state: ModuleContext has no room for attributes, so the chains ride in its
+    # per-module cache under a key no primitive can produce.
+    chains = ctx.module_context.cached_primitive_lowerings.setdefault(_CHAINS_KEY, {})
+    block = ir.InsertionPoint.current.block
+    previous = chains.get(block)
+    if previous is None:
+        previous = mlir.ir_constant(np.zeros((1,), np.uint8))
+    call = mlir.custom_call(
+        target,
+        result_types=[_ORDER_TYPE(), *(mlir.aval_to_ir_type(ctx.module_context, a) for a in ctx.avals_out)],
+        operands=[previous, *operands],
+        backend_config={k: _attr(v) for k, v in attrs.items()},
+        api_version=4,
+        has_side_effect=True,
+        operand_layouts=[[0], *(_layout(a) for a in ctx.avals_in)],
+        result_layouts=[[0], *(_layout(a) for a in ctx.avals_out)],
+    )
+    chains[block] = call.results[0]
+    return list(call.results[1:])
+
+
+def register_cpu_lowering(prim: core.Primitive, target: str, **attr_params: Callable[..., Any]) -> None:
+    """Lower ``prim`` on CPU to ``target``; ``attr_params`` map FFI attribute names to functions
+    of the primitive's parameters."""
+
+    def rule(ctx: mlir.LoweringRuleContext, *operands: ir.Value, **params: Any) -> list[ir.Value]:
+        group: GroupRef = params["group"]
+        attrs = {name: fn(**params) for name, fn in attr_params.items()}
+        return lower_collective(ctx, target, operands, group=group.gid, **attrs)
+
+    mlir.register_lowering(prim, rule, platform="cpu")
+
+
+# -- calling ------------------------------------------------------------------------------------
+
+
+def is_eager() -> bool:
+    return isinstance(core.trace_ctx.trace, core.EvalTrace)
+
+
+def translate_error(e: Exception) -> Exception:
+    """A native collective's failure as the SpmdError it reports; other errors unchanged."""
+    text = str(e)
+    at = text.find(_MARKER)
+    if at < 0:
+        return e
+    return SpmdError(text[at + len(_MARKER) :].strip())
+
+
+def bind(prim: core.Primitive, *args: Any, **params: Any) -> list[Any]:
+    """Bind ``prim``; eagerly, wait for the result so that a failure is raised here, on every
+    rank, as :class:`spmd.SpmdError`."""
+    if not is_eager():
+        return list(prim.bind(*args, **params))
+    try:
+        outs = list(prim.bind(*args, **params))
+        jax.block_until_ready(outs)
+    except jax.errors.JaxRuntimeError as e:
+        raise translate_error(e) from None
+    return outs
+
+
+def flatten(x: Any, op: str, group: GroupRef) -> tuple[list[jax.Array], Any, list[str]]:
+    """Leaves of ``x`` as arrays, their treedef and pytree paths; checks the dtypes."""
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(x)
+    leaves, paths = [], []
+    for path, leaf in with_path:
+        name = "x" + jax.tree_util.keystr(path)
+        if not isinstance(leaf, jax.Array | np.ndarray | np.generic | int | float | bool):
+            raise SpmdTypeError(
+                f"rank {group.world_rank}: {op}: {name} is a {type(leaf).__name__}, not an "
+                "array; pass arrays or pytrees (lists, tuples, dicts) of arrays"
+            )
+        arr = jnp.asarray(leaf)
+        check_dtype(arr.dtype, op, name, group)
+        leaves.append(arr)
+        paths.append(name)
+    return leaves, treedef, paths
+
+
+def check_dtype(dtype: Any, name: str, path: str, group: GroupRef) -> None:
+    if np.dtype(dtype) not in SUPPORTED_DTYPES:
+        raise SpmdTypeError(
+            f"rank {group.world_rank}: {name}: {path} has dtype {np.dtype(dtype)}; spmd's "
+            f"collectives take {_supported_names()} (cast it first, e.g. x.astype(jnp.float32))"
+        )
+
+
+def check_reduce_op(op: Any, name: str, group: GroupRef, leaves: Sequence[jax.Array]) -> None:
+    if op not in REDUCE_NAMES:
+        raise SpmdError(
+            f"rank {group.world_rank}: {name}: op={op!r} is not a reduction; expected one of "
+            f"{', '.join(REDUCE_NAMES)}"
+        )
+    if op == "avg":
+        for leaf in leaves:
+            if not jnp.issubdtype(leaf.dtype, jnp.floating):
+                raise SpmdTypeError(
+                    f"rank {group.world_rank}: {name}: op='avg' needs floating-point arrays, got "
+                    f"{leaf.dtype}; use op='sum' and divide, or cast to a float dtype"
+                )
+
+
+def check_rank(value: Any, what: str, name: str, group: GroupRef, allow_none: bool = False) -> int:
+    """``value`` as a rank of ``group`` (its position in the group), or an error naming it."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise SpmdTypeError(
+            f"rank {group.world_rank}: {name}: {what}={value!r} is not an integer rank of the "
+            f"group of ranks {list(group.ranks)}"
+        )
+    if not 0 <= int(value) < group.size:
+        raise SpmdError(
+            f"rank {group.world_rank}: {name}: {what}={value} is out of range for the group of "
+            f"ranks {list(group.ranks)} (valid: 0..{group.size - 1}, positions in that group)"
+        )
+    return int(value)
+
+
+def check_axis(axis: Any, ndim: int, what: str, name: str, group: GroupRef, path: str) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
+        raise SpmdTypeError(f"rank {group.world_rank}: {name}: {what}={axis!r} is not an int")
+    if not -ndim <= int(axis) < max(ndim, 1) or ndim == 0:
+        raise SpmdError(
+            f"rank {group.world_rank}: {name}: {what}={axis} is out of range for {path} with "
+            f"{ndim} dimension(s) (valid: {-ndim}..{ndim - 1})"
+            + ("; a scalar has no axis to split or join, reshape it to (1,)" if ndim == 0 else "")
+        )
+    return int(axis) % ndim
+
+
+def avals_like(avals: Sequence[core.ShapedArray], shapes: Sequence[tuple[int, ...]]) -> list[Any]:
+    return [core.ShapedArray(s, a.dtype) for a, s in zip(avals, shapes, strict=True)]
+
+
+def move_batch_to(x: Any, bdim: Any, dst: int) -> Any:
+    """``x`` with its batch dimension at ``dst`` (mapped inputs only)."""
+    return jnp.moveaxis(x, bdim, dst)
+
+
+def zeros_like_aval(aval: core.ShapedArray) -> jax.Array:
+    return jnp.zeros(aval.shape, aval.dtype)
+
+
+def instantiate(ct: Any, aval: core.ShapedArray) -> Any:
+    """A cotangent as an array (symbolic zeros become real zeros: every rank must send)."""
+    from jax._src.ad_util import Zero
+
+    if isinstance(ct, Zero) or ct is None:
+        return zeros_like_aval(aval)
+    return ct
+
+
+def arg_aval(arg: Any) -> core.ShapedArray:
+    """The aval of a transpose rule's argument, linear (undefined) or not."""
+    from jax._src.interpreters import ad
+
+    return arg.aval if ad.is_undefined_primal(arg) else core.typeof(arg)
+
+
+def zero_tangent(primal: Any) -> Any:
+    """The symbolic zero tangent of ``primal`` (no communication: the same on every rank)."""
+    from jax._src.ad_util import Zero
+
+    return Zero(core.typeof(primal).to_tangent_aval())

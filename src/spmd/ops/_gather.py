@@ -1,0 +1,280 @@
+"""allgather(v) and reduce_scatter(v): the dual pair.
+
+``allgather`` concatenates every rank's array along an axis in rank order (MPI's Allgather,
+torch's all_gather_into_tensor); ``reduce_scatter`` reduces over ranks and leaves rank r the r-th
+block along an axis. The primitives work on axis 0; the public functions move the axis there and
+back. ``sizes`` (the v-variants) gives each rank's rows along axis 0; an empty tuple means equal
+blocks. Under the global-objective convention (see _allreduce.py) each is the other's
+transpose: d(allgather)^T = sum-reduce_scatter, d(sum-reduce_scatter)^T = allgather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core
+from jax._src.ad_util import Zero
+from jax._src.interpreters import ad, batching
+
+from .._errors import SpmdError, SpmdTypeError
+from ._core import (
+    REDUCE_OPS,
+    arg_aval,
+    bind,
+    check_axis,
+    check_reduce_op,
+    collective_primitive,
+    flatten,
+    instantiate,
+    register_cpu_lowering,
+    zero_tangent,
+)
+from ._groups import GroupRef, resolve
+
+allgather_p = collective_primitive("spmd_allgather")
+reduce_scatter_p = collective_primitive("spmd_reduce_scatter")
+
+Sizes = tuple[int, ...]
+
+
+# -- API ----------------------------------------------------------------------------------------
+
+
+def allgather(x: Any, axis: int = 0, *, rank_list: Any = None, group: Any = None) -> Any:
+    """Concatenate every rank's ``x`` along ``axis``, in rank order, on every rank.
+
+    ``x`` (an array or pytree of arrays, one fused call) has the same shape on every rank; the
+    result's ``axis`` is ``size`` times longer. For a new leading axis instead, gather
+    ``x[None]``. Grouping: ``rank_list=`` or ``group=``, as :func:`spmd.allreduce`.
+    """
+    ref = resolve(rank_list, group)
+    leaves, treedef, paths = flatten(x, "allgather", ref)
+    axes = [check_axis(axis, v.ndim, "axis", "allgather", ref, p) for v, p in zip(leaves, paths)]
+    if ref.size == 1:
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+    moved = [jnp.moveaxis(v, a, 0) for v, a in zip(leaves, axes)]
+    outs = bind(allgather_p, *moved, group=ref, sizes=())
+    return jax.tree_util.tree_unflatten(
+        treedef, [jnp.moveaxis(y, 0, a) for y, a in zip(outs, axes)]
+    )
+
+
+def allgatherv(x: Any, sizes: Sequence[int], *, rank_list: Any = None, group: Any = None) -> Any:
+    """Concatenate along axis 0 arrays whose length differs between ranks: rank r passes
+    ``sizes[r]`` rows; every rank gets ``sum(sizes)`` rows. ``sizes`` is the same on every rank;
+    the other dimensions and the dtype match across ranks. Pytrees: every leaf has
+    ``sizes[rank]`` rows."""
+    ref = resolve(rank_list, group)
+    leaves, treedef, paths = flatten(x, "allgatherv", ref)
+    sz = _check_sizes(sizes, ref, "allgatherv")
+    for v, p in zip(leaves, paths):
+        if v.ndim == 0 or v.shape[0] != sz[ref.rank]:
+            raise SpmdError(
+                f"rank {ref.world_rank}: allgatherv: {p} has shape {v.shape}, but sizes={list(sz)} "
+                f"says this rank (position {ref.rank} in the group) passes {sz[ref.rank]} rows "
+                "along axis 0"
+            )
+    if ref.size == 1:
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+    return jax.tree_util.tree_unflatten(treedef, bind(allgather_p, *leaves, group=ref, sizes=sz))
+
+
+def reduce_scatter(
+    x: Any, op: str = "sum", axis: int = 0, *, rank_list: Any = None, group: Any = None
+) -> Any:
+    """Reduce ``x`` over ranks (op as :func:`spmd.allreduce`) and keep block ``rank`` of ``axis``.
+
+    ``x.shape[axis]`` must divide by the group size; the result's ``axis`` is ``size`` times
+    shorter. The dual of :func:`allgather`.
+    """
+    ref = resolve(rank_list, group)
+    leaves, treedef, paths = flatten(x, "reduce_scatter", ref)
+    check_reduce_op(op, "reduce_scatter", ref, leaves)
+    axes = []
+    for v, p in zip(leaves, paths):
+        a = check_axis(axis, v.ndim, "axis", "reduce_scatter", ref, p)
+        if v.shape[a] % ref.size:
+            raise SpmdError(
+                f"rank {ref.world_rank}: reduce_scatter: {p} has {v.shape[a]} elements along "
+                f"axis {a}, not divisible by the group size {ref.size}; pad it, or use "
+                "reduce_scatterv with explicit sizes"
+            )
+        axes.append(a)
+    if ref.size == 1:
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+    moved = [jnp.moveaxis(v, a, 0) for v, a in zip(leaves, axes)]
+    outs = bind(reduce_scatter_p, *moved, group=ref, op=_native_op(op), sizes=())
+    if op == "avg":
+        outs = [(y / ref.size).astype(y.dtype) for y in outs]
+    return jax.tree_util.tree_unflatten(
+        treedef, [jnp.moveaxis(y, 0, a) for y, a in zip(outs, axes)]
+    )
+
+
+def reduce_scatterv(
+    x: Any, sizes: Sequence[int], op: str = "sum", *, rank_list: Any = None, group: Any = None
+) -> Any:
+    """Reduce ``x`` (``sum(sizes)`` rows along axis 0, same on every rank) over ranks and keep
+    rows ``sum(sizes[:rank]) .. + sizes[rank]``: rank r gets ``sizes[r]`` rows."""
+    ref = resolve(rank_list, group)
+    leaves, treedef, paths = flatten(x, "reduce_scatterv", ref)
+    check_reduce_op(op, "reduce_scatterv", ref, leaves)
+    sz = _check_sizes(sizes, ref, "reduce_scatterv")
+    for v, p in zip(leaves, paths):
+        if v.ndim == 0 or v.shape[0] != sum(sz):
+            raise SpmdError(
+                f"rank {ref.world_rank}: reduce_scatterv: {p} has shape {v.shape}, but "
+                f"sizes={list(sz)} adds up to {sum(sz)} rows along axis 0"
+            )
+    if ref.size == 1:
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+    outs = bind(reduce_scatter_p, *leaves, group=ref, op=_native_op(op), sizes=sz)
+    if op == "avg":
+        outs = [(y / ref.size).astype(y.dtype) for y in outs]
+    return jax.tree_util.tree_unflatten(treedef, outs)
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+def _native_op(op: str) -> str:
+    return "sum" if op == "avg" else op
+
+
+def _check_sizes(sizes: Any, ref: GroupRef, name: str) -> Sizes:
+    if isinstance(sizes, str | bytes) or not isinstance(sizes, Sequence | np.ndarray):
+        raise SpmdTypeError(
+            f"rank {ref.world_rank}: {name}: sizes={sizes!r} is not a list of {ref.size} row "
+            "counts, one per rank of the group"
+        )
+    if len(sizes) != ref.size:
+        raise SpmdError(
+            f"rank {ref.world_rank}: {name}: sizes={list(sizes)} has {len(sizes)} entries for a "
+            f"group of {ref.size} ranks {list(ref.ranks)}; give one row count per rank"
+        )
+    for s in sizes:
+        if isinstance(s, bool) or not isinstance(s, int | np.integer) or s < 0:
+            raise SpmdError(
+                f"rank {ref.world_rank}: {name}: sizes={list(sizes)} holds {s!r}; row counts "
+                "are non-negative integers"
+            )
+    return tuple(int(s) for s in sizes)
+
+
+# -- primitives ---------------------------------------------------------------------------------
+
+
+def _gather_eval(*avals: core.ShapedArray, group: GroupRef, sizes: Sizes) -> list[Any]:
+    rows = (lambda a: sum(sizes)) if sizes else (lambda a: a.shape[0] * group.size)
+    return [core.ShapedArray((rows(a), *a.shape[1:]), a.dtype) for a in avals]
+
+
+def _scatter_eval(*avals: core.ShapedArray, group: GroupRef, op: str, sizes: Sizes) -> list[Any]:
+    rows = (lambda a: sizes[group.rank]) if sizes else (lambda a: a.shape[0] // group.size)
+    return [core.ShapedArray((rows(a), *a.shape[1:]), a.dtype) for a in avals]
+
+
+allgather_p.def_abstract_eval(_gather_eval)
+reduce_scatter_p.def_abstract_eval(_scatter_eval)
+register_cpu_lowering(allgather_p, "spmd_allgather", sizes=lambda sizes, **_: tuple(sizes))
+register_cpu_lowering(
+    reduce_scatter_p,
+    "spmd_reduce_scatter",
+    op=lambda op, **_: np.int32(REDUCE_OPS[op]),
+    sizes=lambda sizes, **_: tuple(sizes),
+)
+
+
+# -- batching -----------------------------------------------------------------------------------
+
+
+def _batcher(prim: core.Primitive) -> Any:
+    # Axis 0 is the gathered/scattered one: batch dimensions go to axis 1 and stay there.
+    def rule(args: list[Any], dims: list[Any], **params: Any) -> Any:
+        moved = [a if d is batching.not_mapped else jnp.moveaxis(a, d, 1) for a, d in zip(args, dims)]
+        out_dims = [batching.not_mapped if d is batching.not_mapped else 1 for d in dims]
+        return prim.bind(*moved, **params), out_dims
+
+    return rule
+
+
+batching.primitive_batchers[allgather_p] = _batcher(allgather_p)
+batching.primitive_batchers[reduce_scatter_p] = _batcher(reduce_scatter_p)
+
+
+# -- autodiff -----------------------------------------------------------------------------------
+
+
+def _live(tangents: list[Any]) -> list[int]:
+    return [i for i, t in enumerate(tangents) if not isinstance(t, Zero)]
+
+
+def _gather_jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, sizes: Sizes) -> Any:
+    outs = allgather_p.bind(*primals, group=group, sizes=sizes)
+    t_outs: list[Any] = [zero_tangent(y) for y in outs]
+    live = _live(tangents)
+    if live:
+        res = allgather_p.bind(*[tangents[i] for i in live], group=group, sizes=sizes)
+        for i, r in zip(live, res):
+            t_outs[i] = r
+    return outs, t_outs
+
+
+def _gather_transpose(cts: list[Any], *args: Any, group: GroupRef, sizes: Sizes) -> list[Any]:
+    # Rank r's rows reach every rank; dL/dx_r sums those rows' cotangents over ranks.
+    out_avals = _gather_eval(*[arg_aval(a) for a in args], group=group, sizes=sizes)
+    cts = [instantiate(ct, aval) for ct, aval in zip(cts, out_avals)]
+    return list(reduce_scatter_p.bind(*cts, group=group, op="sum", sizes=sizes))
+
+
+def _scatter_jvp(
+    primals: list[Any], tangents: list[Any], *, group: GroupRef, op: str, sizes: Sizes
+) -> Any:
+    outs = reduce_scatter_p.bind(*primals, group=group, op=op, sizes=sizes)
+    t_outs: list[Any] = [zero_tangent(y) for y in outs]
+    live = _live(tangents)
+    if not live:
+        return outs, t_outs
+    xs = [primals[i] for i in live]
+    ts = [tangents[i] for i in live]
+    ys = [outs[i] for i in live]
+
+    def rs(values: list[Any]) -> list[Any]:
+        return list(reduce_scatter_p.bind(*values, group=group, op="sum", sizes=sizes))
+
+    if op == "sum":
+        res = rs(ts)
+    else:
+        # Every rank's contribution to a block needs the block's result: gather it back.
+        full = allgather_p.bind(*ys, group=group, sizes=sizes)
+        if op == "prod":
+            res = [y * s for y, s in zip(ys, rs([t / x for t, x in zip(ts, xs)]))]
+        else:
+            masks = [x == f for x, f in zip(xs, full)]
+            num = rs([jnp.where(m, t, jnp.zeros_like(t)) for m, t in zip(masks, ts)])
+            cnt = rs([m.astype(t.dtype) for m, t in zip(masks, ts)])
+            res = [n / c for n, c in zip(num, cnt)]
+    for i, r in zip(live, res):
+        t_outs[i] = r
+    return outs, t_outs
+
+
+def _scatter_transpose(
+    cts: list[Any], *args: Any, group: GroupRef, op: str, sizes: Sizes
+) -> list[Any]:
+    # Linear only for op="sum": block r of every rank's x feeds rank r's result, so
+    # dL/dx_s[block r] = ct_r: gathering the cotangents gives each rank its full dL/dx.
+    assert op == "sum", op
+    out_avals = _scatter_eval(*[arg_aval(a) for a in args], group=group, op=op, sizes=sizes)
+    cts = [instantiate(ct, aval) for ct, aval in zip(cts, out_avals)]
+    return list(allgather_p.bind(*cts, group=group, sizes=sizes))
+
+
+ad.primitive_jvps[allgather_p] = _gather_jvp
+ad.primitive_transposes[allgather_p] = _gather_transpose
+ad.primitive_jvps[reduce_scatter_p] = _scatter_jvp
+ad.primitive_transposes[reduce_scatter_p] = _scatter_transpose

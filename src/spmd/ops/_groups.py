@@ -1,0 +1,305 @@
+"""The groups collectives run on: native registration, transports and backend choice.
+
+A :class:`GroupRef` is the static description of a group that primitives carry as a parameter
+(hashable, so jit caches on it). Registering it with the native layer happens once per group and
+runtime, at the first collective on it, and is itself collective over the group's bootstrap
+transport: a shared-memory segment for the ranks on one node, a private duplicate of the group's
+MPI communicator, and for groups that span nodes the node-local segments plus a communicator of
+node leaders (the hierarchical path).
+
+Backends: ``shm`` (shared memory, a group on one node), ``mpi`` (the library mpi4py loaded) and
+``hier`` (shared memory inside each node, MPI between node leaders). The choice is automatic:
+``shm`` on one node, ``hier`` across nodes when some node holds several of the group's ranks,
+``mpi`` otherwise. ``SPMD_BACKEND`` or :func:`set_backend` force one. Point-to-point operations
+always use MPI.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import SpmdError
+from .._native_lib import native
+from ..runtime import Communicator, get_communicator
+from ..runtime._env import timeout_seconds
+from ..runtime._state import on_finalize
+
+BACKENDS = {"shm": 0, "mpi": 1, "hier": 2}
+BACKEND_NAMES = ("auto", *BACKENDS)
+
+# Shared-memory staging: bytes per rank and parity, and the largest allreduce done one-shot.
+SHM_CHUNK = 1 << 20
+ONE_SHOT_MAX = 64 << 10
+
+
+@dataclass(frozen=True)
+class GroupRef:
+    """A group as a primitive sees it: its native id, this rank's rank and the world ranks."""
+
+    gid: int
+    rank: int
+    ranks: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def world_rank(self) -> int:
+        return self.ranks[self.rank]
+
+    def __repr__(self) -> str:
+        return f"ranks={list(self.ranks)}"
+
+
+@dataclass
+class _Registered:
+    comm: Communicator
+    backend: str
+    available: tuple[str, ...]
+    mpi_comms: list[Any]
+
+
+_lock = threading.RLock()
+_ids: dict[tuple[Any, int], int] = {}  # (rank_list groups, group id) -> native id, never reused
+_next_id = itertools.count(1)
+_registered: dict[int, _Registered] = {}
+_forced: str | None = None
+_handlers_registered = False
+
+
+def _requested_backend() -> str:
+    name = _forced or os.environ.get("SPMD_BACKEND", "auto") or "auto"
+    if name not in BACKEND_NAMES:
+        raise SpmdError(
+            f"SPMD_BACKEND={name!r} is not a backend; expected one of {', '.join(BACKEND_NAMES)}"
+        )
+    return name
+
+
+def _register_handlers() -> None:
+    global _handlers_registered
+    if _handlers_registered:
+        return
+    import jax
+
+    for name, capsule in native().cpu_handlers().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    _handlers_registered = True
+
+
+def _mpi_library() -> str:
+    """The MPI shared library mpi4py loaded, from this process's memory map."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1] if len(line.split()) >= 6 else ""
+            base = os.path.basename(path)
+            if base.startswith("libmpi") and ".so" in base and "cxx" not in base:
+                return path
+    raise SpmdError("cannot find the MPI library mpi4py loaded in this process's memory map")
+
+
+_mpi_loaded = False
+
+
+def _load_mpi() -> None:
+    global _mpi_loaded
+    if _mpi_loaded:
+        return
+    from mpi4py import MPI
+
+    h = MPI._handleof
+    constants = tuple(
+        h(x)
+        for x in (
+            MPI.BYTE, MPI.C_BOOL, MPI.INT8_T, MPI.UINT8_T, MPI.INT32_T, MPI.INT64_T,
+            MPI.FLOAT, MPI.DOUBLE, MPI.SUM, MPI.PROD, MPI.MAX, MPI.MIN, MPI.LAND, MPI.LOR,
+        )
+    )  # fmt: skip
+    native().mpi_load(_mpi_library(), constants)
+    _mpi_loaded = True
+
+
+def _node_layout(comm: Communicator) -> dict[str, list[int]]:
+    """Group ranks per node, nodes in order of their first group rank."""
+    nodes: dict[str, list[int]] = {}
+    for group_rank, world_rank in enumerate(comm.ranks):
+        nodes.setdefault(comm.node_ids[world_rank], []).append(group_rank)
+    return nodes
+
+
+def _attach_shm(gid: int, which: int, comm: Communicator, members: list[int]) -> None:
+    """Collective over ``comm``: the first of ``members`` creates a segment, the others map it."""
+    me = comm.rank
+    creator = members[0] == me
+    name = f"/spmd-{os.getpid()}-{uuid.uuid4().hex[:12]}" if creator else None
+    error = None
+    if creator:
+        try:
+            native().group_attach_shm(
+                gid, which, name, True, 0, len(members), [comm.ranks[m] for m in members],
+                SHM_CHUNK,
+            )  # fmt: skip
+        except RuntimeError as e:
+            error = str(e)
+    names = comm.allgather_object((name, error))
+    errors = [e for _, e in names if e]
+    if errors:
+        raise SpmdError(f"rank {comm.world_rank}: {errors[0]}")
+    if not creator and me in members:
+        native().group_attach_shm(
+            gid, which, names[members[0]][0], False, members.index(me), len(members),
+            [comm.ranks[m] for m in members], SHM_CHUNK,
+        )  # fmt: skip
+    comm.barrier()  # everyone mapped it: the name can go
+    if creator:  # POSIX shared memory lives in /dev/shm on Linux
+        try:
+            os.unlink(f"/dev/shm{name}")
+        except OSError:
+            pass
+
+
+def _register(comm: Communicator, gid: int) -> _Registered:
+    _register_handlers()
+    mpi = comm.mpi_comm()
+    debug = os.environ.get("SPMD_DEBUG", "") not in ("", "0")
+    native().group_create(
+        gid, comm.rank, comm.size, list(comm.ranks), timeout_seconds(), debug, ONE_SHOT_MAX
+    )
+    nodes = _node_layout(comm)
+    available = []
+    mpi_comms: list[Any] = []
+    if len(nodes) == 1:
+        _attach_shm(gid, 0, comm, list(range(comm.size)))
+        available.append("shm")
+    if mpi is not None:
+        _load_mpi()
+        from mpi4py import MPI
+
+        data = mpi.Dup()  # collectives never match the bootstrap's messages
+        mpi_comms.append(data)
+        native().group_attach_mpi(
+            gid, 0, MPI._handleof(data), comm.rank, comm.size, list(comm.ranks)
+        )
+        available.append("mpi")
+        if len(nodes) > 1 and any(len(m) > 1 for m in nodes.values()):
+            local = nodes[comm.node_ids[comm.world_rank]]
+            for members in nodes.values():  # every node's segment, one node at a time
+                _attach_shm(gid, 1, comm, members)
+            leader = local[0] == comm.rank
+            leaders = data.Split(0 if leader else MPI.UNDEFINED, comm.rank)
+            if leader:
+                mpi_comms.append(leaders)
+                leader_ranks = [comm.ranks[m[0]] for m in nodes.values()]
+                native().group_attach_mpi(
+                    gid, 1, MPI._handleof(leaders), leaders.Get_rank(), leaders.Get_size(),
+                    leader_ranks,
+                )  # fmt: skip
+            available.append("hier")
+    reg = _Registered(comm, "", tuple(available), mpi_comms)
+    _apply_backend(gid, reg)
+    return reg
+
+
+def _auto_backend(reg: _Registered) -> str:
+    if "shm" in reg.available:
+        return "shm"
+    if "hier" in reg.available:
+        return "hier"
+    return "mpi"
+
+
+def _apply_backend(gid: int, reg: _Registered) -> None:
+    requested = _requested_backend()
+    backend = _auto_backend(reg) if requested == "auto" else requested
+    if backend not in reg.available:
+        raise SpmdError(
+            f"rank {reg.comm.world_rank}: backend {backend!r} is not available for the group "
+            f"of ranks {list(reg.comm.ranks)} (available: {', '.join(reg.available)}); "
+            "'shm' needs every rank of the group on one node, 'mpi' needs an MPI launcher, "
+            "'hier' needs MPI and a group spanning nodes"
+        )
+    native().group_set_backend(gid, BACKENDS[backend])
+    reg.backend = backend
+
+
+def _finalize() -> None:
+    with _lock:
+        for gid, reg in list(_registered.items()):
+            native().group_destroy(gid)
+            for c in reg.mpi_comms:
+                c.Free()
+        _registered.clear()
+
+
+def group_ref(comm: Communicator) -> GroupRef:
+    """The GroupRef of ``comm``, registering the group with the native layer on first use."""
+    with _lock:
+        key = (comm.groups, comm.group_id)
+        gid = _ids.get(key)
+        if gid is None:
+            gid = _ids[key] = next(_next_id)
+        if comm.size > 1 and gid not in _registered:
+            on_finalize(_finalize)
+            _registered[gid] = _register(comm, gid)
+        return GroupRef(gid, comm.rank, comm.ranks)
+
+
+def resolve(rank_list: Any = None, group: Any = None) -> GroupRef:
+    """The group of an op call from its ``rank_list=`` or ``group=`` argument."""
+    if rank_list is not None and group is not None:
+        raise SpmdError("pass rank_list= or group=, not both")
+    if group is None:
+        return group_ref(get_communicator(rank_list))
+    if isinstance(group, Communicator):
+        return group_ref(group)
+    if isinstance(group, str | tuple):
+        from ..mesh import current_mesh
+
+        mesh = current_mesh()
+        if mesh is None:
+            raise SpmdError(
+                f"group={group!r} names a mesh axis but no mesh is active; use it inside "
+                "`with spmd.Mesh(...):`, or pass group=mesh.group(axis)"
+            )
+        return group_ref(mesh.group(group))
+    raise SpmdError(
+        f"group={group!r} is not a Communicator or a mesh axis name (str); pass e.g. "
+        "group=spmd.get_communicator(...) or group='tp' inside `with spmd.Mesh(...):`"
+    )
+
+
+def set_backend(name: str) -> None:
+    """Force how collectives move data: ``"shm"``, ``"mpi"``, ``"hier"`` or ``"auto"``.
+
+    Applies to every group, including those already in use (no recompilation needed); raises
+    :class:`spmd.SpmdError` if a group in use cannot use it. ``SPMD_BACKEND`` sets the default.
+    """
+    global _forced
+    if name not in BACKEND_NAMES:
+        raise SpmdError(f"backend {name!r} is unknown; expected one of {', '.join(BACKEND_NAMES)}")
+    with _lock:
+        previous = _forced
+        _forced = name
+        try:
+            for gid, reg in _registered.items():
+                _apply_backend(gid, reg)
+        except SpmdError:
+            _forced = previous
+            for gid, reg in _registered.items():
+                _apply_backend(gid, reg)
+            raise
+
+
+def get_backend(rank_list: Any = None, group: Any = None) -> str:
+    """The backend the group's collectives use (``"self"`` for a group of one)."""
+    ref = resolve(rank_list, group)
+    if ref.size == 1:
+        return "self"
+    with _lock:
+        return _registered[ref.gid].backend

@@ -1,0 +1,152 @@
+"""Point to point: send, recv, sendrecv; and barrier.
+
+``sendrecv`` is differentiable under the global-objective convention (see _allreduce.py): what
+rank r received from ``src`` came from src's input, so its cotangent travels back the other way,
+``sendrecv(ct, src=dst, dst=src)``. ``send`` and ``recv`` are one-sided: the receiving rank's
+program has no input the value depends on, so JAX treats the received value as a constant there
+and no tangent or cotangent crosses ranks (send's JVP sends only the primal, keeping both sides'
+messages matched). Differentiate through point-to-point transfers with ``sendrecv``.
+
+Point-to-point operations run over MPI (the file-store communicator has none).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import core
+from jax._src.ad_util import Zero
+from jax._src.interpreters import ad, batching
+
+from .._errors import SpmdError
+from ._core import (
+    arg_aval,
+    bind,
+    check_dtype,
+    check_rank,
+    collective_primitive,
+    flatten,
+    instantiate,
+    register_cpu_lowering,
+    zero_tangent,
+)
+from ._groups import GroupRef, resolve
+
+sendrecv_p = collective_primitive("spmd_sendrecv")
+send_p = collective_primitive("spmd_send")
+recv_p = collective_primitive("spmd_recv")
+barrier_p = collective_primitive("spmd_barrier")
+
+# send and barrier return this placeholder (so that an eager call can wait for completion).
+_DONE = core.ShapedArray((0,), np.dtype(np.uint8))
+
+
+# -- API ----------------------------------------------------------------------------------------
+
+
+def _check_peer(value: Any, what: str, name: str, ref: GroupRef) -> int:
+    peer = check_rank(value, what, name, ref)
+    if peer == ref.rank:
+        raise SpmdError(
+            f"rank {ref.world_rank}: {name}: {what}={peer} is this rank itself; a {name} to "
+            "oneself never completes (use sendrecv, which may name oneself)"
+        )
+    return peer
+
+
+def send(x: Any, dst: int, *, rank_list: Any = None, group: Any = None) -> None:
+    """Send ``x`` (array or pytree) to the rank at position ``dst`` of the group, which must
+    call :func:`recv` with ``src`` = this rank. Returns once ``x`` was handed over."""
+    ref = resolve(rank_list, group)
+    leaves, _, _ = flatten(x, "send", ref)
+    d = _check_peer(dst, "dst", "send", ref)
+    for leaf in leaves:
+        bind(send_p, leaf, group=ref, dst=d)
+
+
+def recv(like: Any, src: int, *, rank_list: Any = None, group: Any = None) -> Any:
+    """Receive from the rank at position ``src`` an array (or pytree) shaped like ``like``
+    (arrays or ``jax.ShapeDtypeStruct``s; their values are not used)."""
+    ref = resolve(rank_list, group)
+    s = _check_peer(src, "src", "recv", ref)
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(like)
+    specs = []
+    for path, v in with_path:
+        dtype = np.dtype(getattr(v, "dtype", None) or np.asarray(v).dtype)
+        check_dtype(dtype, "recv", "like" + jax.tree_util.keystr(path), ref)
+        specs.append(jax.ShapeDtypeStruct(np.shape(v), dtype))
+    outs = [
+        bind(recv_p, group=ref, src=s, shape=tuple(sp.shape), dtype=np.dtype(sp.dtype))[0]
+        for sp in specs
+    ]
+    return jax.tree_util.tree_unflatten(treedef, outs)
+
+
+def sendrecv(x: Any, src: int, dst: int, *, rank_list: Any = None, group: Any = None) -> Any:
+    """Send ``x`` to position ``dst`` of the group and return what position ``src`` sent this
+    rank (shaped like ``x``), at once; e.g. a ring shift: ``sendrecv(x, src=(r - 1) % n,
+    dst=(r + 1) % n)``. Differentiable (the cotangent travels back from dst)."""
+    ref = resolve(rank_list, group)
+    leaves, treedef, _ = flatten(x, "sendrecv", ref)
+    s = check_rank(src, "src", "sendrecv", ref)
+    d = check_rank(dst, "dst", "sendrecv", ref)
+    if ref.size == 1:
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+    outs = [bind(sendrecv_p, leaf, group=ref, src=s, dst=d)[0] for leaf in leaves]
+    return jax.tree_util.tree_unflatten(treedef, outs)
+
+
+def barrier(*, rank_list: Any = None, group: Any = None) -> None:
+    """Return once every rank of the group has called ``barrier`` (in jit: once every rank's
+    program reaches it)."""
+    ref = resolve(rank_list, group)
+    if ref.size > 1:
+        bind(barrier_p, group=ref)
+
+
+# -- primitives ---------------------------------------------------------------------------------
+
+sendrecv_p.def_abstract_eval(
+    lambda x, *, group, src, dst: [core.ShapedArray(x.shape, x.dtype)]
+)
+send_p.def_abstract_eval(lambda x, *, group, dst: [_DONE])
+recv_p.def_abstract_eval(lambda *, group, src, shape, dtype: [core.ShapedArray(shape, dtype)])
+barrier_p.def_abstract_eval(lambda *, group: [_DONE])
+
+register_cpu_lowering(
+    sendrecv_p, "spmd_sendrecv", src=lambda src, **_: src, dst=lambda dst, **_: dst
+)
+register_cpu_lowering(send_p, "spmd_sendrecv", src=lambda **_: -1, dst=lambda dst, **_: dst)
+register_cpu_lowering(recv_p, "spmd_sendrecv", src=lambda src, **_: src, dst=lambda **_: -1)
+register_cpu_lowering(barrier_p, "spmd_barrier")
+
+
+def _sendrecv_jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, src: int, dst: int) -> Any:
+    (y,) = sendrecv_p.bind(*primals, group=group, src=src, dst=dst)
+    (t,) = tangents
+    if isinstance(t, Zero):
+        return [y], [zero_tangent(y)]
+    return [y], list(sendrecv_p.bind(t, group=group, src=src, dst=dst))
+
+
+def _sendrecv_transpose(cts: list[Any], x: Any, *, group: GroupRef, src: int, dst: int) -> list[Any]:
+    # y_r = x_src(r): the cotangent of y_r belongs to x on rank src, so send it back to src.
+    (ct,) = cts
+    return list(sendrecv_p.bind(instantiate(ct, arg_aval(x)), group=group, src=dst, dst=src))
+
+
+def _send_jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, dst: int) -> Any:
+    outs = send_p.bind(*primals, group=group, dst=dst)
+    return outs, [zero_tangent(o) for o in outs]
+
+
+ad.primitive_jvps[sendrecv_p] = _sendrecv_jvp
+ad.primitive_transposes[sendrecv_p] = _sendrecv_transpose
+ad.primitive_jvps[send_p] = _send_jvp
+batching.primitive_batchers[sendrecv_p] = lambda args, dims, **p: (sendrecv_p.bind(*args, **p), dims)
+batching.primitive_batchers[send_p] = lambda args, dims, **p: (
+    send_p.bind(*args, **p),
+    [batching.not_mapped],
+)
