@@ -116,8 +116,9 @@ ffi::Error Fail(const Call& call, const std::string& message) {
 }
 
 // Decodes the ordering operand/result and the leaves; checks dtypes.
+// `vary_rows`: the inputs' first dimension may differ between ranks (allgatherv).
 ffi::Error Decode(Call& call, int64_t group_id, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                  bool reduce) {
+                  bool vary_rows) {
   call.group = GroupFind(group_id);
   if (call.group == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
@@ -131,7 +132,7 @@ ffi::Error Decode(Call& call, int64_t group_id, ffi::RemainingArgs args, ffi::Re
     if (!b.has_value()) return b.error();
     ffi::DataType dt = b->element_type();
     size_t w = ElemBytes(dt);
-    if (w == 0 || (reduce && false)) {
+    if (w == 0) {
       return Fail(call, "unsupported dtype; spmd's collectives take float16, bfloat16, float32, "
                         "float64, int8, uint8, int32, int64 and bool arrays");
     }
@@ -140,7 +141,7 @@ ffi::Error Decode(Call& call, int64_t group_id, ffi::RemainingArgs args, ffi::Re
     call.dims.emplace_back(d.begin(), d.end());
     call.Mix(static_cast<uint64_t>(dt));
     call.Mix(d.size());
-    for (int64_t x : d) call.Mix(static_cast<uint64_t>(x));
+    for (size_t k = vary_rows ? 1 : 0; k < d.size(); ++k) call.Mix(static_cast<uint64_t>(d[k]));
   }
   for (size_t i = 1; i < rets.size(); ++i) {
     auto b = rets.get<ffi::AnyBuffer>(i);
@@ -213,7 +214,7 @@ Status AllreduceImpl(Call& call, ReduceOp op) {
 ffi::Error AllreduceFfi(int64_t group, int32_t op, ffi::RemainingArgs args,
                         ffi::RemainingRets rets) {
   Call call(kAllreduce);
-  if (ffi::Error e = Decode(call, group, args, rets, true); e.failure()) return e;
+  if (ffi::Error e = Decode(call, group, args, rets, false); e.failure()) return e;
   if (op < 0 || op > 3) return Fail(call, "unknown reduction code " + std::to_string(op));
   call.params = std::string("op=") + kReduceNames[op];
   call.Mix(static_cast<uint64_t>(op));
@@ -233,7 +234,7 @@ std::vector<size_t> RowBytes(ffi::Span<const int64_t> sizes, size_t row) {
 ffi::Error AllgatherFfi(int64_t group, ffi::Span<const int64_t> sizes, ffi::RemainingArgs args,
                         ffi::RemainingRets rets) {
   Call call(kAllgather);
-  if (ffi::Error e = Decode(call, group, args, rets, false); e.failure()) return e;
+  if (ffi::Error e = Decode(call, group, args, rets, sizes.size() != 0); e.failure()) return e;
   Group& g = *call.group;
   // No sizes: every rank contributes its whole input (allgather).
   if (!(sizes.size() == 0) && static_cast<int>(sizes.size()) != g.size) {
@@ -275,7 +276,7 @@ ffi::Error AllgatherFfi(int64_t group, ffi::Span<const int64_t> sizes, ffi::Rema
 ffi::Error ReduceScatterFfi(int64_t group, int32_t op, ffi::Span<const int64_t> sizes,
                             ffi::RemainingArgs args, ffi::RemainingRets rets) {
   Call call(kReduceScatter);
-  if (ffi::Error e = Decode(call, group, args, rets, true); e.failure()) return e;
+  if (ffi::Error e = Decode(call, group, args, rets, false); e.failure()) return e;
   Group& g = *call.group;
   if (op < 0 || op > 3) return Fail(call, "unknown reduction code " + std::to_string(op));
   // No sizes: the input splits into equal blocks (reduce_scatter).

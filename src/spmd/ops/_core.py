@@ -100,9 +100,11 @@ def lower_collective(
     """
     # Per-module state: ModuleContext has no room for attributes, so the chains ride in its
     # per-module cache under a key no primitive can produce.
-    chains = ctx.module_context.cached_primitive_lowerings.setdefault(_CHAINS_KEY, {})
+    chains = ctx.module_context.cached_primitive_lowerings.setdefault(_CHAINS_KEY, [])
     block = ir.InsertionPoint.current.block
-    previous = chains.get(block)
+    # Blocks come back as fresh Python wrappers: find ours by equality, not hashing.
+    at = next((i for i, (b, _) in enumerate(chains) if b == block), None)
+    previous = None if at is None else chains[at][1]
     if previous is None:
         previous = mlir.ir_constant(np.zeros((1,), np.uint8))
     call = mlir.custom_call(
@@ -115,7 +117,10 @@ def lower_collective(
         operand_layouts=[[0], *(_layout(a) for a in ctx.avals_in)],
         result_layouts=[[0], *(_layout(a) for a in ctx.avals_out)],
     )
-    chains[block] = call.results[0]
+    if at is None:
+        chains.append((block, call.results[0]))
+    else:
+        chains[at] = (block, call.results[0])
     return list(call.results[1:])
 
 
@@ -128,7 +133,8 @@ def register_cpu_lowering(prim: core.Primitive, target: str, **attr_params: Call
         attrs = {name: fn(**params) for name, fn in attr_params.items()}
         return lower_collective(ctx, target, operands, group=group.gid, **attrs)
 
-    mlir.register_lowering(prim, rule, platform="cpu")
+    # Not cacheable: the rule must run in the block it lowers into, where the chain lives.
+    mlir.register_lowering(prim, rule, platform="cpu", cacheable=False)
 
 
 # -- calling ------------------------------------------------------------------------------------
