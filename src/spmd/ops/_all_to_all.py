@@ -96,8 +96,8 @@ def _transpose(cts: list[Any], *args: Any, group: GroupRef) -> list[Any]:
 
 def _batch(args: list[Any], dims: list[Any], *, group: GroupRef) -> Any:
     # Axis 0 holds the blocks: batch dimensions go to axis 1.
-    moved = [a if d is batching.not_mapped else jnp.moveaxis(a, d, 1) for a, d in zip(args, dims)]
-    out_dims = [batching.not_mapped if d is batching.not_mapped else 1 for d in dims]
+    moved = [a if d is None else jnp.moveaxis(a, d, 1) for a, d in zip(args, dims)]
+    out_dims = [None if d is None else 1 for d in dims]
     return all_to_all_p.bind(*moved, group=group), out_dims
 
 

@@ -195,8 +195,8 @@ register_cpu_lowering(
 def _batcher(prim: core.Primitive) -> Any:
     # Axis 0 is the gathered/scattered one: batch dimensions go to axis 1 and stay there.
     def rule(args: list[Any], dims: list[Any], **params: Any) -> Any:
-        moved = [a if d is batching.not_mapped else jnp.moveaxis(a, d, 1) for a, d in zip(args, dims)]
-        out_dims = [batching.not_mapped if d is batching.not_mapped else 1 for d in dims]
+        moved = [a if d is None else jnp.moveaxis(a, d, 1) for a, d in zip(args, dims)]
+        out_dims = [None if d is None else 1 for d in dims]
         return prim.bind(*moved, **params), out_dims
 
     return rule

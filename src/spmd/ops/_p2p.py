@@ -148,5 +148,5 @@ ad.primitive_jvps[send_p] = _send_jvp
 batching.primitive_batchers[sendrecv_p] = lambda args, dims, **p: (sendrecv_p.bind(*args, **p), dims)
 batching.primitive_batchers[send_p] = lambda args, dims, **p: (
     send_p.bind(*args, **p),
-    [batching.not_mapped],
+    [None],
 )
