@@ -1,0 +1,103 @@
+"""Bad input is a clear spmd.SpmdError on every rank, naming the rank and the values; nothing
+hangs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spmd
+from spmd.testing import multirank
+
+
+def _raises(fn, *fragments, exc=spmd.SpmdError):
+    with pytest.raises(exc) as info:
+        fn()
+    text = str(info.value)
+    for f in fragments:
+        assert f in text, (f, text)
+    return text
+
+
+@multirank(nprocs=(2, 3))
+def test_static_bad_input_raises_on_every_rank(comm):
+    r, n = comm.rank, comm.size
+    x = jnp.ones((2 * n, 3))
+    me = f"rank {r}"
+    _raises(lambda: spmd.broadcast(x, root=n), me, f"root={n}", f"0..{n - 1}")
+    _raises(lambda: spmd.broadcast(x, root=-1), me, "root=-1")
+    _raises(lambda: spmd.sendrecv(x, src=n + 1, dst=0), me, f"src={n + 1}")
+    _raises(lambda: spmd.send(x, dst=r), me, "dst=", "itself")
+    _raises(lambda: spmd.recv(x, src=7), me, "src=7")
+    _raises(lambda: spmd.allgather(x, axis=2), me, "axis=2", "2 dimension")
+    _raises(lambda: spmd.all_to_all(x, split_axis=5), me, "split_axis=5")
+    _raises(lambda: spmd.reduce_scatter(jnp.ones((2 * n + 1,))), me, "not divisible", str(n))
+    _raises(lambda: spmd.allgatherv(x, [1] * (n + 1)), me, "entries", f"{n} ranks")
+    _raises(lambda: spmd.allgatherv(x, [-1] + [1] * (n - 1)), me, "-1")
+    _raises(lambda: spmd.allgatherv(x, [5] * n), me, "sizes=", "5 rows")
+    _raises(lambda: spmd.reduce_scatterv(x, [1] * n), me, f"adds up to {n}")
+    _raises(lambda: spmd.allreduce(x, "mean"), me, "op='mean'", "sum, prod, max, min, avg")
+    _raises(lambda: spmd.allreduce(jnp.ones(3, jnp.int32), "avg"), me, "avg", "int32")
+    _raises(lambda: spmd.allreduce(jnp.ones(3, jnp.complex64)), me, "complex64", "float32")
+    _raises(lambda: spmd.allreduce({"a": np.ones(2, np.uint16)}), me, "x['a']", "uint16")
+    _raises(lambda: spmd.allreduce(x, rank_list=[[0, 0]]), me, "twice")
+    _raises(lambda: spmd.allreduce(x, rank_list=[[0]], group=spmd.get_communicator()), "not both")
+    _raises(lambda: spmd.allreduce(x, group="tp"), "no mesh is active")
+    _raises(lambda: spmd.allreduce(x, group=3), "group=3")
+    # The same checks inside jit.
+    _raises(lambda: jax.jit(lambda v: spmd.broadcast(v, root=n))(x), me, f"root={n}")
+
+
+def _mismatch(comm, what):
+    """Call `what(rank)` on every rank: the shapes or dtypes differ between ranks."""
+    r = comm.rank
+    text = _raises(lambda: what(r), f"[rank {r}]", "made different collective calls")
+    assert "rank 0:" in text and "rank 1:" in text
+    return text
+
+
+@multirank(nprocs=(2, 3))
+def test_shapes_or_dtypes_that_differ_between_ranks(comm):
+    text = _mismatch(comm, lambda r: spmd.allreduce(jnp.ones((2 + r,))))
+    assert "float32[2]" in text and "float32[3]" in text
+    text = _mismatch(comm, lambda r: spmd.allgather(jnp.ones(2, jnp.float32 if r else jnp.int32)))
+    assert "int32[2]" in text and "float32[2]" in text
+    _mismatch(comm, lambda r: spmd.broadcast(jnp.ones((1 + r, 2))))
+    _mismatch(comm, lambda r: spmd.reduce_scatter(jnp.ones((comm.size * (1 + r),))))
+    # Different ops at the same point in the program.
+    _mismatch(comm, lambda r: spmd.allreduce(jnp.ones(4), "max" if r else "sum"))
+    # Inside jit the failure surfaces as JAX's runtime error carrying the same message.
+    f = jax.jit(lambda v: spmd.allreduce(v))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="made different collective calls"):
+        f(jnp.ones((2 + comm.rank,))).block_until_ready()
+    # The group still works afterwards.
+    assert float(spmd.allreduce(jnp.float32(1))) == comm.size
+
+
+@multirank(nprocs=(2, 3), env={"SPMD_DEBUG": "1", "SPMD_BACKEND": "mpi"})
+def test_mismatch_detected_over_mpi_under_debug(comm):
+    assert spmd.ops.get_backend() == "mpi"
+    text = _mismatch(comm, lambda r: spmd.allreduce(jnp.ones((2 + r,))))
+    assert "float32[2]" in text and "float32[3]" in text
+    assert float(spmd.allreduce(jnp.float32(1))) == comm.size
+
+
+@multirank(nprocs=(2,), env={"SPMD_TIMEOUT": "2"}, fresh=True)
+def test_a_rank_that_never_arrives_is_named_not_a_hang(comm):
+    spmd.barrier()  # register the group while everyone is here
+    if comm.rank == 0:
+        text = _raises(lambda: spmd.allreduce(jnp.ones(3)), "[rank 0]", "timed out", "[1]")
+        assert "never made the matching call" in text
+
+
+@multirank(nprocs=(2,))
+def test_more_than_2_to_the_31_elements(comm):
+    n = 2**31 + 192
+    x = jnp.full((n,), comm.rank + 1, jnp.int8)
+    y = spmd.allreduce(x)
+    del x
+    assert y.shape == (n,)
+    # min == max == 3: every element, those past index 2**31 included, holds the sum.
+    assert int(jnp.min(y)) == 3 and int(jnp.max(y)) == 3
