@@ -15,4 +15,6 @@ from spmd.cli.bench import main
 
 if __name__ == "__main__":
     results = Path(__file__).resolve().parent / "results"
-    sys.exit(main(sys.argv[1:], prog="collectives.py", script=__file__, default_out_dir=str(results)))
+    sys.exit(
+        main(sys.argv[1:], prog="collectives.py", script=__file__, default_out_dir=str(results))
+    )

@@ -30,7 +30,7 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -427,7 +427,8 @@ def measure(
 
 
 def small_message(env: Env, impls: Sequence[str], iters: int) -> list[dict[str, Any]]:
-    """Per call: a jitted function with one 4-byte allreduce against the same without it."""
+    """Per call: a jitted function with one 4-byte allreduce against the same without it (the
+    two timed alternately, after iters/10 untimed pairs and a barrier)."""
     import jax
     import jax.numpy as jnp
 
@@ -442,23 +443,33 @@ def small_message(env: Env, impls: Sequence[str], iters: int) -> list[dict[str, 
     base = jax.jit(lambda v: v + 1)
     for name, fn in variants:
         coll = jax.jit(fn)
-        per: dict[str, float] = {}
-        for label, f in (("base", base), ("collective", coll)):
-
-            def call(f: Any = f) -> object:
-                return f(x).block_until_ready()
-
-            times = time_series(env.world, call, iters, iters // 10)
-            per[label], _ = max_of_medians(env.world, times)
+        # Interleaved, so that both see the same machine: base, collective, base, ...
+        series: dict[str, list[float]] = {"base": [], "collective": []}
+        clock = time.perf_counter
+        for i in range(iters // 10 + iters):
+            if i == iters // 10:
+                env.world.Barrier()
+                series = {"base": [], "collective": []}
+            for label, f in (("base", base), ("collective", coll)):
+                t0 = clock()
+                f(x).block_until_ready()
+                series[label].append(clock() - t0)
+        per = {label: max_of_medians(env.world, t)[0] for label, t in series.items()}
         rows.append(
             {
                 "impl": name,
-                "with_allreduce_us": _num(per["collective"] * 1e6),
-                "without_us": _num(per["base"] * 1e6),
-                "ratio": _num(per["collective"] / per["base"]),
-                "added_us": _num((per["collective"] - per["base"]) * 1e6),
+                "with_allreduce_us": round(per["collective"] * 1e6, 2),
+                "without_us": round(per["base"] * 1e6, 2),
+                "ratio": round(per["collective"] / per["base"], 2),
+                "added_us": round((per["collective"] - per["base"]) * 1e6, 2),
             }
         )
+    if "mpi4py" in impls:  # the same 4 bytes, eager on numpy: no jit, no dispatch
+        a, b = np.ones(1, np.float32), np.empty(1, np.float32)
+        times = time_series(env.world, lambda: env.world.Allreduce(a, b), iters, iters // 10)
+        t, _ = max_of_medians(env.world, times)
+        row = {"impl": "mpi4py (eager)", "with_allreduce_us": round(t * 1e6, 2)}
+        rows.append(row | {"without_us": None, "ratio": None, "added_us": None})
     return rows
 
 
@@ -468,7 +479,7 @@ def memcpy(env: Env, nbytes: int = MEMCPY_BYTES, iters: int = 20) -> dict[str, A
     dst = np.zeros(nbytes, np.uint8)
     times = time_series(env.world, lambda: np.copyto(dst, src), iters, 3)
     t, _ = max_of_medians(env.world, times)
-    return {"bytes": nbytes, "time_us": _num(t * 1e6), "GBps": _num(nbytes / t / 1e9)}
+    return {"bytes": nbytes, "time_us": round(t * 1e6, 1), "GBps": round(nbytes / t / 1e9, 2)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -576,6 +587,7 @@ def machine_info(env: Env, backend: str) -> dict[str, Any]:
         "torch": _version("torch"),
         "spmd_backend": backend,
         "ranks": env.n,
+        "load_average_1min_at_start": round(os.getloadavg()[0], 2),
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
     }
     return info
@@ -641,7 +653,8 @@ def markdown(report: dict[str, Any], results: list[Result], impls: Sequence[str]
     out += [f"| {k} | {v if v is not None else 'not installed'} |" for k, v in info.items()]
     out += [""]
     if report["skipped_peers"]:
-        out += ["Peers skipped: " + "; ".join(f"{k} ({v})" for k, v in report["skipped_peers"].items()), ""]  # fmt: skip
+        skipped = report["skipped_peers"].items()
+        out += ["Peers skipped: " + "; ".join(f"{k} ({v})" for k, v in skipped), ""]
     out += [
         "Time: per rank the median of individually timed calls (after warm-up and one barrier), "
         "then the maximum over ranks, in microseconds. algbw = size / time, busbw = algbw x "
@@ -687,7 +700,7 @@ def markdown(report: dict[str, Any], results: list[Result], impls: Sequence[str]
                 if impl != SPMD:
                     cells += [_f(_ratio(rows.get(SPMD), r), 0).strip()]
             out += ["| " + " | ".join(cells) + " |"]
-        na = sorted({f"{r.impl}: {r.status[5:]}" for r in op_rows if r.status.startswith("n/a")})
+        na = _not_run(op_rows)
         if na:
             out += ["", "n/a: " + "; ".join(na)]
         out += [""]
@@ -696,9 +709,11 @@ def markdown(report: dict[str, Any], results: list[Result], impls: Sequence[str]
         out += ["| impl | with allreduce (us) | `x + 1` alone (us) | ratio | added (us) |"]
         out += ["|---|---:|---:|---:|---:|"]
         for row in report["small_message"]:
+            cells = [row[k] for k in ("with_allreduce_us", "without_us", "ratio", "added_us")]
             out += [
-                f"| {row['impl']} | {row['with_allreduce_us']} | {row['without_us']} | "
-                f"{row['ratio']} | {row['added_us']} |"
+                f"| {row['impl']} | "
+                + " | ".join("-" if c is None else str(c) for c in cells)
+                + " |"
             ]
         out += [""]
     if report.get("memcpy"):
@@ -711,6 +726,11 @@ def markdown(report: dict[str, Any], results: list[Result], impls: Sequence[str]
             "",
         ]
     return "\n".join(out)
+
+
+def _not_run(results: Iterable[Result]) -> list[str]:
+    """``impl: why`` for each implementation that did not run an op."""
+    return sorted({f"{r.impl}: {r.status[5:]}" for r in results if r.status.startswith("n/a")})
 
 
 def _largest(results: list[Result]) -> dict[str, dict[str, Result]]:
@@ -761,9 +781,7 @@ def parser(prog: str = "spmd-bench") -> argparse.ArgumentParser:
         default="all",
         help=f"comma list of {', '.join(PEERS)}, 'all' (default: those importable) or 'none'",
     )
-    p.add_argument(
-        "--backend", choices=("auto", "shm", "mpi", "hier"), help="force spmd's backend"
-    )
+    p.add_argument("--backend", choices=("auto", "shm", "mpi", "hier"), help="force spmd's backend")
     p.add_argument("--no-check", action="store_true", help="skip the result check")
     p.add_argument("--no-small", action="store_true", help="skip the small-message section")
     p.add_argument("--json", help="write results as JSON here")
@@ -804,7 +822,8 @@ def _run_rank(args: argparse.Namespace, command: str, rank: int, n: int) -> int:
     if dtype == np.float64:
         import jax
 
-        jax.config.update("jax_enable_x64", True)
+        config: Any = jax.config
+        config.update("jax_enable_x64", True)
     if args.backend:
         ops.set_backend(args.backend)
     if args.nprocs is not None and args.nprocs != n:
@@ -846,19 +865,17 @@ def _run_rank(args: argparse.Namespace, command: str, rank: int, n: int) -> int:
                 rows[impl] = r
                 results.append(r)
             say(console_row(rows, impls))
-        na = sorted({f"{r.impl}: {r.status[5:]}" for r in results if r.op == op and r.status.startswith("n/a")})  # fmt: skip
-        for line in na:
+        for line in _not_run(r for r in results if r.op == op):
             say(f"#   n/a {line}")
     small = [] if args.no_small else small_message(env, peer_impls, SMALL_ITERS)
     if small:
         say("")
         say("# small messages: jitted function with one 4-byte float32 allreduce vs `x + 1` alone")
-        say(f"# {'impl':>10} {'with (us)':>10} {'without':>10} {'ratio':>7} {'added':>8}")
+        say(f"# {'impl':>14} {'with (us)':>10} {'without':>10} {'ratio':>7} {'added':>8}")
         for row in small:
-            say(
-                f"  {row['impl']:>10} {row['with_allreduce_us']:>10} {row['without_us']:>10} "
-                f"{row['ratio']:>7} {row['added_us']:>8}"
-            )
+            cells = [row[k] for k in ("with_allreduce_us", "without_us", "ratio", "added_us")]
+            text = ["-" if c is None else str(c) for c in cells]
+            say(f"  {row['impl']:>14} {text[0]:>10} {text[1]:>10} {text[2]:>7} {text[3]:>8}")
     ref = memcpy(env)
     say("")
     say(f"# reference: numpy memcpy of {format_bytes(ref['bytes'])}B on every rank at once: "
@@ -870,6 +887,7 @@ def _run_rank(args: argparse.Namespace, command: str, rank: int, n: int) -> int:
         env.mpi4jax_comm.Free()
 
     if rank == 0:
+        info["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
         report = {
             "command": command,
             "machine": info,
@@ -936,7 +954,8 @@ def main(
             target = [os.path.abspath(script)] if script else ["-m", "spmd.cli.bench"]
             return launch(nprocs, [sys.executable, *target, *argv], timeout=args.timeout)
         if script:
-            entry = ["spmd-run", "-n", str(_world_size()), "python", os.path.relpath(script)]
+            shown = "/".join(Path(script).resolve().parts[-2:])  # benchmarks/collectives.py
+            entry = ["spmd-run", "-n", str(_world_size()), "python", shown]
         else:
             entry = ["spmd-bench"] + ([] if args.nprocs else ["-n", str(_world_size())])
         command = " ".join([*entry, *_sanitize(argv)])

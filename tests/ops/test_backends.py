@@ -1,0 +1,82 @@
+"""Backends: automatic choice, forcing (API and SPMD_BACKEND), the hierarchical path on
+simulated nodes, and the file-store communicator (shared memory only)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spmd
+from spmd.testing import multirank
+
+from ._cases import forms, x64
+from .test_values import _check, _run_ops
+
+
+def _all_ops_everywhere(comm, mode):
+    with x64():
+        for form in forms(comm):
+            with form.active():
+                out = _run_ops(form, comm) if mode == "eager" else jax.jit(lambda: _run_ops(form, comm))()
+                _check(out, form, comm, mode)
+
+
+@multirank(nprocs=(2, 3))
+def test_auto_is_shm_on_one_node_and_mpi_can_be_forced(comm):
+    assert spmd.ops.get_backend() == "shm"
+    assert spmd.ops.get_backend(rank_list=[[0]]) in ("self", "shm")
+    try:
+        spmd.ops.set_backend("mpi")
+        assert spmd.ops.get_backend() == "mpi"
+        _all_ops_everywhere(comm, "jit")
+        with pytest.raises(spmd.SpmdError, match="'hier' is not available"):
+            spmd.ops.set_backend("hier")
+        assert spmd.ops.get_backend() == "mpi"  # a refused switch changes nothing
+        with pytest.raises(spmd.SpmdError, match="unknown"):
+            spmd.ops.set_backend("nccl")
+    finally:
+        spmd.ops.set_backend("auto")
+    assert spmd.ops.get_backend() == "shm"
+
+
+@multirank(nprocs=(3, 4), env={"SPMD_SIMULATE_NODES": "2"})
+def test_hierarchical_across_simulated_nodes(comm):
+    # Nodes of consecutive ranks: 4 ranks -> {0, 1} {2, 3}; 3 ranks -> {0} {1, 2}.
+    assert spmd.ops.get_backend() == "hier"
+    _all_ops_everywhere(comm, "eager")
+    _all_ops_everywhere(comm, "jit")
+    # Bit-identical sums on every rank, through shared memory and MPI between leaders.
+    x = jnp.asarray(np.random.default_rng(comm.rank).standard_normal(100_003), jnp.float32)
+    y = np.asarray(spmd.allreduce(x))
+    assert len({b for b in comm.allgather_object(y.tobytes())}) == 1
+    np.testing.assert_allclose(
+        y,
+        sum(np.random.default_rng(k).standard_normal(100_003) for k in range(comm.size)),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+
+
+@multirank(nprocs=(2,), env={"SPMD_SIMULATE_NODES": "2"})
+def test_one_rank_per_node_uses_mpi(comm):
+    assert spmd.ops.get_backend() == "mpi"
+    assert float(spmd.allreduce(jnp.float32(comm.rank + 1))) == 3
+
+
+@multirank(nprocs=(2, 3), env={"SPMD_BACKEND": "mpi"})
+def test_backend_from_the_environment(comm):
+    assert spmd.ops.get_backend() == "mpi"
+    np.testing.assert_array_equal(spmd.allgather(jnp.int32(comm.rank)[None]), np.arange(comm.size))
+
+
+@multirank(nprocs=(2, 3), launcher="env")
+def test_file_store_communicator_runs_on_shared_memory(comm):
+    assert comm.backend == "void"
+    assert spmd.ops.get_backend() == "shm"
+    r, n = comm.rank, comm.size
+    assert float(jax.jit(spmd.allreduce)(jnp.float32(r + 1))) == n * (n + 1) / 2
+    np.testing.assert_array_equal(spmd.all_to_all(jnp.arange(n) + 10 * r), 10 * np.arange(n) + r)
+    with pytest.raises(spmd.SpmdError, match="need MPI"):
+        spmd.sendrecv(jnp.ones(2), src=(r - 1) % n, dst=(r + 1) % n)
