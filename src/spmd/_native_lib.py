@@ -15,7 +15,7 @@ NATIVE_ABI_VERSION = 2
 def native() -> ModuleType:
     """The compiled ``spmd._native`` module; a clear error if it is missing or stale."""
     try:
-        from . import _native  # type: ignore[attr-defined]
+        from . import _native  # type: ignore[attr-defined,unused-ignore]
     except ImportError as e:
         raise SpmdError(
             f"spmd's native module is missing ({e}); spmd must be installed with pip, which "

@@ -4,6 +4,8 @@ import importlib.metadata
 import subprocess
 import sys
 
+from spmd._native_lib import NATIVE_ABI_VERSION
+
 
 def test_info_reports_versions_mpi_native_and_devices():
     out = subprocess.run(
@@ -13,8 +15,10 @@ def test_info_reports_versions_mpi_native_and_devices():
     text = out.stdout
     for dist in ("spmd", "jax", "jaxlib", "numpy", "mpi4py"):
         assert f"  {dist}: {importlib.metadata.version(dist)}\n" in text
+    assert "collective handlers (cpu): spmd_all_to_all, spmd_allgather, spmd_allreduce" in text
+    assert "collective backend: auto" in text
     assert "MPI library (mpi4py): MPICH Version:" in text
-    assert "native layer: built (ABI 1, XLA FFI API " in text
+    assert f"native layer: built (ABI {NATIVE_ABI_VERSION}, XLA FFI API " in text
     assert "launcher detected: none (a world of one); rank 0 of 1" in text
     assert "devices:\n  cpu:0" in text
 

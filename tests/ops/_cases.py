@@ -24,7 +24,9 @@ def np_dtype(name: str) -> Any:
     return jnp.bfloat16 if name == "bfloat16" else np.dtype(name)
 
 
-def value(world_rank: int, dtype: str, shape: tuple[int, ...] = (2, 3), salt: int = 0) -> np.ndarray:
+def value(
+    world_rank: int, dtype: str, shape: tuple[int, ...] = (2, 3), salt: int = 0
+) -> np.ndarray:
     """Rank-dependent small integers (exact in every dtype, even summed over 4 ranks)."""
     base = (np.arange(int(np.prod(shape))).reshape(shape) * 7 + world_rank * 3 + salt) % 5 + 1
     if dtype == "bool":

@@ -29,6 +29,7 @@ def _w(rank: int, shape) -> np.ndarray:
 def _cases(n: int):
     """(name, spmd function of this rank's x, NumPy emulation: all xs -> all ys, input shape)."""
     rows = 2 * n
+    me = spmd.get_communicator().rank
     sizes = [r + 1 for r in range(n)]
     off = np.cumsum([0, *sizes])
 
@@ -53,15 +54,14 @@ def _cases(n: int):
          (rows, 3)),
         ("reduce_scatterv", lambda x: spmd.reduce_scatterv(x, sizes),
          lambda xs: [np.sum(xs, 0)[off[r] : off[r + 1]] for r in range(n)], (sum(sizes), 3)),
-        ("sendrecv ring", lambda x: spmd.sendrecv(
-            x, src=(spmd.get_communicator().rank - 1) % n, dst=(spmd.get_communicator().rank + 1) % n),
+        ("sendrecv ring", lambda x: spmd.sendrecv(x, src=(me - 1) % n, dst=(me + 1) % n),
          lambda xs: [xs[(r - 1) % n] for r in range(n)], SHAPE),
     ]  # fmt: skip
 
 
 def _fd_gradient(emulate, xs, ws, eps=1e-4):
     def G(xs):
-        return sum(float(np.sum(w * y)) for w, y in zip(ws, emulate(xs)))
+        return sum(float(np.sum(w * y)) for w, y in zip(ws, emulate(xs), strict=True))
 
     grads = []
     for r in range(len(xs)):
@@ -90,7 +90,8 @@ def test_vjp_matches_finite_differences_of_the_global_objective(comm):
         expected = _fd_gradient(emulate, xs, ws)[r]
         np.testing.assert_allclose(g, expected, rtol=1e-3, atol=1e-3, err_msg=name)
         # The same through jax.grad of a scalar objective, inside jit.
-        g2 = jax.jit(jax.grad(lambda x: jnp.sum(jnp.asarray(ws[r], jnp.float32) * fn(x))))(x)
+        w = jnp.asarray(ws[r], jnp.float32)
+        g2 = jax.jit(jax.grad(lambda x, w=w, fn=fn: jnp.sum(w * fn(x))))(x)
         np.testing.assert_allclose(g2, expected, rtol=1e-3, atol=1e-3, err_msg=name)
 
 
@@ -101,10 +102,12 @@ def test_jvp_matches_finite_differences(comm):
         xs = [_x(k, shape) for k in range(n)]
         ts = [_w(10 + k, shape) for k in range(n)]
         eps = 1e-4
-        plus = emulate([x + eps * t for x, t in zip(xs, ts)])
-        minus = emulate([x - eps * t for x, t in zip(xs, ts)])
+        plus = emulate([x + eps * t for x, t in zip(xs, ts, strict=True)])
+        minus = emulate([x - eps * t for x, t in zip(xs, ts, strict=True)])
         expected = (plus[r] - minus[r]) / (2 * eps)
-        _, t_out = jax.jvp(fn, (jnp.asarray(xs[r], jnp.float32),), (jnp.asarray(ts[r], jnp.float32),))
+        _, t_out = jax.jvp(
+            fn, (jnp.asarray(xs[r], jnp.float32),), (jnp.asarray(ts[r], jnp.float32),)
+        )
         np.testing.assert_allclose(t_out, expected, rtol=1e-3, atol=1e-3, err_msg=name)
 
 
@@ -113,7 +116,7 @@ def test_linear_transpose_equals_vjp(comm):
     n = comm.size
     linear = {"allreduce sum", "allgather axis 1", "reduce_scatter", "broadcast", "all_to_all",
               "reduce_scatterv", "sendrecv ring"}  # fmt: skip
-    for name, fn, emulate, shape in _cases(n):
+    for name, fn, _emulate, shape in _cases(n):
         if name not in linear:
             continue
         x = jnp.asarray(_x(comm.rank, shape), jnp.float32)
@@ -128,7 +131,9 @@ def test_linear_transpose_equals_vjp(comm):
 def test_vmap_equals_a_loop(comm):
     n = comm.size
     for name, fn, _, shape in _cases(n):
-        batch = jnp.asarray(np.stack([_x(comm.rank + 10 * b, shape) for b in range(3)]), jnp.float32)
+        batch = jnp.asarray(
+            np.stack([_x(comm.rank + 10 * b, shape) for b in range(3)]), jnp.float32
+        )
         for axis in (0, 1):
             moved = jnp.moveaxis(batch, 0, axis)
             got = jax.vmap(fn, in_axes=axis)(moved)

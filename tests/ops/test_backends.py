@@ -19,7 +19,11 @@ def _all_ops_everywhere(comm, mode):
     with x64():
         for form in forms(comm):
             with form.active():
-                out = _run_ops(form, comm) if mode == "eager" else jax.jit(lambda: _run_ops(form, comm))()
+                out = (
+                    _run_ops(form, comm)
+                    if mode == "eager"
+                    else jax.jit(lambda form=form: _run_ops(form, comm))()
+                )
                 _check(out, form, comm, mode)
 
 

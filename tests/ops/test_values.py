@@ -18,9 +18,7 @@ def _expected(form, comm):
     members, p, g = form.members, form.position, len(form.members)
     exp = {}
     for op in ("sum", "max", "min", "prod"):
-        exp[f"allreduce_{op}"] = {
-            d: reduce_ref([value(m, d) for m in members], op) for d in DTYPES
-        }
+        exp[f"allreduce_{op}"] = {d: reduce_ref([value(m, d) for m in members], op) for d in DTYPES}
     exp["allreduce_avg"] = {d: reduce_ref([value(m, d) for m in members], "avg") for d in FLOATS}
     exp["allgather_0"] = {d: np.concatenate([value(m, d) for m in members], 0) for d in DTYPES}
     exp["allgather_1"] = {d: np.concatenate([value(m, d) for m in members], 1) for d in DTYPES}
@@ -97,7 +95,7 @@ def test_every_op_dtype_and_form_in_jit(comm):
         for form in forms(comm):
             with form.active():
                 # The function closes over the form; its inputs are built inside from the rank.
-                out = jax.jit(lambda: _run_ops(form, comm))()
+                out = jax.jit(lambda form=form: _run_ops(form, comm))()
                 _check(out, form, comm, "jit")
 
 
@@ -119,7 +117,11 @@ def test_send_recv_pairs(comm):
     x = {"a": jnp.arange(4.0) + r, "b": jnp.int32(r)}
     for mode in ("eager", "jit"):
         if r % 2 == 0 and r + 1 < n:
-            f = (lambda v: spmd.send(v, r + 1)) if mode == "eager" else jax.jit(lambda v: spmd.send(v, r + 1))
+            f = (
+                (lambda v: spmd.send(v, r + 1))
+                if mode == "eager"
+                else jax.jit(lambda v: spmd.send(v, r + 1))
+            )
             assert f(x) is None
         elif r % 2 == 1:
             recv = lambda: spmd.recv(x, r - 1)  # noqa: E731

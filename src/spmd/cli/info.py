@@ -59,6 +59,26 @@ def _gpu_libraries() -> list[str]:
     return found
 
 
+def _collectives() -> list[str]:
+    """How collectives move data: the handlers, the rule and what is forced. (A running program
+    asks ``spmd.ops.get_backend(...)`` for a group's actual choice.)"""
+    from .._native_lib import native
+
+    out = []
+    try:
+        targets = ", ".join(sorted(native().cpu_handlers()))
+        out.append(f"  collective handlers (cpu): {targets}")
+    except Exception as e:
+        out.append(f"  collective handlers (cpu): unavailable ({e})")
+    requested = os.environ.get("SPMD_BACKEND") or "auto"
+    out.append(
+        f"  collective backend: {requested} (auto: shm inside one node, hier = shm + MPI between "
+        "node leaders when a group spans nodes with several ranks on some node, mpi otherwise; "
+        "send/recv always mpi)"
+    )
+    return out
+
+
 def report() -> str:
     from .._errors import SpmdError
     from ..runtime._env import detect
@@ -83,6 +103,7 @@ def report() -> str:
     except SpmdError as e:
         lines.append(f"  launcher detected: error: {e}")
     lines.append("  communicators: mpi (mpi4py), void (file store, single machine)")
+    lines += _collectives()
     lines += [f"  gpu {g}" for g in _gpu_libraries()]
     lines.append("devices:")
     try:

@@ -46,7 +46,7 @@ def all_to_all(
     leaves, treedef, paths = flatten(x, "all_to_all", ref)
     n = ref.size
     plans = []
-    for v, p in zip(leaves, paths):
+    for v, p in zip(leaves, paths, strict=True):
         s = check_axis(split_axis, v.ndim, "split_axis", "all_to_all", ref, p)
         c = check_axis(concat_axis, v.ndim, "concat_axis", "all_to_all", ref, p)
         if v.shape[s] % n:
@@ -58,12 +58,12 @@ def all_to_all(
     if n == 1:
         return jax.tree_util.tree_unflatten(treedef, leaves)
     blocks = []
-    for v, (s, _) in zip(leaves, plans):
+    for v, (s, _) in zip(leaves, plans, strict=True):
         m = jnp.moveaxis(v, s, 0)
         blocks.append(m.reshape(n, m.shape[0] // n, *m.shape[1:]))
     outs = bind(all_to_all_p, *blocks, group=ref)
     results = []
-    for v, y, (s, c) in zip(leaves, outs, plans):
+    for y, (s, c) in zip(outs, plans, strict=True):
         y = jnp.moveaxis(y, 1, s + 1)  # (n, *x.shape with split_axis / n)
         y = jnp.moveaxis(y, 0, c)  # rank axis right before concat_axis
         shape = list(y.shape)
@@ -84,19 +84,21 @@ def _jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef) -> Any:
     t_outs: list[Any] = [zero_tangent(y) for y in outs]
     live = [i for i, t in enumerate(tangents) if not isinstance(t, Zero)]
     if live:
-        for i, r in zip(live, all_to_all_p.bind(*[tangents[i] for i in live], group=group)):
+        for i, r in zip(
+            live, all_to_all_p.bind(*[tangents[i] for i in live], group=group), strict=True
+        ):
             t_outs[i] = r
     return outs, t_outs
 
 
 def _transpose(cts: list[Any], *args: Any, group: GroupRef) -> list[Any]:
-    cts = [instantiate(ct, arg_aval(a)) for ct, a in zip(cts, args)]
+    cts = [instantiate(ct, arg_aval(a)) for ct, a in zip(cts, args, strict=True)]
     return list(all_to_all_p.bind(*cts, group=group))
 
 
 def _batch(args: list[Any], dims: list[Any], *, group: GroupRef) -> Any:
     # Axis 0 holds the blocks: batch dimensions go to axis 1.
-    moved = [a if d is None else jnp.moveaxis(a, d, 1) for a, d in zip(args, dims)]
+    moved = [a if d is None else jnp.moveaxis(a, d, 1) for a, d in zip(args, dims, strict=True)]
     out_dims = [None if d is None else 1 for d in dims]
     return all_to_all_p.bind(*moved, group=group), out_dims
 

@@ -87,14 +87,21 @@ def _jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, op: str) -
         res = _sum(ts, group)
     elif op == "prod":
         # d(prod_r x_r) = prod * sum_r t_r / x_r (undefined where some x_r == 0).
-        res = [y * s for y, s in zip(ys, _sum([t / x for t, x in zip(ts, xs)], group))]
+        res = [
+            y * s
+            for y, s in zip(
+                ys, _sum([t / x for t, x in zip(ts, xs, strict=True)], group), strict=True
+            )
+        ]
     else:
         # max/min: the tangent of the rank(s) holding the extreme value, averaged over ties.
-        masks = [(x == y) for x, y in zip(xs, ys)]
-        num = _sum([jnp.where(m, t, jnp.zeros_like(t)) for m, t in zip(masks, ts)], group)
-        cnt = _sum([m.astype(t.dtype) for m, t in zip(masks, ts)], group)
-        res = [n / c for n, c in zip(num, cnt)]
-    for i, r in zip(live, res):
+        masks = [(x == y) for x, y in zip(xs, ys, strict=True)]
+        num = _sum(
+            [jnp.where(m, t, jnp.zeros_like(t)) for m, t in zip(masks, ts, strict=True)], group
+        )
+        cnt = _sum([m.astype(t.dtype) for m, t in zip(masks, ts, strict=True)], group)
+        res = [n / c for n, c in zip(num, cnt, strict=True)]
+    for i, r in zip(live, res, strict=True):
         t_outs[i] = r
     return outs, t_outs
 
@@ -103,7 +110,7 @@ def _transpose(cts: list[Any], *args: Any, group: GroupRef, op: str) -> list[Any
     # Only op="sum" is linear. Transpose of sum-allreduce is sum-allreduce: dL/dx_r = sum_s ct_s.
     assert op == "sum", op
     avals = [arg_aval(a) for a in args]
-    return _sum([instantiate(ct, aval) for ct, aval in zip(cts, avals)], group)
+    return _sum([instantiate(ct, aval) for ct, aval in zip(cts, avals, strict=True)], group)
 
 
 def _batch(args: list[Any], dims: list[Any], *, group: GroupRef, op: str) -> Any:

@@ -59,13 +59,13 @@ def _jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, root: int)
     live = [i for i, t in enumerate(tangents) if not isinstance(t, Zero)]
     if live:
         res = broadcast_p.bind(*[tangents[i] for i in live], group=group, root=root)
-        for i, r in zip(live, res):
+        for i, r in zip(live, res, strict=True):
             t_outs[i] = r
     return outs, t_outs
 
 
 def _transpose(cts: list[Any], *args: Any, group: GroupRef, root: int) -> list[Any]:
-    cts = [instantiate(ct, arg_aval(a)) for ct, a in zip(cts, args)]
+    cts = [instantiate(ct, arg_aval(a)) for ct, a in zip(cts, args, strict=True)]
     summed = allreduce_p.bind(*cts, group=group, op="sum")
     if group.rank == root:
         return list(summed)

@@ -25,7 +25,7 @@ import numpy as np
 from jax._src import core, dispatch
 from jax._src.interpreters import mlir
 from jax._src.interpreters import partial_eval as pe
-from jax._src.lib.mlir import ir
+from jax._src.lib.mlir import ir  # type: ignore[attr-defined]
 
 from .._errors import SpmdError, SpmdTypeError
 from ._groups import GroupRef
@@ -77,7 +77,7 @@ _ORDER_TYPE: Callable[[], ir.Type] = lambda: ir.RankedTensorType.get(  # noqa: E
 _CHAINS_KEY: Any = ("spmd", "order-chains")
 
 
-def _layout(aval: core.ShapedArray) -> list[int]:
+def _layout(aval: Any) -> list[int]:
     return list(reversed(range(len(aval.shape))))
 
 
@@ -92,8 +92,8 @@ def _attr(value: Any) -> ir.Attribute:
 
 
 def lower_collective(
-    ctx: mlir.LoweringRuleContext, target: str, operands: Sequence[ir.Value], **attrs: Any
-) -> list[ir.Value]:
+    ctx: mlir.LoweringRuleContext, target: str, operands: Sequence[Any], **attrs: Any
+) -> list[Any]:
     """Emit the FFI custom call ``target``, chained after the previous collective of the block.
 
     Attributes: Python ints become i64, ``np.int32`` i32, tuples i64 arrays.
@@ -109,7 +109,10 @@ def lower_collective(
         previous = mlir.ir_constant(np.zeros((1,), np.uint8))
     call = mlir.custom_call(
         target,
-        result_types=[_ORDER_TYPE(), *(mlir.aval_to_ir_type(ctx.module_context, a) for a in ctx.avals_out)],
+        result_types=[
+            _ORDER_TYPE(),
+            *(mlir.aval_to_ir_type(ctx.module_context, a) for a in ctx.avals_out),
+        ],
         operands=[previous, *operands],
         backend_config={k: _attr(v) for k, v in attrs.items()},
         api_version=4,
@@ -124,11 +127,13 @@ def lower_collective(
     return list(call.results[1:])
 
 
-def register_cpu_lowering(prim: core.Primitive, target: str, **attr_params: Callable[..., Any]) -> None:
+def register_cpu_lowering(
+    prim: core.Primitive, target: str, **attr_params: Callable[..., Any]
+) -> None:
     """Lower ``prim`` on CPU to ``target``; ``attr_params`` map FFI attribute names to functions
     of the primitive's parameters."""
 
-    def rule(ctx: mlir.LoweringRuleContext, *operands: ir.Value, **params: Any) -> list[ir.Value]:
+    def rule(ctx: mlir.LoweringRuleContext, *operands: Any, **params: Any) -> list[Any]:
         group: GroupRef = params["group"]
         attrs = {name: fn(**params) for name, fn in attr_params.items()}
         return lower_collective(ctx, target, operands, group=group.gid, **attrs)
@@ -260,7 +265,8 @@ def arg_aval(arg: Any) -> core.ShapedArray:
     """The aval of a transpose rule's argument, linear (undefined) or not."""
     from jax._src.interpreters import ad
 
-    return arg.aval if ad.is_undefined_primal(arg) else core.typeof(arg)
+    aval: core.ShapedArray = arg.aval if ad.is_undefined_primal(arg) else core.typeof(arg)
+    return aval
 
 
 def zero_tangent(primal: Any) -> Any:

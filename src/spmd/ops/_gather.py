@@ -53,13 +53,16 @@ def allgather(x: Any, axis: int = 0, *, rank_list: Any = None, group: Any = None
     """
     ref = resolve(rank_list, group)
     leaves, treedef, paths = flatten(x, "allgather", ref)
-    axes = [check_axis(axis, v.ndim, "axis", "allgather", ref, p) for v, p in zip(leaves, paths)]
+    axes = [
+        check_axis(axis, v.ndim, "axis", "allgather", ref, p)
+        for v, p in zip(leaves, paths, strict=True)
+    ]
     if ref.size == 1:
         return jax.tree_util.tree_unflatten(treedef, leaves)
-    moved = [jnp.moveaxis(v, a, 0) for v, a in zip(leaves, axes)]
+    moved = [jnp.moveaxis(v, a, 0) for v, a in zip(leaves, axes, strict=True)]
     outs = bind(allgather_p, *moved, group=ref, sizes=())
     return jax.tree_util.tree_unflatten(
-        treedef, [jnp.moveaxis(y, 0, a) for y, a in zip(outs, axes)]
+        treedef, [jnp.moveaxis(y, 0, a) for y, a in zip(outs, axes, strict=True)]
     )
 
 
@@ -71,7 +74,7 @@ def allgatherv(x: Any, sizes: Sequence[int], *, rank_list: Any = None, group: An
     ref = resolve(rank_list, group)
     leaves, treedef, paths = flatten(x, "allgatherv", ref)
     sz = _check_sizes(sizes, ref, "allgatherv")
-    for v, p in zip(leaves, paths):
+    for v, p in zip(leaves, paths, strict=True):
         if v.ndim == 0 or v.shape[0] != sz[ref.rank]:
             raise SpmdError(
                 f"rank {ref.world_rank}: allgatherv: {p} has shape {v.shape}, but sizes={list(sz)} "
@@ -95,7 +98,7 @@ def reduce_scatter(
     leaves, treedef, paths = flatten(x, "reduce_scatter", ref)
     check_reduce_op(op, "reduce_scatter", ref, leaves)
     axes = []
-    for v, p in zip(leaves, paths):
+    for v, p in zip(leaves, paths, strict=True):
         a = check_axis(axis, v.ndim, "axis", "reduce_scatter", ref, p)
         if v.shape[a] % ref.size:
             raise SpmdError(
@@ -106,12 +109,12 @@ def reduce_scatter(
         axes.append(a)
     if ref.size == 1:
         return jax.tree_util.tree_unflatten(treedef, leaves)
-    moved = [jnp.moveaxis(v, a, 0) for v, a in zip(leaves, axes)]
+    moved = [jnp.moveaxis(v, a, 0) for v, a in zip(leaves, axes, strict=True)]
     outs = bind(reduce_scatter_p, *moved, group=ref, op=_native_op(op), sizes=())
     if op == "avg":
         outs = [(y / ref.size).astype(y.dtype) for y in outs]
     return jax.tree_util.tree_unflatten(
-        treedef, [jnp.moveaxis(y, 0, a) for y, a in zip(outs, axes)]
+        treedef, [jnp.moveaxis(y, 0, a) for y, a in zip(outs, axes, strict=True)]
     )
 
 
@@ -124,7 +127,7 @@ def reduce_scatterv(
     leaves, treedef, paths = flatten(x, "reduce_scatterv", ref)
     check_reduce_op(op, "reduce_scatterv", ref, leaves)
     sz = _check_sizes(sizes, ref, "reduce_scatterv")
-    for v, p in zip(leaves, paths):
+    for v, p in zip(leaves, paths, strict=True):
         if v.ndim == 0 or v.shape[0] != sum(sz):
             raise SpmdError(
                 f"rank {ref.world_rank}: reduce_scatterv: {p} has shape {v.shape}, but "
@@ -195,7 +198,7 @@ register_cpu_lowering(
 def _batcher(prim: core.Primitive) -> Any:
     # Axis 0 is the gathered/scattered one: batch dimensions go to axis 1 and stay there.
     def rule(args: list[Any], dims: list[Any], **params: Any) -> Any:
-        moved = [a if d is None else jnp.moveaxis(a, d, 1) for a, d in zip(args, dims)]
+        moved = [a if d is None else jnp.moveaxis(a, d, 1) for a, d in zip(args, dims, strict=True)]
         out_dims = [None if d is None else 1 for d in dims]
         return prim.bind(*moved, **params), out_dims
 
@@ -219,7 +222,7 @@ def _gather_jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, siz
     live = _live(tangents)
     if live:
         res = allgather_p.bind(*[tangents[i] for i in live], group=group, sizes=sizes)
-        for i, r in zip(live, res):
+        for i, r in zip(live, res, strict=True):
             t_outs[i] = r
     return outs, t_outs
 
@@ -227,7 +230,7 @@ def _gather_jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, siz
 def _gather_transpose(cts: list[Any], *args: Any, group: GroupRef, sizes: Sizes) -> list[Any]:
     # Rank r's rows reach every rank; dL/dx_r sums those rows' cotangents over ranks.
     out_avals = _gather_eval(*[arg_aval(a) for a in args], group=group, sizes=sizes)
-    cts = [instantiate(ct, aval) for ct, aval in zip(cts, out_avals)]
+    cts = [instantiate(ct, aval) for ct, aval in zip(cts, out_avals, strict=True)]
     return list(reduce_scatter_p.bind(*cts, group=group, op="sum", sizes=sizes))
 
 
@@ -252,13 +255,16 @@ def _scatter_jvp(
         # Every rank's contribution to a block needs the block's result: gather it back.
         full = allgather_p.bind(*ys, group=group, sizes=sizes)
         if op == "prod":
-            res = [y * s for y, s in zip(ys, rs([t / x for t, x in zip(ts, xs)]))]
+            res = [
+                y * s
+                for y, s in zip(ys, rs([t / x for t, x in zip(ts, xs, strict=True)]), strict=True)
+            ]
         else:
-            masks = [x == f for x, f in zip(xs, full)]
-            num = rs([jnp.where(m, t, jnp.zeros_like(t)) for m, t in zip(masks, ts)])
-            cnt = rs([m.astype(t.dtype) for m, t in zip(masks, ts)])
-            res = [n / c for n, c in zip(num, cnt)]
-    for i, r in zip(live, res):
+            masks = [x == f for x, f in zip(xs, full, strict=True)]
+            num = rs([jnp.where(m, t, jnp.zeros_like(t)) for m, t in zip(masks, ts, strict=True)])
+            cnt = rs([m.astype(t.dtype) for m, t in zip(masks, ts, strict=True)])
+            res = [n / c for n, c in zip(num, cnt, strict=True)]
+    for i, r in zip(live, res, strict=True):
         t_outs[i] = r
     return outs, t_outs
 
@@ -270,7 +276,7 @@ def _scatter_transpose(
     # dL/dx_s[block r] = ct_r: gathering the cotangents gives each rank its full dL/dx.
     assert op == "sum", op
     out_avals = _scatter_eval(*[arg_aval(a) for a in args], group=group, op=op, sizes=sizes)
-    cts = [instantiate(ct, aval) for ct, aval in zip(cts, out_avals)]
+    cts = [instantiate(ct, aval) for ct, aval in zip(cts, out_avals, strict=True)]
     return list(allgather_p.bind(*cts, group=group, sizes=sizes))
 
 

@@ -108,9 +108,7 @@ def barrier(*, rank_list: Any = None, group: Any = None) -> None:
 
 # -- primitives ---------------------------------------------------------------------------------
 
-sendrecv_p.def_abstract_eval(
-    lambda x, *, group, src, dst: [core.ShapedArray(x.shape, x.dtype)]
-)
+sendrecv_p.def_abstract_eval(lambda x, *, group, src, dst: [core.ShapedArray(x.shape, x.dtype)])
 send_p.def_abstract_eval(lambda x, *, group, dst: [_DONE])
 recv_p.def_abstract_eval(lambda *, group, src, shape, dtype: [core.ShapedArray(shape, dtype)])
 barrier_p.def_abstract_eval(lambda *, group: [_DONE])
@@ -123,7 +121,9 @@ register_cpu_lowering(recv_p, "spmd_sendrecv", src=lambda src, **_: src, dst=lam
 register_cpu_lowering(barrier_p, "spmd_barrier")
 
 
-def _sendrecv_jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, src: int, dst: int) -> Any:
+def _sendrecv_jvp(
+    primals: list[Any], tangents: list[Any], *, group: GroupRef, src: int, dst: int
+) -> Any:
     (y,) = sendrecv_p.bind(*primals, group=group, src=src, dst=dst)
     (t,) = tangents
     if isinstance(t, Zero):
@@ -131,7 +131,9 @@ def _sendrecv_jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, s
     return [y], list(sendrecv_p.bind(t, group=group, src=src, dst=dst))
 
 
-def _sendrecv_transpose(cts: list[Any], x: Any, *, group: GroupRef, src: int, dst: int) -> list[Any]:
+def _sendrecv_transpose(
+    cts: list[Any], x: Any, *, group: GroupRef, src: int, dst: int
+) -> list[Any]:
     # y_r = x_src(r): the cotangent of y_r belongs to x on rank src, so send it back to src.
     (ct,) = cts
     return list(sendrecv_p.bind(instantiate(ct, arg_aval(x)), group=group, src=dst, dst=src))
@@ -145,7 +147,10 @@ def _send_jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, dst: 
 ad.primitive_jvps[sendrecv_p] = _sendrecv_jvp
 ad.primitive_transposes[sendrecv_p] = _sendrecv_transpose
 ad.primitive_jvps[send_p] = _send_jvp
-batching.primitive_batchers[sendrecv_p] = lambda args, dims, **p: (sendrecv_p.bind(*args, **p), dims)
+batching.primitive_batchers[sendrecv_p] = lambda args, dims, **p: (
+    sendrecv_p.bind(*args, **p),
+    dims,
+)
 batching.primitive_batchers[send_p] = lambda args, dims, **p: (
     send_p.bind(*args, **p),
     [None],
