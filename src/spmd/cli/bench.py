@@ -101,8 +101,8 @@ def busbw_factor(op: str, n: int) -> float:
 
 
 def default_iterations(nbytes: int) -> int:
-    """Timed calls per series: 1000 up to 512 KiB, then about 512 MiB of data, at least 10."""
-    return max(10, min(1000, (512 << 20) // max(nbytes, 1)))
+    """Timed calls per series: 1000 up to 1 MiB, then about 1 GiB of data, at least 20."""
+    return max(20, min(1000, (1 << 30) // max(nbytes, 1)))
 
 
 def default_warmup(iters: int) -> int:
@@ -390,9 +390,11 @@ def agree(world: Any, error: str | None) -> str | None:
     return next((e for e in errors if e), None)
 
 
-def measure(
-    env: Env, impl: str, op: str, nbytes: int, count: int, iters: int, warmup: int, check: bool
-) -> Result:
+def prepare(
+    env: Env, impl: str, op: str, nbytes: int, count: int, check: bool
+) -> tuple[Result, Bound | None]:
+    """Bind ``impl`` to the op and size and check its result once: the Result to fill in, and
+    the Bound to time (None, with the reason in the status, where it cannot run)."""
     res = Result(op, impl, nbytes, count, str(env.dtype))
     bound: Bound | None = None
     error: str | None = None
@@ -411,15 +413,41 @@ def measure(
     error = agree(env.world, error)
     if error is not None or bound is None:
         res.status = f"n/a: {error}"
-        return res
+        return res, None
     if agree(env.world, "wrong" if wrong else None):
         res.status = "WRONG RESULT"
-    times = time_series(env.world, bound.call, iters, warmup)
-    res.iters = iters
-    res.time_s, res.rank_medians_s = max_of_medians(env.world, times)
-    res.algbw = nbytes / res.time_s / 1e9
-    res.busbw = res.algbw * busbw_factor(op, env.n)
-    return res
+    return res, bound
+
+
+def measure_size(
+    env: Env,
+    impls: Sequence[str],
+    op: str,
+    nbytes: int,
+    count: int,
+    iters: int,
+    warmup: int,
+    rounds: int,
+    check: bool,
+) -> dict[str, Result]:
+    """Every implementation at one op and size: ``rounds`` rounds, each giving every
+    implementation in turn its warm-up, a barrier and ``iters`` timed calls; per rank the
+    median over all rounds' calls, then the maximum over ranks."""
+    prepared = {impl: prepare(env, impl, op, nbytes, count, check) for impl in impls}
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
+    for _ in range(rounds):
+        for impl, (_, bound) in prepared.items():
+            if bound is not None:
+                times[impl] += time_series(env.world, bound.call, iters, warmup)
+    rows = {}
+    for impl, (res, bound) in prepared.items():
+        if bound is not None:
+            res.iters = iters * rounds
+            res.time_s, res.rank_medians_s = max_of_medians(env.world, times[impl])
+            res.algbw = nbytes / res.time_s / 1e9
+            res.busbw = res.algbw * busbw_factor(op, env.n)
+        rows[impl] = res
+    return rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -656,8 +684,9 @@ def markdown(report: dict[str, Any], results: list[Result], impls: Sequence[str]
         skipped = report["skipped_peers"].items()
         out += ["Peers skipped: " + "; ".join(f"{k} ({v})" for k, v in skipped), ""]
     out += [
-        "Time: per rank the median of individually timed calls (after warm-up and one barrier), "
-        "then the maximum over ranks, in microseconds. algbw = size / time, busbw = algbw x "
+        f"Time: per rank the median of individually timed calls ({report['config']['rounds']} "
+        "rounds over the implementations, each with its warm-up and one barrier), then the "
+        "maximum over ranks, in microseconds. algbw = size / time, busbw = algbw x "
         "2(n-1)/n (allreduce), (n-1)/n (allgather, reduce_scatter, all_to_all), 1 (broadcast); "
         "GB/s are 1e9 bytes per second. ratio = spmd busbw / peer busbw: above 1, spmd is "
         "faster. spmd and mpi4jax run inside `jax.jit`; mpi4py on numpy buffers.",
@@ -777,6 +806,13 @@ def parser(prog: str = "spmd-bench") -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, help="timed calls per series (default: by size)")
     p.add_argument("--warmup", type=int, help="untimed calls first (default iters/10, >= 2)")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds over the implementations per op and size, each with its warm-up and "
+        "iters timed calls; the median is over all rounds' calls (default 3)",
+    )
+    p.add_argument(
         "--peers",
         default="all",
         help=f"comma list of {', '.join(PEERS)}, 'all' (default: those importable) or 'none'",
@@ -797,6 +833,23 @@ def parser(prog: str = "spmd-bench") -> argparse.ArgumentParser:
 def _sanitize(argv: Sequence[str]) -> list[str]:
     """Arguments for the record, without absolute paths."""
     return [os.path.basename(a) if os.path.isabs(a) else a for a in argv]
+
+
+def resolve_args(args: argparse.Namespace) -> tuple[list[str], list[str], list[int]]:
+    """The ops, peers and sizes asked for; raises SpmdError on a bad option."""
+    if args.rounds < 1 or (args.iters is not None and args.iters < 1):
+        raise SpmdError("--rounds and --iters need at least 1")
+    if args.nprocs is not None and args.nprocs < 1:
+        raise SpmdError(f"-n {args.nprocs}: need at least one rank")
+    op_list = _list(args.ops, OPS, "op")
+    peers = _list(args.peers, PEERS, "peer")
+    if args.sizes:
+        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    else:
+        sizes = size_sweep(parse_size(args.min_bytes), parse_size(args.max_bytes), args.factor)
+    if not op_list or not sizes:
+        raise SpmdError("no ops or no sizes to run")
+    return op_list, peers, sizes
 
 
 def run_rank(args: argparse.Namespace, command: str) -> int:
@@ -828,12 +881,7 @@ def _run_rank(args: argparse.Namespace, command: str, rank: int, n: int) -> int:
         ops.set_backend(args.backend)
     if args.nprocs is not None and args.nprocs != n:
         say(f"spmd-bench: -n {args.nprocs} ignored: this job has {n} ranks")
-    op_list = _list(args.ops, OPS, "op")
-    peers = _list(args.peers, PEERS, "peer")
-    if args.sizes:
-        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    else:
-        sizes = size_sweep(parse_size(args.min_bytes), parse_size(args.max_bytes), args.factor)
+    op_list, peers, sizes = resolve_args(args)
     env = Env(rank, n, dtype, MPI, MPI.COMM_WORLD)
     peer_impls, skipped = load_peers(env, peers)
     impls = [SPMD, *peer_impls]
@@ -859,11 +907,10 @@ def _run_rank(args: argparse.Namespace, command: str, rank: int, n: int) -> int:
             seen.add(nbytes)
             iters = args.iters or default_iterations(nbytes)
             warmup = args.warmup if args.warmup is not None else default_warmup(iters)
-            rows: dict[str, Result] = {}
-            for impl in impls:
-                r = measure(env, impl, op, nbytes, count, iters, warmup, not args.no_check)
-                rows[impl] = r
-                results.append(r)
+            rows = measure_size(
+                env, impls, op, nbytes, count, iters, warmup, args.rounds, not args.no_check
+            )
+            results += rows.values()
             say(console_row(rows, impls))
         for line in _not_run(r for r in results if r.op == op):
             say(f"#   n/a {line}")
@@ -895,8 +942,9 @@ def _run_rank(args: argparse.Namespace, command: str, rank: int, n: int) -> int:
                 "ops": op_list,
                 "sizes": sizes,
                 "dtype": str(dtype),
-                "iters": args.iters or "by size: clamp(512 MiB / size, 10, 1000)",
+                "iters": args.iters or "by size: clamp(1 GiB / size, 20, 1000)",
                 "warmup": args.warmup if args.warmup is not None else "iters / 10, at least 2",
+                "rounds": args.rounds,
                 "check": not args.no_check,
                 "implementations": impls,
             },
@@ -947,6 +995,7 @@ def main(
     if args.out_dir is None and default_out_dir is not None:
         args.out_dir = default_out_dir
     try:
+        resolve_args(args)  # bad options fail here, before any job starts
         if mpi_rank_size(os.environ) is None:  # not in a job: start one
             from .run import launch
 
