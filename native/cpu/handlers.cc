@@ -83,7 +83,23 @@ struct Call {
   Group* group = nullptr;
   std::vector<Leaf> in, out;
   std::vector<std::vector<int64_t>> dims;  // of the inputs
-  std::string params;                      // human-readable static parameters
+  // Static parameters, formatted only when ranks disagree (never on the hot path).
+  int32_t op = -1;
+  int64_t root = -1;
+  ffi::Span<const int64_t> sizes;
+  bool has_sizes = false;
+
+  std::string Params() const {
+    std::string p;
+    if (op >= 0) p += std::string("op=") + kReduceNames[op];
+    if (root >= 0) p += (p.empty() ? "" : ", ") + std::string("root=") + std::to_string(root);
+    if (has_sizes) {
+      p += (p.empty() ? "" : ", ") + std::string("sizes=[");
+      for (size_t i = 0; i < sizes.size(); ++i) p += (i ? "," : "") + std::to_string(sizes[i]);
+      p += "]";
+    }
+    return p;
+  }
   uint64_t hash = 1469598103934665603ull;
 
   void Mix(uint64_t x) {
@@ -93,7 +109,7 @@ struct Call {
     }
   }
   std::string Describe() const {
-    std::string s = std::string(kNames[code]) + "(" + params + ") of ";
+    std::string s = std::string(kNames[code]) + "(" + Params() + ") of ";
     if (in.empty()) s += "no arrays";
     for (size_t i = 0; i < in.size(); ++i) {
       s += (i ? ", " : "") + std::string(DtypeName(in[i].dtype)) + "[";
@@ -216,7 +232,7 @@ ffi::Error AllreduceFfi(int64_t group, int32_t op, ffi::RemainingArgs args,
   Call call(kAllreduce);
   if (ffi::Error e = Decode(call, group, args, rets, false); e.failure()) return e;
   if (op < 0 || op > 3) return Fail(call, "unknown reduction code " + std::to_string(op));
-  call.params = std::string("op=") + kReduceNames[op];
+  call.op = op;
   call.Mix(static_cast<uint64_t>(op));
   std::lock_guard<std::mutex> lock(call.group->mu);
   return FromStatus(call, AllreduceImpl(call, static_cast<ReduceOp>(op)));
@@ -246,11 +262,8 @@ ffi::Error AllgatherFfi(int64_t group, ffi::Span<const int64_t> sizes, ffi::Rema
     total += s;
     call.Mix(static_cast<uint64_t>(s));
   }
-  call.params = "sizes=[";
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    call.params += (i ? "," : "") + std::to_string(sizes[i]);
-  }
-  call.params += "]";
+  call.sizes = sizes;
+  call.has_sizes = true;
   std::lock_guard<std::mutex> lock(g.mu);
   for (size_t i = 0; i < call.in.size(); ++i) {
     std::vector<size_t> bytes(g.size, call.in[i].bytes);
@@ -290,11 +303,9 @@ ffi::Error ReduceScatterFfi(int64_t group, int32_t op, ffi::Span<const int64_t> 
     total += s;
     call.Mix(static_cast<uint64_t>(s));
   }
-  call.params = std::string("op=") + kReduceNames[op] + ", sizes=[";
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    call.params += (i ? "," : "") + std::to_string(sizes[i]);
-  }
-  call.params += "]";
+  call.op = op;
+  call.sizes = sizes;
+  call.has_sizes = true;
   std::lock_guard<std::mutex> lock(g.mu);
   for (size_t i = 0; i < call.in.size(); ++i) {
     std::vector<size_t> bytes(g.size, call.out[i].bytes);
@@ -331,7 +342,7 @@ ffi::Error BroadcastFfi(int64_t group, int64_t root, ffi::RemainingArgs args,
   Call call(kBroadcast);
   if (ffi::Error e = Decode(call, group, args, rets, false); e.failure()) return e;
   Group& g = *call.group;
-  call.params = "root=" + std::to_string(root);
+  call.root = root;
   call.Mix(static_cast<uint64_t>(root));
   std::lock_guard<std::mutex> lock(g.mu);
   for (size_t i = 0; i < call.in.size(); ++i) {

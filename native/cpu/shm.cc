@@ -229,12 +229,7 @@ Status ShmGroup::Allreduce(const Signature& sig, ReduceOp op, const std::vector<
       });
     }
     if (!first) copy_out(prev_lo, prev_t);
-    if (first) {
-      SPMD_RETURN_IF_ERROR(Begin(sig));
-      first = false;
-    } else {
-      SPMD_RETURN_IF_ERROR(Sync());
-    }
+    SPMD_RETURN_IF_ERROR(Step(sig, &first));
     uint64_t tr = next();
     size_t a = lo + me * cb;
     v.Pieces(in, a, std::min(a + cb, v.total), [&](size_t i, size_t off, size_t len) {
@@ -266,12 +261,7 @@ Status ShmGroup::Allgatherv(const Signature& sig, const Leaf& in, const Leaf& ou
   for (size_t lo = 0; first || lo < most; lo += chunk_) {
     uint64_t t = next();
     if (lo < bytes[me]) std::memcpy(slot(me, t), in.data + lo, std::min(chunk_, bytes[me] - lo));
-    if (first) {
-      SPMD_RETURN_IF_ERROR(Begin(sig));
-      first = false;
-    } else {
-      SPMD_RETURN_IF_ERROR(Sync());
-    }
+    SPMD_RETURN_IF_ERROR(Step(sig, &first));
     for (int r = 0; r < n; ++r) {
       if (r == me || lo >= bytes[r]) continue;
       std::memcpy(out.data + off[r] + lo, slot(r, t), std::min(chunk_, bytes[r] - lo));
@@ -298,12 +288,7 @@ Status ShmGroup::ReduceScatterv(const Signature& sig, ReduceOp op, const Leaf& i
       if (j == me || lo >= bytes[j]) continue;
       std::memcpy(slot(me, t) + j * cb, in.data + off[j] + lo, std::min(cb, bytes[j] - lo));
     }
-    if (first) {
-      SPMD_RETURN_IF_ERROR(Begin(sig));
-      first = false;
-    } else {
-      SPMD_RETURN_IF_ERROR(Sync());
-    }
+    SPMD_RETURN_IF_ERROR(Step(sig, &first));
     if (lo < bytes[me]) {
       size_t len = std::min(cb, bytes[me] - lo);
       for (int r = 0; r < n; ++r) {
@@ -323,12 +308,7 @@ Status ShmGroup::Broadcast(const Signature& sig, int root, const Leaf& in, const
     uint64_t t = next();
     size_t len = std::min(chunk_, in.bytes - lo);
     if (me == root && len) std::memcpy(slot(me, t), in.data + lo, len);
-    if (first) {
-      SPMD_RETURN_IF_ERROR(Begin(sig));
-      first = false;
-    } else {
-      SPMD_RETURN_IF_ERROR(Sync());
-    }
+    SPMD_RETURN_IF_ERROR(Step(sig, &first));
     if (me != root && len) std::memcpy(out.data + lo, slot(root, t), len);
   }
   return Status::Ok();
@@ -345,12 +325,7 @@ Status ShmGroup::AllToAll(const Signature& sig, const Leaf& in, const Leaf& out,
     for (int j = 0; j < n; ++j) {
       if (j != me && len) std::memcpy(slot(me, t) + j * cb, in.data + j * block + lo, len);
     }
-    if (first) {
-      SPMD_RETURN_IF_ERROR(Begin(sig));
-      first = false;
-    } else {
-      SPMD_RETURN_IF_ERROR(Sync());
-    }
+    SPMD_RETURN_IF_ERROR(Step(sig, &first));
     for (int j = 0; j < n; ++j) {
       if (j != me && len) std::memcpy(out.data + j * block + lo, slot(j, t) + me * cb, len);
     }

@@ -84,6 +84,12 @@ class ShmGroup {
   char* res(int r, uint64_t t) const { return data_ + (r * 4 + 2 + (t & 1)) * chunk_; }
   uint64_t next() const { return epoch_ + 1; }  // the sync point the current phase ends with
   Status Sync();
+  // The sync ending a step: the first step of a collective also checks the signatures.
+  Status Step(const Signature& sig, bool* first) {
+    if (!*first) return Sync();
+    *first = false;
+    return Begin(sig);
+  }
   Status Mismatch(const Signature& sig);
 
   std::string name_;

@@ -13,7 +13,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax._src import core
-from jax._src.ad_util import Zero
 from jax._src.interpreters import ad, batching
 
 from .._errors import SpmdError
@@ -24,8 +23,8 @@ from ._core import (
     collective_primitive,
     flatten,
     instantiate,
+    linear_jvp,
     register_cpu_lowering,
-    zero_tangent,
 )
 from ._groups import GroupRef, resolve
 
@@ -79,18 +78,6 @@ all_to_all_p.def_abstract_eval(_abstract_eval)
 register_cpu_lowering(all_to_all_p, "spmd_all_to_all")
 
 
-def _jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef) -> Any:
-    outs = all_to_all_p.bind(*primals, group=group)
-    t_outs: list[Any] = [zero_tangent(y) for y in outs]
-    live = [i for i, t in enumerate(tangents) if not isinstance(t, Zero)]
-    if live:
-        for i, r in zip(
-            live, all_to_all_p.bind(*[tangents[i] for i in live], group=group), strict=True
-        ):
-            t_outs[i] = r
-    return outs, t_outs
-
-
 def _transpose(cts: list[Any], *args: Any, group: GroupRef) -> list[Any]:
     cts = [instantiate(ct, arg_aval(a)) for ct, a in zip(cts, args, strict=True)]
     return list(all_to_all_p.bind(*cts, group=group))
@@ -103,6 +90,6 @@ def _batch(args: list[Any], dims: list[Any], *, group: GroupRef) -> Any:
     return all_to_all_p.bind(*moved, group=group), out_dims
 
 
-ad.primitive_jvps[all_to_all_p] = _jvp
+ad.primitive_jvps[all_to_all_p] = linear_jvp(all_to_all_p)
 ad.primitive_transposes[all_to_all_p] = _transpose
 batching.primitive_batchers[all_to_all_p] = _batch

@@ -12,7 +12,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax._src import core
-from jax._src.ad_util import Zero
 from jax._src.interpreters import ad, batching
 
 from ._allreduce import allreduce_p
@@ -23,8 +22,8 @@ from ._core import (
     collective_primitive,
     flatten,
     instantiate,
+    linear_jvp,
     register_cpu_lowering,
-    zero_tangent,
 )
 from ._groups import GroupRef, resolve
 
@@ -53,17 +52,6 @@ broadcast_p.def_abstract_eval(_abstract_eval)
 register_cpu_lowering(broadcast_p, "spmd_broadcast", root=lambda root, **_: int(root))
 
 
-def _jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, root: int) -> Any:
-    outs = broadcast_p.bind(*primals, group=group, root=root)
-    t_outs: list[Any] = [zero_tangent(y) for y in outs]
-    live = [i for i, t in enumerate(tangents) if not isinstance(t, Zero)]
-    if live:
-        res = broadcast_p.bind(*[tangents[i] for i in live], group=group, root=root)
-        for i, r in zip(live, res, strict=True):
-            t_outs[i] = r
-    return outs, t_outs
-
-
 def _transpose(cts: list[Any], *args: Any, group: GroupRef, root: int) -> list[Any]:
     cts = [instantiate(ct, arg_aval(a)) for ct, a in zip(cts, args, strict=True)]
     summed = allreduce_p.bind(*cts, group=group, op="sum")
@@ -76,6 +64,6 @@ def _batch(args: list[Any], dims: list[Any], *, group: GroupRef, root: int) -> A
     return broadcast_p.bind(*args, group=group, root=root), list(dims)
 
 
-ad.primitive_jvps[broadcast_p] = _jvp
+ad.primitive_jvps[broadcast_p] = linear_jvp(broadcast_p)
 ad.primitive_transposes[broadcast_p] = _transpose
 batching.primitive_batchers[broadcast_p] = _batch

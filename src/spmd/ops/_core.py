@@ -212,7 +212,7 @@ def check_reduce_op(op: Any, name: str, group: GroupRef, leaves: Sequence[jax.Ar
                 )
 
 
-def check_rank(value: Any, what: str, name: str, group: GroupRef, allow_none: bool = False) -> int:
+def check_rank(value: Any, what: str, name: str, group: GroupRef) -> int:
     """``value`` as a rank of ``group`` (its position in the group), or an error naming it."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise SpmdTypeError(
@@ -243,21 +243,12 @@ def avals_like(avals: Sequence[core.ShapedArray], shapes: Sequence[tuple[int, ..
     return [core.ShapedArray(s, a.dtype) for a, s in zip(avals, shapes, strict=True)]
 
 
-def move_batch_to(x: Any, bdim: Any, dst: int) -> Any:
-    """``x`` with its batch dimension at ``dst`` (mapped inputs only)."""
-    return jnp.moveaxis(x, bdim, dst)
-
-
-def zeros_like_aval(aval: core.ShapedArray) -> jax.Array:
-    return jnp.zeros(aval.shape, aval.dtype)
-
-
 def instantiate(ct: Any, aval: core.ShapedArray) -> Any:
     """A cotangent as an array (symbolic zeros become real zeros: every rank must send)."""
     from jax._src.ad_util import Zero
 
     if isinstance(ct, Zero) or ct is None:
-        return zeros_like_aval(aval)
+        return jnp.zeros(aval.shape, aval.dtype)
     return ct
 
 
@@ -274,3 +265,21 @@ def zero_tangent(primal: Any) -> Any:
     from jax._src.ad_util import Zero
 
     return Zero(core.typeof(primal).to_tangent_aval())
+
+
+def linear_jvp(prim: core.Primitive) -> Callable[..., Any]:
+    """The JVP rule of a primitive linear in every operand: the same collective on the live
+    tangents (symbolic zeros stay zeros; which are zero is the same on every rank)."""
+
+    def rule(primals: list[Any], tangents: list[Any], **params: Any) -> Any:
+        from jax._src.ad_util import Zero
+
+        outs = prim.bind(*primals, **params)
+        t_outs: list[Any] = [zero_tangent(y) for y in outs]
+        live = [i for i, t in enumerate(tangents) if not isinstance(t, Zero)]
+        if live:
+            for i, r in zip(live, prim.bind(*[tangents[i] for i in live], **params), strict=True):
+                t_outs[i] = r
+        return outs, t_outs
+
+    return rule

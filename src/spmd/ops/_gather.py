@@ -30,6 +30,7 @@ from ._core import (
     collective_primitive,
     flatten,
     instantiate,
+    linear_jvp,
     register_cpu_lowering,
     zero_tangent,
 )
@@ -216,17 +217,6 @@ def _live(tangents: list[Any]) -> list[int]:
     return [i for i, t in enumerate(tangents) if not isinstance(t, Zero)]
 
 
-def _gather_jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, sizes: Sizes) -> Any:
-    outs = allgather_p.bind(*primals, group=group, sizes=sizes)
-    t_outs: list[Any] = [zero_tangent(y) for y in outs]
-    live = _live(tangents)
-    if live:
-        res = allgather_p.bind(*[tangents[i] for i in live], group=group, sizes=sizes)
-        for i, r in zip(live, res, strict=True):
-            t_outs[i] = r
-    return outs, t_outs
-
-
 def _gather_transpose(cts: list[Any], *args: Any, group: GroupRef, sizes: Sizes) -> list[Any]:
     # Rank r's rows reach every rank; dL/dx_r sums those rows' cotangents over ranks.
     out_avals = _gather_eval(*[arg_aval(a) for a in args], group=group, sizes=sizes)
@@ -280,7 +270,7 @@ def _scatter_transpose(
     return list(allgather_p.bind(*cts, group=group, sizes=sizes))
 
 
-ad.primitive_jvps[allgather_p] = _gather_jvp
+ad.primitive_jvps[allgather_p] = linear_jvp(allgather_p)
 ad.primitive_transposes[allgather_p] = _gather_transpose
 ad.primitive_jvps[reduce_scatter_p] = _scatter_jvp
 ad.primitive_transposes[reduce_scatter_p] = _scatter_transpose

@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import numpy as np
 from jax._src import core
-from jax._src.ad_util import Zero
 from jax._src.interpreters import ad, batching
 
 from .._errors import SpmdError
@@ -29,6 +28,7 @@ from ._core import (
     collective_primitive,
     flatten,
     instantiate,
+    linear_jvp,
     register_cpu_lowering,
     zero_tangent,
 )
@@ -121,16 +121,6 @@ register_cpu_lowering(recv_p, "spmd_sendrecv", src=lambda src, **_: src, dst=lam
 register_cpu_lowering(barrier_p, "spmd_barrier")
 
 
-def _sendrecv_jvp(
-    primals: list[Any], tangents: list[Any], *, group: GroupRef, src: int, dst: int
-) -> Any:
-    (y,) = sendrecv_p.bind(*primals, group=group, src=src, dst=dst)
-    (t,) = tangents
-    if isinstance(t, Zero):
-        return [y], [zero_tangent(y)]
-    return [y], list(sendrecv_p.bind(t, group=group, src=src, dst=dst))
-
-
 def _sendrecv_transpose(
     cts: list[Any], x: Any, *, group: GroupRef, src: int, dst: int
 ) -> list[Any]:
@@ -144,7 +134,7 @@ def _send_jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, dst: 
     return outs, [zero_tangent(o) for o in outs]
 
 
-ad.primitive_jvps[sendrecv_p] = _sendrecv_jvp
+ad.primitive_jvps[sendrecv_p] = linear_jvp(sendrecv_p)
 ad.primitive_transposes[sendrecv_p] = _sendrecv_transpose
 ad.primitive_jvps[send_p] = _send_jvp
 batching.primitive_batchers[sendrecv_p] = lambda args, dims, **p: (
