@@ -20,7 +20,9 @@ from .runtime import is_initialized as is_initialized
 from .runtime import set_default_communicator as set_default_communicator
 
 if TYPE_CHECKING:
+    from . import data as data
     from . import ops as ops
+    from . import parallel as parallel
     from .ops import all_to_all as all_to_all
     from .ops import allgather as allgather
     from .ops import allgatherv as allgatherv
@@ -32,6 +34,13 @@ if TYPE_CHECKING:
     from .ops import reduce_scatterv as reduce_scatterv
     from .ops import send as send
     from .ops import sendrecv as sendrecv
+    from .parallel import Program as Program
+    from .parallel import broadcast_params as broadcast_params
+    from .parallel import data_parallel as data_parallel
+    from .parallel import grad as grad
+    from .parallel import no_sync as no_sync
+    from .parallel import trace as trace
+    from .parallel import value_and_grad as value_and_grad
 
 _OPS = (
     "all_to_all",
@@ -48,18 +57,35 @@ _OPS = (
 )
 
 
-def __getattr__(name: str) -> Any:
-    if name == "ops" or name in _OPS:
-        import importlib
+_PARALLEL = (
+    "Program",
+    "broadcast_params",
+    "data_parallel",
+    "grad",
+    "no_sync",
+    "trace",
+    "value_and_grad",
+)
 
-        ops = importlib.import_module(".ops", __name__)
-        return ops if name == "ops" else getattr(ops, name)
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in ("ops", "parallel", "data"):
+        return importlib.import_module("." + name, __name__)
+    if name in _OPS:
+        return getattr(importlib.import_module(".ops", __name__), name)
+    if name in _PARALLEL:
+        return getattr(importlib.import_module(".parallel", __name__), name)
     raise AttributeError(f"module 'spmd' has no attribute {name!r}")
 
 
 __all__ = [
     *_OPS,
+    *_PARALLEL,
+    "data",
     "ops",
+    "parallel",
     "Communicator",
     "Mesh",
     "SpmdError",

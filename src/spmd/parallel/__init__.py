@@ -1,0 +1,26 @@
+"""Transforms: the traced op list (``spmd.trace``), gradients that passes can find
+(``spmd.grad``), and the data-parallel transform with its pass."""
+
+from ._data_parallel import DataParallel as DataParallel
+from ._data_parallel import allreduce_gradients as allreduce_gradients
+from ._data_parallel import broadcast_params as broadcast_params
+from ._data_parallel import data_parallel as data_parallel
+from ._data_parallel import no_sync as no_sync
+from ._grad import grad as grad
+from ._grad import value_and_grad as value_and_grad
+from ._program import Op as Op
+from ._program import Program as Program
+from ._program import trace as trace
+
+__all__ = [
+    "DataParallel",
+    "Op",
+    "Program",
+    "allreduce_gradients",
+    "broadcast_params",
+    "data_parallel",
+    "grad",
+    "no_sync",
+    "trace",
+    "value_and_grad",
+]

@@ -1,0 +1,214 @@
+"""``spmd.grad`` and ``spmd.value_and_grad``: jax's, plus marks that passes can find.
+
+Outside a parallel transform (and outside ``spmd.trace``) they call ``jax.grad`` /
+``jax.value_and_grad`` and nothing else: results are exactly jax's. While a transform traces a
+step they add two identity ops to the op list, ``spmd.mark[kind=param]`` on the differentiated
+arguments and ``spmd.mark[kind=grad]`` on the gradients they return, both tagged with the
+call's number, so that a pass knows which values are gradients of which parameters.
+
+Under ``data_parallel(accumulate_steps=k)`` a gradient call also splits its other arguments
+into k micro-batches along axis 0 and accumulates their gradients in a ``lax.scan``, locally:
+the pass then reduces the accumulated gradient once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax._src import core
+from jax._src.interpreters import ad, batching, mlir
+
+from .._errors import SpmdError
+
+__all__ = ["grad", "mark_p", "marking", "value_and_grad"]
+
+
+# -- marking context ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Marking:
+    calls: int = 0
+    accumulate_steps: int = 1
+
+
+_MARKING: contextvars.ContextVar[_Marking | None] = contextvars.ContextVar(
+    "spmd_marking", default=None
+)
+
+
+@contextlib.contextmanager
+def marking(accumulate_steps: int = 1) -> Iterator[None]:
+    """While tracing a step: spmd.grad calls mark their parameters and gradients."""
+    token = _MARKING.set(_Marking(accumulate_steps=accumulate_steps))
+    try:
+        yield
+    finally:
+        _MARKING.reset(token)
+
+
+# -- primitive ------------------------------------------------------------------------------------
+
+mark_p = core.Primitive("spmd_mark")
+mark_p.multiple_results = True
+mark_p.def_impl(lambda *xs, **_: list(xs))
+mark_p.def_abstract_eval(lambda *avals, **_: list(avals))
+mlir.register_lowering(mark_p, lambda ctx, *xs, **_: list(xs))
+
+
+def _mark_jvp(primals: Sequence[Any], tangents: Sequence[Any], **params: Any) -> Any:
+    return mark_p.bind(*primals, **params), list(tangents)
+
+
+def _mark_transpose(cts: Sequence[Any], *args: Any, **params: Any) -> list[Any]:
+    return list(cts)
+
+
+def _mark_batch(args: Sequence[Any], dims: Sequence[Any], **params: Any) -> Any:
+    return mark_p.bind(*args, **params), list(dims)
+
+
+ad.primitive_jvps[mark_p] = _mark_jvp
+ad.primitive_transposes[mark_p] = _mark_transpose
+batching.primitive_batchers[mark_p] = _mark_batch
+
+
+def _mark(tree: Any, kind: str, call: int) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not leaves:
+        return tree
+    paths = tuple(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+    out = mark_p.bind(*leaves, kind=kind, call=call, paths=paths)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# -- API ------------------------------------------------------------------------------------------
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    allow_int: bool = False,
+) -> Callable[..., Any]:
+    """``jax.value_and_grad`` whose gradients a parallel transform can find.
+
+    Same signature and results as ``jax.value_and_grad``. Inside ``@spmd.data_parallel`` the
+    gradients it returns are averaged over the data-parallel group (the transform inserts the
+    allreduces; see ``spmd.trace``).
+    """
+    vg = jax.value_and_grad(fun, argnums, has_aux, holomorphic, allow_int)
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        ctx = _MARKING.get()
+        if ctx is None:
+            return vg(*args, **kwargs)
+        call = ctx.calls
+        ctx.calls += 1
+        for i in nums:
+            if i >= len(args):
+                raise SpmdError(
+                    f"spmd.value_and_grad: argnums={argnums} but {fun.__name__} was called with "
+                    f"{len(args)} positional arguments"
+                )
+        args = tuple(_mark(a, "param", call) if i in nums else a for i, a in enumerate(args))
+        if ctx.accumulate_steps > 1:
+            value, grads = _accumulate(vg, args, kwargs, nums, has_aux, ctx.accumulate_steps)
+        else:
+            value, grads = vg(*args, **kwargs)
+        return value, _mark(grads, "grad", call)
+
+    return wrapped
+
+
+def grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    allow_int: bool = False,
+) -> Callable[..., Any]:
+    """``jax.grad`` whose gradients a parallel transform can find (see :func:`value_and_grad`)."""
+    vg = value_and_grad(fun, argnums, has_aux, holomorphic, allow_int)
+    plain = jax.grad(fun, argnums, has_aux, holomorphic, allow_int)
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if _MARKING.get() is None:
+            return plain(*args, **kwargs)
+        value, g = vg(*args, **kwargs)
+        return (g, value[1]) if has_aux else g
+
+    return wrapped
+
+
+# -- gradient accumulation ------------------------------------------------------------------------
+
+
+def _split(x: Any, k: int, where: str) -> Any:
+    x = jnp.asarray(x)
+    if x.ndim == 0:
+        return None
+    if x.shape[0] % k:
+        raise SpmdError(
+            f"data_parallel(accumulate_steps={k}): {where} has {x.shape[0]} rows, which do not "
+            f"split into {k} micro-batches; pass a batch whose leading dimension is a multiple "
+            f"of {k}"
+        )
+    return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+
+
+def _accumulate(
+    vg: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    nums: tuple[int, ...],
+    has_aux: bool,
+    k: int,
+) -> tuple[Any, Any]:
+    """Mean value and gradient over k micro-batches of the non-differentiated arguments."""
+    data = ([a for i, a in enumerate(args) if i not in nums], kwargs)
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(data)
+    leaves = [x for _, x in with_path]
+    split = [_split(x, k, "argument" + jax.tree_util.keystr(p)) for p, x in with_path]
+
+    def one(i: Any) -> Any:
+        micro = [x if s is None else s[i] for x, s in zip(leaves, split, strict=True)]
+        rest, kw = jax.tree_util.tree_unflatten(treedef, micro)
+        it = iter(rest)
+        full = [a if j in nums else next(it) for j, a in enumerate(args)]
+        return vg(*full, **kw)
+
+    def parts(i: Any) -> tuple[Any, Any, Any]:
+        value, grads = one(i)
+        return (value[0], value[1], grads) if has_aux else (value, None, grads)
+
+    v0, aux0, g0 = parts(0)
+
+    def body(carry: Any, i: Any) -> Any:
+        v, aux, g = parts(i)
+        return jax.tree_util.tree_map(jnp.add, carry, (v, g)), aux
+
+    (v, g), auxs = jax.lax.scan(body, (v0, g0), jnp.arange(1, k))
+    value, grads = jax.tree_util.tree_map(lambda t: t / k, (v, g))
+    if not has_aux:
+        return value, grads
+    # aux: the mean over micro-batches where it is floating point, else the last micro-batch's.
+    aux = jax.tree_util.tree_map(
+        lambda a0, rest: (a0 + rest.sum(0)) / k
+        if jnp.issubdtype(rest.dtype, jnp.inexact)
+        else rest[-1],
+        aux0,
+        auxs,
+    )
+    return (value, aux), grads

@@ -1,0 +1,311 @@
+"""The op list: ``spmd.trace(fn)(*args) -> Program``.
+
+A Program is a function as JAX traces it (a closed jaxpr) together with the pytree structure of
+its inputs and outputs. Its ops are the jaxpr's equations, read top to bottom; ``str(program)``
+prints them as a readable IR in the spirit of RAF's::
+
+    def @train_step(%params.w: Tensor[(784, 10), float32], %batch.0: ...) {
+      let %x_1 = dot_general(%batch.0, %params.w) /* ty=Tensor[(64, 10), float32] */;
+      ...
+      let (%x_9, %x_10) = spmd.allreduce(%x_7, %x_8) /* op=sum, group=[0, 1], ty=(...) */;
+      (%x_12, %x_13)
+    }
+
+Passes are functions ``Program -> Program``; they rewrite a program by re-evaluating its ops
+under a fresh trace (:func:`retrace`), inserting or replacing ops on the way. A Program runs
+compiled: calling it jit-compiles the op list once and then takes jit's fast path.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import core
+
+from .._errors import SpmdError
+
+__all__ = ["Op", "Program", "eval_eqn", "retrace", "trace"]
+
+
+# -- API ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op of a Program: its name, the names of its inputs and outputs, and its parameters."""
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    params: dict[str, Any] = field(repr=False)
+
+
+class Program:
+    """A traced function: a closed jaxpr, the input and output pytree structures, and names.
+
+    Call it with arguments of the structure, shapes and dtypes it was traced with; it runs
+    compiled (``jax.jit`` of the op list, compiled once).
+    """
+
+    def __init__(
+        self,
+        jaxpr: core.ClosedJaxpr,
+        in_tree: Any,
+        out_tree: Any,
+        *,
+        name: str = "main",
+        in_names: Sequence[str] | None = None,
+    ) -> None:
+        self.jaxpr = jaxpr
+        self.in_tree = in_tree
+        self.out_tree = out_tree
+        self.name = name
+        n = len(jaxpr.jaxpr.invars)
+        self.in_names = tuple(in_names) if in_names is not None else tuple(f"in{i}" for i in range(n))
+        if len(self.in_names) != n:
+            raise SpmdError(f"Program {name}: {len(self.in_names)} input names for {n} inputs")
+
+    def replace(self, jaxpr: core.ClosedJaxpr, out_tree: Any = None) -> Program:
+        """The same signature with another op list (what a pass returns)."""
+        return Program(
+            jaxpr,
+            self.in_tree,
+            self.out_tree if out_tree is None else out_tree,
+            name=self.name,
+            in_names=self.in_names,
+        )
+
+    @property
+    def ops(self) -> list[Op]:
+        """The ops, in program order (the jaxpr's top-level equations)."""
+        names = _Names(self)
+        return [
+            Op(
+                _op_name(e),
+                tuple(names.ref(v) for v in e.invars),
+                tuple(names.define(v) for v in e.outvars),
+                dict(e.params),
+            )
+            for e in self.jaxpr.jaxpr.eqns
+        ]
+
+    @functools.cached_property
+    def _compiled(self) -> Callable[..., Any]:
+        return jax.jit(core.jaxpr_as_fun(self.jaxpr))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        if tree != self.in_tree:
+            raise SpmdError(
+                f"Program {self.name} was traced for arguments of structure {self.in_tree}; "
+                f"called with {tree}. Trace it again for these arguments."
+            )
+        return jax.tree_util.tree_unflatten(self.out_tree, self._compiled(*leaves))
+
+    def __str__(self) -> str:
+        return _print(self)
+
+    def __repr__(self) -> str:
+        return f"<spmd.Program {self.name}: {len(self.jaxpr.jaxpr.eqns)} ops>"
+
+
+def trace(fn: Callable[..., Any]) -> Callable[..., Program]:
+    """``spmd.trace(fn)(*args, **kwargs)``: the op list of ``fn`` for these arguments.
+
+    ``fn`` may be a plain function (traced by ``jax.make_jaxpr``; ``spmd.grad`` inside it marks
+    the gradients it produces) or a transformed step such as ``@spmd.data_parallel``, whose
+    Program shows the collectives the transform inserted.
+    """
+    custom = getattr(fn, "__spmd_trace__", None)
+    if custom is not None:
+        return custom  # type: ignore[no-any-return]
+
+    def traced(*args: Any, **kwargs: Any) -> Program:
+        from ._grad import marking
+
+        with marking():
+            return trace_program(fn, args, kwargs)
+
+    return traced
+
+
+# -- tracing --------------------------------------------------------------------------------------
+
+
+def _arg_names(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> list[str]:
+    """Readable names for the flattened inputs: the parameter name plus the pytree path."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [
+        p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    names: list[str] = []
+    for i, a in enumerate(args):
+        base = positional[i] if i < len(positional) else f"arg{i}"
+        names += [base + _path(p) for p, _ in jax.tree_util.tree_flatten_with_path(a)[0]]
+    for k in kwargs:
+        names += [k + _path(p) for p, _ in jax.tree_util.tree_flatten_with_path(kwargs[k])[0]]
+    return names
+
+
+def _path(path: Any) -> str:
+    """``['w'][0].mu`` -> ``.w.0.mu``."""
+    text = jax.tree_util.keystr(path)
+    return "".join("." + p for p in re.findall(r"[\w]+", text))
+
+
+def trace_program(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Program:
+    """Trace ``fn(*args, **kwargs)`` into a Program (no marking context change)."""
+    leaves, in_tree = jax.tree_util.tree_flatten((tuple(args), kwargs))
+
+    def flat(*xs: Any) -> Any:
+        a, kw = jax.tree_util.tree_unflatten(in_tree, xs)
+        return fn(*a, **kw)
+
+    closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*leaves)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    name = getattr(fn, "__name__", "main")
+    return Program(closed, in_tree, out_tree, name=name, in_names=_arg_names(fn, args, kwargs))
+
+
+# -- passes: re-evaluation ---------------------------------------------------------------------------
+
+
+def eval_eqn(eqn: core.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """Bind one op again (under whatever trace is current); always a list of outputs."""
+    bound = eqn.primitive.get_bind_params(eqn.params)
+    # jax < 0.7 returns (subfuns, params); newer versions the params alone.
+    subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+class Env:
+    """Values of a jaxpr's variables during re-evaluation."""
+
+    def __init__(self) -> None:
+        self.values: dict[core.Var, Any] = {}
+
+    def read(self, v: Any) -> Any:
+        if isinstance(v, core.Literal):
+            return v.val
+        return self.values[v]
+
+    def write(self, v: Any, value: Any) -> None:
+        if not isinstance(v, core.DropVar):
+            self.values[v] = value
+
+
+def retrace(
+    program: Program,
+    body: Callable[[Env, Sequence[Any]], Sequence[Any]],
+    extra_in: Sequence[core.ShapedArray] = (),
+) -> core.ClosedJaxpr:
+    """The closed jaxpr of ``body(env, inputs)``, traced with the program's inputs followed by
+    ``extra_in``. ``body`` re-evaluates the program's ops (``eval_eqn``) and may add its own."""
+    jaxpr = program.jaxpr
+    avals = [v.aval for v in jaxpr.jaxpr.invars] + list(extra_in)
+
+    def run(*xs: Any) -> list[Any]:
+        env = Env()
+        for v, c in zip(jaxpr.jaxpr.constvars, jaxpr.consts, strict=True):
+            env.write(v, c)
+        return list(body(env, xs))
+
+    return jax.make_jaxpr(run)(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
+
+
+# -- printing ---------------------------------------------------------------------------------------
+
+_HIDDEN_PARAMS = {"out_sharding", "precision", "preferred_element_type", "sharding", "jaxpr",
+                  "accumulation_type", "group", "op"}  # fmt: skip
+
+
+def _op_name(eqn: core.JaxprEqn) -> str:
+    name = eqn.primitive.name
+    return "spmd." + name[len("spmd_") :] if name.startswith("spmd_") else name
+
+
+def _ty(aval: Any) -> str:
+    if isinstance(aval, core.ShapedArray):
+        return f"Tensor[{tuple(aval.shape)}, {np.dtype(aval.dtype).name}]"
+    return str(aval)
+
+
+def _attrs(eqn: core.JaxprEqn) -> list[str]:
+    attrs = []
+    p = eqn.params
+    if "op" in p:
+        attrs.append(f"op={p['op']}")
+    if "group" in p:
+        attrs.append(f"group={list(getattr(p['group'], 'ranks', [p['group']]))}")
+    if "name" in p and isinstance(p["name"], str):
+        return [f"name={p['name']}", *attrs]
+    for k, v in p.items():
+        if k in _HIDDEN_PARAMS or k == "name" or v is None:
+            continue
+        text = repr(v)
+        if len(text) <= 40 and not isinstance(v, core.ClosedJaxpr | core.Jaxpr):
+            attrs.append(f"{k}={text}")
+    return attrs
+
+
+def _literal(value: Any) -> str:
+    a = np.asarray(value)
+    if a.ndim:
+        return f"<{_ty(core.ShapedArray(a.shape, a.dtype))}>"
+    if np.issubdtype(a.dtype, np.floating):
+        return np.format_float_positional(a, trim="0")
+    return repr(a.item())
+
+
+class _Names:
+    def __init__(self, program: Program) -> None:
+        self.names: dict[core.Var, str] = {}
+        jaxpr = program.jaxpr.jaxpr
+        for v, n in zip(jaxpr.invars, program.in_names, strict=True):
+            self.names[v] = "%" + n
+        for i, v in enumerate(jaxpr.constvars):
+            self.names[v] = f"%c_{i}"
+        self.count = 0
+
+    def define(self, v: Any) -> str:
+        if isinstance(v, core.DropVar):
+            return "_"
+        self.count += 1
+        self.names[v] = f"%x_{self.count}"
+        return self.names[v]
+
+    def ref(self, v: Any) -> str:
+        if isinstance(v, core.Literal):
+            return _literal(v.val)
+        return self.names[v]
+
+
+def _print(program: Program) -> str:
+    jaxpr = program.jaxpr.jaxpr
+    names = _Names(program)
+    args = ", ".join(f"{names.ref(v)}: {_ty(v.aval)}" for v in jaxpr.invars)
+    lines = [f"def @{program.name}({args}) {{"]
+    for eqn in jaxpr.eqns:
+        ins = ", ".join(names.ref(v) for v in eqn.invars)
+        outs = [names.define(v) for v in eqn.outvars]
+        lhs = outs[0] if len(outs) == 1 else "(" + ", ".join(outs) + ")"
+        tys = [_ty(v.aval) for v in eqn.outvars]
+        ty = tys[0] if len(tys) == 1 else "(" + ", ".join(tys) + ")"
+        note = ", ".join([*_attrs(eqn), f"ty={ty}"])
+        lines.append(f"  let {lhs} = {_op_name(eqn)}({ins}) /* {note} */;")
+    results = [names.ref(v) for v in jaxpr.outvars]
+    lines.append("  " + (results[0] if len(results) == 1 else "(" + ", ".join(results) + ")"))
+    lines.append("}")
+    return "\n".join(lines)
