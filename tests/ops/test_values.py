@@ -178,7 +178,7 @@ def test_large_outputs(comm):
     x = [(jnp.arange(s) % 1024).astype(jnp.float32) * (r + 1) + r for s in sizes]  # exact
     out = jax.jit(lambda t: spmd.allreduce(t))(x)
     tri = n * (n + 1) // 2
-    for s, got in zip(sizes, out):
+    for s, got in zip(sizes, out, strict=True):
         np.testing.assert_array_equal(
             np.asarray(got), (np.arange(s) % 1024).astype(np.float32) * tri + n * (n - 1) // 2
         )

@@ -124,4 +124,6 @@ def test_allreduce_gradients_is_a_pass_over_programs(comm):
     mine = jax.grad(loss_fn)(params, batch)
     everyone = comm.allgather_object(jax.tree_util.tree_map(np.asarray, mine))
     for k in params:
-        np.testing.assert_allclose(got[k], np.mean([g[k] for g in everyone], 0), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(
+            got[k], np.mean([g[k] for g in everyone], 0), rtol=1e-5, atol=1e-7
+        )

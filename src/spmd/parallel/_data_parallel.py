@@ -372,7 +372,7 @@ class DataParallel:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.group = group
-        self.options = dict(
+        self.options: dict[str, Any] = dict(
             bucket_mb=bucket_mb, average=average, compression=compression, overlap=overlap
         )
         self.accumulate_steps = accumulate_steps
@@ -435,7 +435,7 @@ class DataParallel:
         comm = _communicator(self.group, "data_parallel")
         if comm.size == 1 or not traced.param_inputs:
             return
-        sums = [zlib.crc32(np.ascontiguousarray(leaves[i])) for i in traced.param_inputs]
+        sums = [zlib.crc32(np.ascontiguousarray(leaves[i]).tobytes()) for i in traced.param_inputs]
         everyone = comm.allgather_object(sums)
         differ = [r for r, s in enumerate(everyone) if s != everyone[0]]
         if not differ:

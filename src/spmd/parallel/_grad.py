@@ -205,9 +205,9 @@ def _accumulate(
         return value, grads
     # aux: the mean over micro-batches where it is floating point, else the last micro-batch's.
     aux = jax.tree_util.tree_map(
-        lambda a0, rest: (a0 + rest.sum(0)) / k
-        if jnp.issubdtype(rest.dtype, jnp.inexact)
-        else rest[-1],
+        lambda a0, rest: (
+            (a0 + rest.sum(0)) / k if jnp.issubdtype(rest.dtype, jnp.inexact) else rest[-1]
+        ),
         aux0,
         auxs,
     )

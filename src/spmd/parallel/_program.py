@@ -68,7 +68,9 @@ class Program:
         self.out_tree = out_tree
         self.name = name
         n = len(jaxpr.jaxpr.invars)
-        self.in_names = tuple(in_names) if in_names is not None else tuple(f"in{i}" for i in range(n))
+        self.in_names = (
+            tuple(in_names) if in_names is not None else tuple(f"in{i}" for i in range(n))
+        )
         if len(self.in_names) != n:
             raise SpmdError(f"Program {name}: {len(self.in_names)} input names for {n} inputs")
 
@@ -145,9 +147,7 @@ def _arg_names(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, An
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         params = []
-    positional = [
-        p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     names: list[str] = []
     for i, a in enumerate(args):
         base = positional[i] if i < len(positional) else f"arg{i}"
@@ -177,7 +177,7 @@ def trace_program(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str,
     return Program(closed, in_tree, out_tree, name=name, in_names=_arg_names(fn, args, kwargs))
 
 
-# -- passes: re-evaluation ---------------------------------------------------------------------------
+# -- passes: re-evaluation ------------------------------------------------------------------------
 
 
 def eval_eqn(eqn: core.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
@@ -225,7 +225,7 @@ def retrace(
     return jax.make_jaxpr(run)(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
 
 
-# -- printing ---------------------------------------------------------------------------------------
+# -- printing -------------------------------------------------------------------------------------
 
 _HIDDEN_PARAMS = {"out_sharding", "precision", "preferred_element_type", "sharding", "jaxpr",
                   "accumulation_type", "group", "op"}  # fmt: skip
@@ -265,7 +265,7 @@ def _literal(value: Any) -> str:
     if a.ndim:
         return f"<{_ty(core.ShapedArray(a.shape, a.dtype))}>"
     if np.issubdtype(a.dtype, np.floating):
-        return np.format_float_positional(a, trim="0")
+        return np.format_float_positional(a.dtype.type(a.item()), trim="0")
     return repr(a.item())
 
 

@@ -1,0 +1,330 @@
+"""Data-parallel training throughput: spmd's @data_parallel on N ranks against one process at
+the same global batch, and torch DDP (gloo) where torch is installed, in the same run.
+
+    python benchmarks/data_parallel.py [--ranks 2] [--rounds 3] [--steps 40]
+
+Model: MLP 784-1024-1024-10 (float32), batch 64 per rank, cross-entropy, SGD with momentum
+(``--optimizer adam`` for Adam). Rounds alternate the implementations so that a noisy
+neighbour hits them alike; each round reports the median step time of its timed steps, and the
+table quotes the median over rounds. Writes
+``benchmarks/results/data_parallel-cpu<cores>-n<ranks>.{json,md}``.
+
+Each implementation runs as its own job (this script with ``--worker``): spmd under
+``spmd-run -n N``, one process alone with the machine, torch DDP under ``spmd-run -n N`` with a
+gloo process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import itertools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SIZES = (784, 1024, 1024, 10)
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# -- workers --------------------------------------------------------------------------------------
+
+
+def _data(rows: int, seed: int) -> tuple[Any, Any]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((rows, SIZES[0]), dtype=np.float32), rng.integers(0, 10, rows)
+
+
+def _time(step: Any, steps: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _jax_setup(optimizer: str) -> tuple[Any, Any, Any, Any]:
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def init(key: Any) -> Any:
+        keys = jax.random.split(key, len(SIZES) - 1)
+        return [
+            {"w": jax.random.normal(k, (m, n)) * (2.0 / m) ** 0.5, "b": jnp.zeros((n,))}
+            for k, m, n in zip(keys, SIZES[:-1], SIZES[1:], strict=True)
+        ]
+
+    def loss_fn(params: Any, batch: Any) -> Any:
+        x, y = batch
+        for layer in params[:-1]:
+            x = jax.nn.relu(x @ layer["w"] + layer["b"])
+        logits = x @ params[-1]["w"] + params[-1]["b"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    tx = optax.adam(1e-3) if optimizer == "adam" else optax.sgd(0.01, momentum=0.9)
+    params = init(jax.random.key(0))
+    return params, tx.init(params), tx, loss_fn
+
+
+def worker_spmd(args: argparse.Namespace) -> dict[str, Any]:
+    import jax
+    import optax
+
+    import spmd
+
+    comm = spmd.init()
+    params, opt_state, tx, loss_fn = _jax_setup(args.optimizer)
+    params = spmd.broadcast_params(params)
+
+    @spmd.data_parallel(bucket_mb=args.bucket_mb)
+    def step(params: Any, opt_state: Any, batch: Any) -> Any:
+        loss, grads = spmd.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    batch = tuple(jax.device_put(a) for a in _data(args.batch, seed=comm.rank))
+    state = [params, opt_state]
+
+    def one() -> None:
+        state[0], state[1], loss = step(state[0], state[1], batch)
+        loss.block_until_ready()
+
+    times = _time(one, args.steps, args.warmup)
+    med = statistics.median(times)
+    slowest = max(comm.allgather_object(med))  # the step ends when the slowest rank does
+    return {"step_s": slowest, "ranks": comm.size, "global_batch": args.batch * comm.size}
+
+
+def worker_single(args: argparse.Namespace) -> dict[str, Any]:
+    import jax
+    import optax
+
+    params, opt_state, tx, loss_fn = _jax_setup(args.optimizer)
+
+    @jax.jit
+    def step(params: Any, opt_state: Any, batch: Any) -> Any:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rows = args.batch * args.ranks
+    batch = tuple(jax.device_put(a) for a in _data(rows, seed=0))
+    state = [params, opt_state]
+
+    def one() -> None:
+        state[0], state[1], loss = step(state[0], state[1], batch)
+        loss.block_until_ready()
+
+    times = _time(one, args.steps, args.warmup)
+    return {"step_s": statistics.median(times), "ranks": 1, "global_batch": rows}
+
+
+def worker_torch(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import spmd
+
+    comm = spmd.init()  # rank and size from the launcher; gloo bootstraps through env
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getppid() % 1000))
+    dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // comm.size))
+    torch.manual_seed(0)
+    layers: list[Any] = []
+    for m, n in itertools.pairwise(SIZES):
+        layers += [torch.nn.Linear(m, n), torch.nn.ReLU()]
+    model = DistributedDataParallel(torch.nn.Sequential(*layers[:-1]))
+    opt = (
+        torch.optim.Adam(model.parameters(), 1e-3)
+        if args.optimizer == "adam"
+        else torch.optim.SGD(model.parameters(), 0.01, momentum=0.9)
+    )
+    x, y = (torch.from_numpy(a) for a in _data(args.batch, seed=comm.rank))
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def one() -> None:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    times = _time(one, args.steps, args.warmup)
+    slowest = max(comm.allgather_object(statistics.median(times)))
+    dist.destroy_process_group()
+    return {"step_s": slowest, "ranks": comm.size, "global_batch": args.batch * comm.size}
+
+
+WORKERS = {"spmd": worker_spmd, "spmd-bound": worker_spmd, "single": worker_single,
+           "torch": worker_torch}  # fmt: skip
+
+
+# -- driver ---------------------------------------------------------------------------------------
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _run_worker(name: str, args: argparse.Namespace) -> dict[str, Any] | str:
+    cmd = [sys.executable, __file__, "--worker", name, "--ranks", str(args.ranks),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+           "--optimizer", args.optimizer, "--bucket-mb", str(args.bucket_mb)]  # fmt: skip
+    if name != "single":
+        # spmd-bound: MPICH's launcher pins each rank to its own core (-bind-to core).
+        bind = ["--mpi-arg=-bind-to", "--mpi-arg=core"] if name == "spmd-bound" else []
+        cmd = [sys.executable, "-m", "spmd.cli.run", "-n", str(args.ranks), *bind, *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        return f"exit {out.returncode}: {(out.stderr or out.stdout).strip().splitlines()[-1:]}"
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    return dict(json.loads(lines[0][len("RESULT ") :]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--batch", type=int, default=64, help="per rank (one process: batch x ranks)")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.worker:
+        result = WORKERS[args.worker](args)
+        if args.worker == "single" or int(os.environ.get("PMI_RANK", "0")) == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+        return 0
+
+    impls = ["single", "spmd", "spmd-bound"]
+    skipped = {}
+    if _version("torch") is None:
+        skipped["torch DDP"] = "torch is not installed"
+    else:
+        impls.append("torch")
+    runs: dict[str, list[float]] = {i: [] for i in impls}
+    errors: dict[str, str] = {}
+    load_start = round(os.getloadavg()[0], 2)
+    for r in range(args.rounds):
+        for impl in impls if r % 2 == 0 else reversed(impls):
+            res = _run_worker(impl, args)
+            if isinstance(res, str):
+                errors[impl] = res
+                continue
+            runs[impl].append(res["step_s"])
+            print(f"round {r + 1} {impl:>10}: {res['step_s'] * 1e3:8.2f} ms/step", flush=True)
+    global_batch = args.batch * args.ranks
+    labels = {
+        "single": "one process",
+        "spmd": f"spmd data_parallel ({args.ranks} ranks)",
+        "spmd-bound": f"spmd data_parallel ({args.ranks} ranks, -bind-to core)",
+        "torch": f"torch DDP gloo ({args.ranks} ranks)",
+    }
+    rows = []
+    single = statistics.median(runs["single"]) if runs["single"] else float("nan")
+    for impl in impls:
+        if not runs[impl]:
+            continue
+        t = statistics.median(runs[impl])
+        rows.append({
+            "implementation": labels[impl],
+            "step_ms": round(t * 1e3, 3),
+            "samples_per_s": round(global_batch / t, 1),
+            "vs_one_process": round(single / t, 3),
+            "rounds_ms": [round(x * 1e3, 3) for x in runs[impl]],
+        })  # fmt: skip
+    info = {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "spmd": _version("spmd"),
+        "jax": _version("jax"),
+        "jaxlib": _version("jaxlib"),
+        "optax": _version("optax"),
+        "torch": _version("torch"),
+        "mpich_wheel": _version("mpich"),
+        "model": "MLP " + "-".join(map(str, SIZES)) + ", float32",
+        "optimizer": "adam" if args.optimizer == "adam" else "sgd momentum 0.9",
+        "batch_per_rank": args.batch,
+        "global_batch": global_batch,
+        "ranks": args.ranks,
+        "steps_per_round": args.steps,
+        "rounds": args.rounds,
+        "bucket_mb": args.bucket_mb,
+        "load_average_1min_at_start": load_start,
+        "load_average_1min_at_end": round(os.getloadavg()[0], 2),
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next(
+                ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")
+            )
+    except (OSError, StopIteration):
+        pass
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f"data_parallel-cpu{os.cpu_count()}-n{args.ranks}"
+    if args.optimizer != "sgd":
+        tag += f"-{args.optimizer}"
+    (out / f"{tag}.json").write_text(
+        json.dumps({"machine": info, "results": rows, "skipped": skipped, "errors": errors},
+                   indent=2) + "\n"
+    )  # fmt: skip
+    md = [
+        f"# Data-parallel training step: {args.ranks} ranks vs one process",
+        "",
+        "Produced by `python benchmarks/data_parallel.py`.",
+        "",
+        "| machine | |",
+        "|---|---|",
+    ]
+    md += [f"| {k} | {v} |" for k, v in info.items()]
+    md += ["", "Step time: per round the median over timed steps (the slowest rank's), then the "
+           "median over rounds. samples/s = global batch / step time. vs one process = one "
+           "process's step time / this step time at the same global batch (above 1: faster).", "",
+           "| implementation | step (ms) | samples/s | vs one process | rounds (ms) |",
+           "|---|---:|---:|---:|---|"]  # fmt: skip
+    md += [
+        f"| {r['implementation']} | {r['step_ms']:.2f} | {r['samples_per_s']:.0f} | "
+        f"{r['vs_one_process']:.2f} | {', '.join(f'{x:.2f}' for x in r['rounds_ms'])} |"
+        for r in rows
+    ]
+    if skipped or errors:
+        md += ["", *(f"- skipped {k}: {v}" for k, v in skipped.items()),
+               *(f"- {k} failed: {v}" for k, v in errors.items())]  # fmt: skip
+    (out / f"{tag}.md").write_text("\n".join(md) + "\n")
+    print(
+        "\n".join(
+            md[
+                md.index(
+                    "| implementation | step (ms) | samples/s | vs one process | rounds (ms) |"
+                ) :
+            ]
+        )
+    )
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

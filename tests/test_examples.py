@@ -1,0 +1,48 @@
+"""The examples run as the README says, under the real launcher, and do what they claim."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+SPMD_RUN = [sys.executable, "-m", "spmd.cli.run"]
+
+
+def _run(nprocs: int, script: str, *args: str, cwd: pathlib.Path) -> str:
+    out = subprocess.run(
+        [*SPMD_RUN, "-n", str(nprocs), sys.executable, str(EXAMPLES / script), *args],
+        capture_output=True, text=True, timeout=300, cwd=cwd,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_train_digits_reaches_95_percent_and_writes_a_checkpoint(tmp_path):
+    pytest.importorskip("sklearn")
+    pytest.importorskip("tqdm")
+    out = _run(2, "train_digits.py", "--checkpoint", "ck/digits.npz", cwd=tmp_path)
+    losses = [float(m) for m in re.findall(r"epoch +\d+ +loss ([\d.]+)", out)]
+    assert len(losses) == 12 and losses[-1] < losses[0] / 5, out
+    accuracy = float(re.search(r"test accuracy ([\d.]+)", out).group(1))
+    assert accuracy >= 0.95, out
+    with np.load(tmp_path / "ck" / "digits.npz") as ck:
+        assert ck["[0][0]['w']"].shape == (64, 128)
+        assert ck["[0][1]['b']"].shape == (10,)
+
+
+def test_hello(tmp_path):
+    out = _run(2, "hello.py", cwd=tmp_path)
+    assert "rank 0 of 2" in out and "rank 1 of 2" in out
+
+
+def test_equinox_mlp_fits_the_curve(tmp_path):
+    pytest.importorskip("equinox")
+    out = _run(2, "equinox_mlp.py", cwd=tmp_path)
+    error = float(re.search(r"on \[-1, 1\]: ([\d.]+)", out).group(1))
+    assert error < 0.15, out
