@@ -106,19 +106,7 @@ def data_parallel(
             micro-batches) before the one allreduce.
         check_params: on the first call, check that the parameters are identical on every rank.
     """
-    if fn is None:
-        return functools.partial(
-            data_parallel,
-            group=group,
-            bucket_mb=bucket_mb,
-            average=average,
-            compression=compression,
-            overlap=overlap,
-            accumulate_steps=accumulate_steps,
-            check_params=check_params,
-        )
-    return DataParallel(
-        fn,
+    options: dict[str, Any] = dict(
         group=group,
         bucket_mb=bucket_mb,
         average=average,
@@ -127,6 +115,9 @@ def data_parallel(
         accumulate_steps=accumulate_steps,
         check_params=check_params,
     )
+    if fn is None:
+        return functools.partial(DataParallel, **options)
+    return DataParallel(fn, **options)
 
 
 # -- errors ---------------------------------------------------------------------------------------
@@ -143,6 +134,13 @@ PARAMS_DIFFER = (
     "replicas must start from one state: params = spmd.broadcast_params(params) before "
     "training (or data_parallel(check_params=False) if they differ on purpose)."
 )
+
+
+def _check_compression(compression: Any) -> None:
+    if compression is not None and compression not in _COMPRESSION:
+        raise SpmdError(
+            f"data_parallel: compression={compression!r}; expected None, 'bf16' or 'fp16'"
+        )
 
 
 def _communicator(group: Any, where: str) -> Communicator:
@@ -249,10 +247,7 @@ def allreduce_gradients(
     returns the (accumulated) local gradients as a second output. Gradient marks and parameter
     marks are removed.
     """
-    if compression is not None and compression not in _COMPRESSION:
-        raise SpmdError(
-            f"data_parallel: compression={compression!r}; expected None, 'bf16' or 'fp16'"
-        )
+    _check_compression(compression)
     comm = _communicator(group, "data_parallel")
     leaves, marks = gradient_leaves(program)
     if not leaves:
@@ -365,10 +360,7 @@ class DataParallel:
             )
         if bucket_mb < 0:
             raise SpmdError(f"data_parallel: bucket_mb={bucket_mb!r}; expected a number >= 0")
-        if compression is not None and compression not in _COMPRESSION:
-            raise SpmdError(
-                f"data_parallel: compression={compression!r}; expected None, 'bf16' or 'fp16'"
-            )
+        _check_compression(compression)
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.group = group
