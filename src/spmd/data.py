@@ -56,9 +56,9 @@ def _who(rank: object) -> str:
     """How an error names this process: its sampler rank if valid, else its world rank."""
     if _is_int(rank):
         return f"rank {rank}"
-    from .runtime import get_communicator, is_initialized
+    from .runtime import this_rank
 
-    return f"rank {get_communicator().world_rank}" if is_initialized() else "rank ?"
+    return this_rank()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -149,3 +149,19 @@ def test_bad_options_are_errors():
         spmd.data_parallel(lambda p: p, accumulate_steps=0)
     with pytest.raises(spmd.SpmdError, match="bucket_mb=-1"):
         spmd.data_parallel(lambda p: p, bucket_mb=-1)
+
+
+@multirank(nprocs=(2,))
+def test_accumulation_errors_name_the_rank(comm):
+    tx = optimizers()["sgd"]
+    params = init_params()
+    x, y = spmd.data.shard_batch(global_batches(1, comm.size)[0])  # 8 rows per rank
+    step = make_step(tx, accumulate_steps=3)
+    with pytest.raises(spmd.SpmdError, match=f"rank {comm.rank}: .*has 8 rows, which do not split"):
+        step(params, tx.init(params), (x, y))
+    # no_sync sums belong to one signature: a synced call with other shapes is refused.
+    step = make_step(tx)
+    with spmd.no_sync():
+        step(params, tx.init(params), (x, y))
+    with pytest.raises(spmd.SpmdError, match=f"rank {comm.rank}: .*spmd.no_sync\\(\\) belong"):
+        step(params, tx.init(params), (x[:4], y[:4]))

@@ -25,7 +25,7 @@ from typing import Any
 
 from .._errors import SpmdError
 from .._native_lib import native
-from ..runtime import Communicator, get_communicator
+from ..runtime import Communicator, get_communicator, this_rank
 from ..runtime._env import timeout_seconds
 from ..runtime._state import on_finalize
 
@@ -250,28 +250,35 @@ def group_ref(comm: Communicator) -> GroupRef:
         return GroupRef(gid, comm.rank, comm.ranks)
 
 
-def resolve(rank_list: Any = None, group: Any = None) -> GroupRef:
-    """The group of an op call from its ``rank_list=`` or ``group=`` argument."""
+def communicator(rank_list: Any = None, group: Any = None, where: str = "") -> Communicator:
+    """The Communicator that ``rank_list=`` or ``group=`` (a Communicator or a mesh axis name)
+    designates; both None: the default communicator. ``where`` prefixes errors (the op)."""
+    where = f"{this_rank()}: {where}: " if where else f"{this_rank()}: "
     if rank_list is not None and group is not None:
-        raise SpmdError("pass rank_list= or group=, not both")
+        raise SpmdError(f"{where}pass rank_list= or group=, not both")
     if group is None:
-        return group_ref(get_communicator(rank_list))
+        return get_communicator(rank_list)
     if isinstance(group, Communicator):
-        return group_ref(group)
+        return group
     if isinstance(group, str | tuple):
         from ..mesh import current_mesh
 
         mesh = current_mesh()
         if mesh is None:
             raise SpmdError(
-                f"group={group!r} names a mesh axis but no mesh is active; use it inside "
-                "`with spmd.Mesh(...):`, or pass group=mesh.group(axis)"
+                f"{where}group={group!r} names a mesh axis but no mesh is active; use it "
+                "inside `with spmd.Mesh(...):`, or pass group=mesh.group(axis)"
             )
-        return group_ref(mesh.group(group))
+        return mesh.group(group)
     raise SpmdError(
-        f"group={group!r} is not a Communicator or a mesh axis name (str); pass e.g. "
+        f"{where}group={group!r} is not a Communicator or a mesh axis name (str); pass e.g. "
         "group=spmd.get_communicator(...) or group='tp' inside `with spmd.Mesh(...):`"
     )
+
+
+def resolve(rank_list: Any = None, group: Any = None) -> GroupRef:
+    """The group of an op call from its ``rank_list=`` or ``group=`` argument."""
+    return group_ref(communicator(rank_list, group))
 
 
 def set_backend(name: str) -> None:

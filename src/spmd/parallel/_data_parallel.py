@@ -36,7 +36,7 @@ import numpy as np
 from jax._src import core
 
 from .._errors import SpmdError
-from ..runtime import Communicator, get_communicator
+from ..runtime import Communicator, this_rank
 from ._grad import mark_p, marking
 from ._program import Env, Program, eval_eqn, retrace, trace_program
 
@@ -139,29 +139,15 @@ PARAMS_DIFFER = (
 def _check_compression(compression: Any) -> None:
     if compression is not None and compression not in _COMPRESSION:
         raise SpmdError(
-            f"data_parallel: compression={compression!r}; expected None, 'bf16' or 'fp16'"
+            f"{this_rank()}: data_parallel: compression={compression!r}; expected None, "
+            "'bf16' or 'fp16'"
         )
 
 
 def _communicator(group: Any, where: str) -> Communicator:
-    if group is None:
-        return get_communicator()
-    if isinstance(group, Communicator):
-        return group
-    if isinstance(group, str):
-        from ..mesh import current_mesh
+    from ..ops._groups import communicator
 
-        mesh = current_mesh()
-        if mesh is None:
-            raise SpmdError(
-                f"rank {get_communicator().world_rank}: {where}: group={group!r} names a mesh "
-                "axis but no mesh is active; call it inside `with spmd.Mesh(...):`"
-            )
-        return mesh.group(group)
-    raise SpmdError(
-        f"rank {get_communicator().world_rank}: {where}: group={group!r} is not None, a "
-        "Communicator or a mesh axis name"
-    )
+    return communicator(None, group, where)
 
 
 # -- pass -----------------------------------------------------------------------------------------
@@ -251,9 +237,7 @@ def allreduce_gradients(
     comm = _communicator(group, "data_parallel")
     leaves, marks = gradient_leaves(program)
     if not leaves:
-        raise SpmdError(
-            NO_GRAD.format(where=f"rank {comm.world_rank}: data_parallel", name=program.name)
-        )
+        raise SpmdError(NO_GRAD.format(where=f"{this_rank()}: data_parallel", name=program.name))
     at: dict[int, list[_Bucket]] = {}
     for b in _buckets(leaves, bucket_mb):
         i = max(x.producer for x in b.leaves) if overlap else marks[b.leaves[0].call] - 1
@@ -271,8 +255,7 @@ def allreduce_gradients(
         if compression is None:
             return list(allreduce(values, "avg" if average else "sum", group=comm))
         half = _COMPRESSION[compression]
-        scale = comm.size if average else 1
-        sent = [(v / scale).astype(half) for v in values]
+        sent = [(v / comm.size if average else v).astype(half) for v in values]
         return [
             r.astype(v.dtype)
             for r, v in zip(allreduce(sent, "sum", group=comm), values, strict=True)
@@ -335,7 +318,6 @@ def allreduce_gradients(
 class _Traced:
     program: Program  # with marks
     param_inputs: list[int]  # flat input indices of the parameters spmd.grad differentiates
-    n_grads: int
     variants: dict[tuple[bool, bool], Callable[..., Any]] = field(default_factory=dict)
 
 
@@ -356,10 +338,13 @@ class DataParallel:
     ) -> None:
         if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
             raise SpmdError(
-                f"data_parallel: accumulate_steps={accumulate_steps!r}; expected an int >= 1"
+                f"{this_rank()}: data_parallel: accumulate_steps={accumulate_steps!r}; expected "
+                "an int >= 1"
             )
         if bucket_mb < 0:
-            raise SpmdError(f"data_parallel: bucket_mb={bucket_mb!r}; expected a number >= 0")
+            raise SpmdError(
+                f"{this_rank()}: data_parallel: bucket_mb={bucket_mb!r}; expected a number >= 0"
+            )
         _check_compression(compression)
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -371,7 +356,9 @@ class DataParallel:
         self.check_params = check_params
         self._cache: dict[Any, _Traced] = {}
         self._checked = False
+        # no_sync's local gradient sums, and the traced signature they belong to.
         self._pending: list[Any] | None = None
+        self._pending_for: _Traced | None = None
 
     # Tracing -----------------------------------------------------------------------------------
 
@@ -390,8 +377,7 @@ class DataParallel:
                 for v in e.invars
                 if v in index
             ]
-            n_grads = len(gradient_leaves(program)[0])
-            hit = self._cache[key] = _Traced(program, sorted(set(params)), n_grads)
+            hit = self._cache[key] = _Traced(program, sorted(set(params)))
         return hit
 
     def _transformed(self, traced: _Traced, sync: bool, pending: bool) -> Program:
@@ -414,6 +400,12 @@ class DataParallel:
             self._checked = True
         sync = not _NO_SYNC.get()
         pending = self._pending is not None
+        if pending and self._pending_for is not traced:
+            raise SpmdError(
+                f"{this_rank()}: data_parallel({traced.program.name}): the gradients accumulated "
+                "under spmd.no_sync() belong to a call with other argument shapes or "
+                "structure; accumulate micro-batches of one shape"
+            )
         run = traced.variants.get((sync, pending))
         if run is None:
             program = self._transformed(traced, sync, pending)
@@ -421,6 +413,7 @@ class DataParallel:
         outs = run(*leaves, *(self._pending or []))
         n = traced.program.out_tree.num_leaves
         self._pending = None if sync else list(outs[n:])
+        self._pending_for = None if sync else traced
         return jax.tree_util.tree_unflatten(traced.program.out_tree, outs[:n])
 
     def _check(self, traced: _Traced, leaves: list[Any]) -> None:

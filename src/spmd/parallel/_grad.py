@@ -26,6 +26,7 @@ from jax._src import core
 from jax._src.interpreters import ad, batching, mlir
 
 from .._errors import SpmdError
+from ..runtime import this_rank
 
 __all__ = ["grad", "mark_p", "marking", "value_and_grad"]
 
@@ -118,8 +119,8 @@ def value_and_grad(
         for i in nums:
             if i >= len(args):
                 raise SpmdError(
-                    f"spmd.value_and_grad: argnums={argnums} but {fun.__name__} was called with "
-                    f"{len(args)} positional arguments"
+                    f"{this_rank()}: spmd.value_and_grad: argnums={argnums} but {fun.__name__} "
+                    f"was called with {len(args)} positional arguments"
                 )
         args = tuple(_mark(a, "param", call) if i in nums else a for i, a in enumerate(args))
         if ctx.accumulate_steps > 1:
@@ -161,9 +162,9 @@ def _split(x: Any, k: int, where: str) -> Any:
         return None
     if x.shape[0] % k:
         raise SpmdError(
-            f"data_parallel(accumulate_steps={k}): {where} has {x.shape[0]} rows, which do not "
-            f"split into {k} micro-batches; pass a batch whose leading dimension is a multiple "
-            f"of {k}"
+            f"{this_rank()}: data_parallel(accumulate_steps={k}): {where} has {x.shape[0]} "
+            f"rows, which do not split into {k} micro-batches; pass a batch whose leading "
+            f"dimension is a multiple of {k}"
         )
     return x.reshape(k, x.shape[0] // k, *x.shape[1:])
 

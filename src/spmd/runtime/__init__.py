@@ -9,6 +9,7 @@ from ._state import get_communicator as get_communicator
 from ._state import init as init
 from ._state import is_initialized as is_initialized
 from ._state import set_default_communicator as set_default_communicator
+from ._state import this_rank as this_rank
 
 __all__ = [
     "Communicator",
@@ -17,4 +18,5 @@ __all__ = [
     "init",
     "is_initialized",
     "set_default_communicator",
+    "this_rank",
 ]

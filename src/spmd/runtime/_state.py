@@ -212,6 +212,11 @@ def is_initialized() -> bool:
     return _runtime is not None
 
 
+def this_rank() -> str:
+    """How an error names this process: ``"rank N"`` (world rank), ``"rank ?"`` before init."""
+    return f"rank {_runtime.rank}" if _runtime is not None else "rank ?"
+
+
 def set_default_communicator(name: str) -> None:
     """Choose the world communicator ``init`` creates: ``"mpi"`` or ``"void"`` (RAF's names).
 
