@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import itertools
 import json
 import os
@@ -29,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from spmd.cli.bench import cpu_model, memory_gib, package_version
 
 SIZES = (784, 1024, 1024, 10)
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -175,13 +176,6 @@ WORKERS = {"spmd": worker_spmd, "spmd-bound": worker_spmd, "single": worker_sing
 # -- driver ---------------------------------------------------------------------------------------
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _run_worker(name: str, args: argparse.Namespace) -> dict[str, Any] | str:
     cmd = [sys.executable, __file__, "--worker", name, "--ranks", str(args.ranks),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
@@ -218,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
     impls = ["single", "spmd", "spmd-bound"]
     skipped = {}
-    if _version("torch") is None:
+    if package_version("torch") is None:
         skipped["torch DDP"] = "torch is not installed"
     else:
         impls.append("torch")
@@ -254,15 +248,16 @@ def main(argv: list[str] | None = None) -> int:
             "rounds_ms": [round(x * 1e3, 3) for x in runs[impl]],
         })  # fmt: skip
     info = {
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
+        "memory_GiB": memory_gib(),
         "python": platform.python_version(),
-        "spmd": _version("spmd"),
-        "jax": _version("jax"),
-        "jaxlib": _version("jaxlib"),
-        "optax": _version("optax"),
-        "torch": _version("torch"),
-        "mpich_wheel": _version("mpich"),
+        "spmd": package_version("spmd"),
+        "jax": package_version("jax"),
+        "jaxlib": package_version("jaxlib"),
+        "optax": package_version("optax"),
+        "torch": package_version("torch"),
+        "mpich_wheel": package_version("mpich"),
         "model": "MLP " + "-".join(map(str, SIZES)) + ", float32",
         "optimizer": "adam" if args.optimizer == "adam" else "sgd momentum 0.9",
         "batch_per_rank": args.batch,

@@ -64,6 +64,17 @@ void StreamCopy(char* dst, const char* src, size_t len) {
 #endif
 }
 
+// Where each rank's block starts in the concatenation of blocks of ``bytes`` (one more entry:
+// the total), and the largest block.
+std::vector<size_t> Offsets(const std::vector<size_t>& bytes, size_t* most) {
+  std::vector<size_t> off(bytes.size() + 1, 0);
+  for (size_t r = 0; r < bytes.size(); ++r) {
+    off[r + 1] = off[r] + bytes[r];
+    *most = std::max(*most, bytes[r]);
+  }
+  return off;
+}
+
 // Copies into a collective's output: streaming when the output is large (see kStreamMin).
 // The destructor fences, so the streamed stores are ordered before whatever follows the op.
 class OutCopy {
@@ -303,12 +314,8 @@ Status ShmGroup::Allreduce(const Signature& sig, ReduceOp op, const std::vector<
 Status ShmGroup::Allgatherv(const Signature& sig, const Leaf& in, const Leaf& out,
                             const std::vector<size_t>& bytes) {
   const int n = size_, me = rank_;
-  std::vector<size_t> off(n + 1, 0);
   size_t most = 0;
-  for (int r = 0; r < n; ++r) {
-    off[r + 1] = off[r] + bytes[r];
-    most = std::max(most, bytes[r]);
-  }
+  const std::vector<size_t> off = Offsets(bytes, &most);
   // Our own block is copied chunk by chunk from the staged (cached) copy, so the input is read
   // from memory once.
   const OutCopy put(off[n]);
@@ -333,12 +340,8 @@ Status ShmGroup::Allgatherv(const Signature& sig, const Leaf& in, const Leaf& ou
 Status ShmGroup::ReduceScatterv(const Signature& sig, ReduceOp op, const Leaf& in,
                                 const Leaf& out, const std::vector<size_t>& bytes) {
   const int n = size_, me = rank_;
-  std::vector<size_t> off(n + 1, 0);
   size_t most = 0;
-  for (int r = 0; r < n; ++r) {
-    off[r + 1] = off[r] + bytes[r];
-    most = std::max(most, bytes[r]);
-  }
+  const std::vector<size_t> off = Offsets(bytes, &most);
   const size_t cb = chunk_ / n / kAlign * kAlign;
   std::vector<const void*> src(n);
   bool first = true;

@@ -557,14 +557,14 @@ def _init_torch(env: Env) -> str | None:
     return None
 
 
-def _version(dist: str) -> str | None:
+def package_version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -575,7 +575,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _memory_gib() -> float | None:
+def memory_gib() -> float | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -596,23 +596,23 @@ def machine_info(env: Env, backend: str) -> dict[str, Any]:
         affinity = os.cpu_count() or 0
     lib = str(env.mpi.Get_library_version()).strip().splitlines()[0]
     info: dict[str, Any] = {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "cores_usable": affinity,
-        "memory_GiB": _memory_gib(),
+        "memory_GiB": memory_gib(),
         "os": f"{platform.system()} {platform.release()} {platform.machine()}",
         "python": platform.python_version(),
-        "spmd": _version("spmd"),
+        "spmd": package_version("spmd"),
         "jax": jax.__version__,
-        "jaxlib": _version("jaxlib"),
+        "jaxlib": package_version("jaxlib"),
         "jax_device": str(jax.devices()[0].device_kind),
         "numpy": np.__version__,
-        "mpi4py": _version("mpi4py"),
+        "mpi4py": package_version("mpi4py"),
         "mpi_library": " ".join(lib.split()),
         "mpi_standard": "{}.{}".format(*env.mpi.Get_version()),
-        "mpich_wheel": _version("mpich"),
-        "mpi4jax": _version("mpi4jax"),
-        "torch": _version("torch"),
+        "mpich_wheel": package_version("mpich"),
+        "mpi4jax": package_version("mpi4jax"),
+        "torch": package_version("torch"),
         "spmd_backend": backend,
         "ranks": env.n,
         "load_average_1min_at_start": round(os.getloadavg()[0], 2),
