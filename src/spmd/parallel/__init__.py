@@ -8,19 +8,25 @@ from ._data_parallel import data_parallel as data_parallel
 from ._data_parallel import no_sync as no_sync
 from ._grad import grad as grad
 from ._grad import value_and_grad as value_and_grad
+from ._program import Env as Env
 from ._program import Op as Op
 from ._program import Program as Program
+from ._program import eval_eqn as eval_eqn
+from ._program import retrace as retrace
 from ._program import trace as trace
 
 __all__ = [
     "DataParallel",
+    "Env",
     "Op",
     "Program",
     "allreduce_gradients",
     "broadcast_params",
     "data_parallel",
+    "eval_eqn",
     "grad",
     "no_sync",
+    "retrace",
     "trace",
     "value_and_grad",
 ]

@@ -31,7 +31,7 @@ from jax._src import core
 
 from .._errors import SpmdError
 
-__all__ = ["Op", "Program", "eval_eqn", "retrace", "trace"]
+__all__ = ["Env", "Op", "Program", "eval_eqn", "retrace", "trace"]
 
 
 # -- API ------------------------------------------------------------------------------------------
