@@ -41,6 +41,11 @@ if TYPE_CHECKING:
     from .parallel import no_sync as no_sync
     from .parallel import trace as trace
     from .parallel import value_and_grad as value_and_grad
+    from .parallel import zero_shard as zero_shard
+    from .sharded import PartitionSpec as PartitionSpec
+    from .sharded import ShardedArray as ShardedArray
+    from .sharded import gather as gather
+    from .sharded import shard as shard
 
 _OPS = (
     "all_to_all",
@@ -65,7 +70,11 @@ _PARALLEL = (
     "no_sync",
     "trace",
     "value_and_grad",
+    "zero_shard",
 )
+
+
+_SHARDED = ("PartitionSpec", "ShardedArray", "gather", "shard")
 
 
 def __getattr__(name: str) -> Any:
@@ -77,12 +86,15 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module(".ops", __name__), name)
     if name in _PARALLEL:
         return getattr(importlib.import_module(".parallel", __name__), name)
+    if name in _SHARDED:
+        return getattr(importlib.import_module(".sharded", __name__), name)
     raise AttributeError(f"module 'spmd' has no attribute {name!r}")
 
 
 __all__ = [
     *_OPS,
     *_PARALLEL,
+    *_SHARDED,
     "data",
     "ops",
     "parallel",

@@ -40,7 +40,14 @@ from ..runtime import Communicator, this_rank
 from ._grad import mark_p, marking
 from ._program import Env, Program, eval_eqn, retrace, trace_program
 
-__all__ = ["DataParallel", "allreduce_gradients", "broadcast_params", "data_parallel", "no_sync"]
+__all__ = [
+    "DataParallel",
+    "allreduce_gradients",
+    "broadcast_params",
+    "check_replicas",
+    "data_parallel",
+    "no_sync",
+]
 
 _COMPRESSION = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 _NO_SYNC: contextvars.ContextVar[bool] = contextvars.ContextVar("spmd_no_sync", default=False)
@@ -132,7 +139,7 @@ NO_GRAD = (
 PARAMS_DIFFER = (
     "{where}: the parameters differ between ranks at the first step: {detail}. Data-parallel "
     "replicas must start from one state: params = spmd.broadcast_params(params) before "
-    "training (or data_parallel(check_params=False) if they differ on purpose)."
+    "training (or pass check_params=False if they differ on purpose)."
 )
 
 
@@ -396,7 +403,8 @@ class DataParallel:
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
         traced = self._traced(args, kwargs, leaves, tree)
         if self.check_params and not self._checked:
-            self._check(traced, leaves)
+            comm = _communicator(self.group, "data_parallel")
+            check_replicas(comm, traced.program, traced.param_inputs, leaves, "data_parallel")
             self._checked = True
         sync = not _NO_SYNC.get()
         pending = self._pending is not None
@@ -416,28 +424,31 @@ class DataParallel:
         self._pending_for = None if sync else traced
         return jax.tree_util.tree_unflatten(traced.program.out_tree, outs[:n])
 
-    def _check(self, traced: _Traced, leaves: list[Any]) -> None:
-        comm = _communicator(self.group, "data_parallel")
-        if comm.size == 1 or not traced.param_inputs:
-            return
-        sums = [zlib.crc32(np.ascontiguousarray(leaves[i]).tobytes()) for i in traced.param_inputs]
-        everyone = comm.allgather_object(sums)
-        differ = [r for r, s in enumerate(everyone) if s != everyone[0]]
-        if not differ:
-            return
-        names = traced.program.in_names
-        first = differ[0]
-        bad = [names[i] for i, a, b in zip(traced.param_inputs, everyone[0], everyone[first],
-                                           strict=True) if a != b]  # fmt: skip
-        ranks = [comm.ranks[r] for r in differ]
-        detail = (
-            f"ranks {ranks} hold other values than rank {comm.ranks[0]} "
-            f"(first difference: {bad[0]}; {len(bad)} of {len(sums)} parameter arrays differ "
-            f"on rank {comm.ranks[first]})"
+
+def check_replicas(
+    comm: Communicator, program: Program, param_inputs: list[int], leaves: list[Any], where: str
+) -> None:
+    """Raise on every rank if the parameters (flat inputs ``param_inputs``) differ between the
+    ranks of ``comm``, naming the ranks and the first parameter that differs (CRC32 checksums)."""
+    if comm.size == 1 or not param_inputs:
+        return
+    sums = [zlib.crc32(np.ascontiguousarray(leaves[i]).tobytes()) for i in param_inputs]
+    everyone = comm.allgather_object(sums)
+    differ = [r for r, s in enumerate(everyone) if s != everyone[0]]
+    if not differ:
+        return
+    names = program.in_names
+    first = differ[0]
+    bad = [names[i] for i, a, b in zip(param_inputs, everyone[0], everyone[first], strict=True)
+           if a != b]  # fmt: skip
+    ranks = [comm.ranks[r] for r in differ]
+    detail = (
+        f"ranks {ranks} hold other values than rank {comm.ranks[0]} "
+        f"(first difference: {bad[0]}; {len(bad)} of {len(sums)} parameter arrays differ "
+        f"on rank {comm.ranks[first]})"
+    )
+    raise SpmdError(
+        PARAMS_DIFFER.format(
+            where=f"rank {comm.world_rank}: {where}({program.name})", detail=detail
         )
-        raise SpmdError(
-            PARAMS_DIFFER.format(
-                where=f"rank {comm.world_rank}: data_parallel({traced.program.name})",
-                detail=detail,
-            )
-        )
+    )

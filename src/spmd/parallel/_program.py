@@ -210,11 +210,15 @@ def retrace(
     program: Program,
     body: Callable[[Env, Sequence[Any]], Sequence[Any]],
     extra_in: Sequence[core.ShapedArray] = (),
+    in_avals: Sequence[core.ShapedArray] | None = None,
 ) -> core.ClosedJaxpr:
     """The closed jaxpr of ``body(env, inputs)``, traced with the program's inputs followed by
-    ``extra_in``. ``body`` re-evaluates the program's ops (``eval_eqn``) and may add its own."""
+    ``extra_in``. ``body`` re-evaluates the program's ops (``eval_eqn``) and may add its own.
+    ``in_avals`` replaces the program's input types (a pass that changes their shapes)."""
     jaxpr = program.jaxpr
-    avals = [v.aval for v in jaxpr.jaxpr.invars] + list(extra_in)
+    if in_avals is None:
+        in_avals = [v.aval for v in jaxpr.jaxpr.invars]
+    avals = list(in_avals) + list(extra_in)
 
     def run(*xs: Any) -> list[Any]:
         env = Env()
