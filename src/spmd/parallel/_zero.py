@@ -44,7 +44,7 @@ from ..runtime import Communicator, this_rank
 from ..sharded import ShardedArray, _spec, is_sharded
 from ._data_parallel import _buckets, _communicator, check_replicas, gradient_leaves
 from ._grad import mark_p, marking
-from ._program import Program, eval_eqn, retrace, trace_program
+from ._program import Program, _arg_names, eval_eqn, retrace, trace_program
 
 __all__ = ["ZeroShard", "partition", "zero_shard"]
 
@@ -488,6 +488,10 @@ class ZeroShard:
         self._cache: dict[Any, _Traced] = {}
         self._checked = False
 
+    @property
+    def _name(self) -> str:
+        return getattr(self.fn, "__name__", "step")
+
     # Sharding the state ------------------------------------------------------------------------
 
     def _where(self) -> tuple[Communicator, Any, str]:
@@ -521,22 +525,25 @@ class ZeroShard:
 
     # Tracing -----------------------------------------------------------------------------------
 
-    def _inputs(self, args: Any, kwargs: Any) -> tuple[list[Any], Any, Any, dict[int, Any]]:
+    def _inputs(self, args: Any, kwargs: Any) -> tuple[list[Any], Any, list[Any], dict[int, Any]]:
+        """Flat local leaves, the structure, the abstract (global) leaves to trace with, and
+        {flat position: global shape} of the sharded inputs."""
         comm = _communicator(self.group, "zero_shard")
         objs, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_sharded)
-        with_path = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_sharded)[0]
+        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) if is_sharded(x) else x for x in objs]
         sharded: dict[int, Any] = {}
-        for i, (x, (path, _)) in enumerate(zip(objs, with_path, strict=True)):
+        for i, x in enumerate(objs):
             if not is_sharded(x):
                 continue
             dims = x.dims
-            ok = dims[0].split and not any(d.split for d in dims[1:])
-            ok = ok and x.mesh is not None and _ranks(x) == comm.ranks
-            if not ok:
+            if not (
+                dims[0].split and not any(d.split for d in dims[1:]) and _ranks(x) == comm.ranks
+            ):
+                a, kw = jax.tree_util.tree_unflatten(tree, abstract)
                 raise SpmdError(
                     BAD_INPUT.format(
-                        where=f"{this_rank()}: zero_shard({getattr(self.fn, '__name__', 'step')})",
-                        path=jax.tree_util.keystr(path),
+                        where=f"{this_rank()}: zero_shard({self._name})",
+                        path=_arg_names(self.fn, a, kw)[i],
                         spec=x.spec,
                         mesh=x.mesh,
                         ranks=list(comm.ranks),
@@ -544,16 +551,13 @@ class ZeroShard:
                 )
             sharded[i] = x.shape
         leaves = [x.local if is_sharded(x) else x for x in objs]
-        return leaves, tree, objs, sharded
+        return leaves, tree, abstract, sharded
 
     def _traced(self, args: Any, kwargs: Any) -> tuple[_Traced, list[Any]]:
-        leaves, tree, objs, sharded = self._inputs(args, kwargs)
+        leaves, tree, abstract, sharded = self._inputs(args, kwargs)
         key = (tree, tuple(core.typeof(x) for x in leaves))
         hit = self._cache.get(key)
         if hit is None:
-            abstract = [
-                jax.ShapeDtypeStruct(x.shape, x.dtype) if is_sharded(x) else x for x in objs
-            ]
             a, kw = jax.tree_util.tree_unflatten(tree, abstract)
             with marking(self.accumulate_steps):
                 program = trace_program(self.fn, a, kw)

@@ -1,0 +1,275 @@
+"""@spmd.zero_shard: parity with @data_parallel after every step (stages 1-3, SGD, Adam, Adam
+with global-norm clipping, 2-4 ranks), per-rank memory of 1/N, the collectives each stage
+inserts, mesh-axis groups and the errors."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import spmd
+from spmd.testing import multirank
+
+from ._model import (
+    ROWS_PER_RANK,
+    assert_close,
+    assert_same_everywhere,
+    global_batches,
+    init_params,
+    loss_fn,
+    make_step,
+    reference,
+)
+
+STEPS = 5
+CLIP = 0.05  # below the gradient norms of the first steps, so clipping is active
+
+
+def _optimizers():
+    return {
+        "sgd": optax.sgd(0.3),
+        "adam": optax.adam(0.05),
+        "adam+clip": optax.chain(optax.clip_by_global_norm(CLIP), optax.adam(0.05)),
+    }
+
+
+def _step(tx, with_grads=False):
+    def step(params, opt_state, batch):
+        loss, grads = spmd.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        out = (optax.apply_updates(params, updates), opt_state, loss)
+        return (*out, grads) if with_grads else out
+
+    return step
+
+
+def _train_dp(tx, batches):
+    step = make_step(tx)
+    params = spmd.broadcast_params(init_params())
+    opt_state = tx.init(params)
+    history = []
+    for b in batches:
+        params, opt_state, _ = step(params, opt_state, spmd.data.shard_batch(b))
+        history.append((params, opt_state))
+    return history
+
+
+def _train_zero(tx, batches, stage):
+    step = spmd.zero_shard(_step(tx), stage=stage)
+    params = spmd.broadcast_params(init_params())
+    params, opt_state = step.shard(params, tx.init(params))
+    history = []
+    for b in batches:
+        params, opt_state, loss = step(params, opt_state, spmd.data.shard_batch(b))
+        assert np.isfinite(float(loss))
+        history.append((spmd.gather(params), spmd.gather(opt_state)))
+    return history
+
+
+def test_clipping_is_active_in_the_parity_test():
+    batch = global_batches(1, 2)[0]
+    norm = optax.tree.norm(jax.grad(loss_fn)(init_params(), batch))
+    assert norm > 2 * CLIP
+
+
+@multirank(nprocs=(2, 3, 4))
+def test_parity_with_data_parallel(comm):
+    batches = global_batches(STEPS, comm.size)
+    for name, tx in _optimizers().items():
+        want = _train_dp(tx, batches)
+        one = reference(tx, batches)
+        for stage in (1, 2, 3):
+            got = _train_zero(tx, batches, stage)
+            for i, ((gp, gs), (wp, ws)) in enumerate(zip(got, want, strict=True)):
+                what = f"{name} stage {stage} step {i + 1}"
+                assert_same_everywhere(comm, gp)
+                assert_close(gp, wp, 1e-5, what)
+                assert_close(gp, one[i], 1e-5, what + " (one process)")
+                for g, w in zip(jax.tree_util.tree_leaves(gs), jax.tree_util.tree_leaves(ws),
+                                strict=True):  # fmt: skip
+                    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=what)
+
+
+def _big_params():
+    k = jax.random.split(jax.random.key(3), 3)
+    return {
+        "w1": jax.random.normal(k[0], (301, 64)) * 0.05,
+        "b1": jnp.zeros((64,)),
+        "w2": jax.random.normal(k[1], (64, 7)) * 0.1,
+    }
+
+
+def _big_loss(params, batch):
+    x, y = batch
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return optax.softmax_cross_entropy_with_integer_labels(h @ params["w2"], y).mean()
+
+
+def _nbytes(tree):
+    return sum(
+        math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree)
+    )
+
+
+def _expected_shard_bytes(full_tree, n):
+    """Bytes of row shards of ceil(rows / n) rows (padding included), and of the padding."""
+    total = padding = 0
+    for x in jax.tree_util.tree_leaves(full_tree):
+        if x.ndim == 0:
+            total += x.dtype.itemsize
+            continue
+        row = math.prod(x.shape[1:]) * x.dtype.itemsize
+        chunk = -(-x.shape[0] // n)
+        total += chunk * row
+        padding += (chunk * n - x.shape[0]) * row / n
+    return total, padding
+
+
+@multirank(nprocs=(2, 4))
+def test_memory_per_rank_is_one_nth(comm):
+    """Measured from the arrays each rank holds after a step: optimizer state (stage >= 1),
+    gradients (stage >= 2) and parameters (stage 3) are 1/N of the replicated bytes, plus the
+    padding of uneven row counts (301 rows do not split evenly)."""
+    n = comm.size
+    tx = optax.adam(1e-3)
+    rng = np.random.default_rng(0)
+    batch = (rng.standard_normal((4, 301)).astype(np.float32), rng.integers(0, 7, 4))
+    full_params = _big_params()
+    full_state = tx.init(full_params)
+
+    def step(params, opt_state, batch):
+        grads = spmd.grad(_big_loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, grads
+
+    for stage in (1, 2, 3):
+        z = spmd.zero_shard(step, stage=stage)
+        params, opt_state = z.shard(full_params, full_state)
+        params, opt_state, grads = z(params, opt_state, batch)
+        held = {"optimizer state": (opt_state, full_state), "gradients": (grads, full_params),
+                "parameters": (params, full_params)}  # fmt: skip
+        sharded = {"optimizer state": True, "gradients": stage >= 2, "parameters": stage == 3}
+        for what, (mine, full) in held.items():
+            arrays = jax.tree_util.tree_leaves(mine, is_leaf=spmd.sharded.is_sharded)
+            if not sharded[what]:
+                assert not any(isinstance(a, spmd.ShardedArray) for a in arrays), what
+                assert _nbytes(mine) == _nbytes(full), what
+                continue
+            want, padding = _expected_shard_bytes(full, n)
+            got = _nbytes(mine)  # a ShardedArray's leaf is its local shard
+            assert got == want, f"stage {stage} {what}: {got} bytes, expected {want}"
+            ideal = _nbytes(full) / n
+            assert abs(got - padding - ideal) <= 0.01 * ideal, (what, got, padding, ideal)
+            assert all(a.ndim == 0 for a in arrays if not isinstance(a, spmd.ShardedArray))
+
+
+def _names(program):
+    return [op.name for op in program.ops]
+
+
+@multirank(nprocs=(2,))
+def test_trace_shows_what_each_stage_inserts(comm):
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+    batch = spmd.data.shard_batch(global_batches(1, 2)[0])
+    params = init_params()
+    for stage in (1, 2, 3):
+        z = spmd.zero_shard(_step(tx), stage=stage)
+        p, s = z.shard(params, tx.init(params))
+        program = spmd.trace(z)(p, s, batch)
+        names = _names(program)
+        text = str(program)
+        dots = [i for i, n in enumerate(names) if n == "dot_general"]
+        if stage == 1:
+            # gradients averaged by allreduce; updated parameters gathered once at the end
+            assert names.count("spmd.reduce_scatter") == 0
+            assert names.count("spmd.allgather") == 1
+            assert names.index("spmd.allgather") > max(dots)
+        else:
+            assert names.count("spmd.reduce_scatter") == 1, text
+            # the global norm: partial sums of the gradient shards, then scalar allreduces
+            norms = [e for e in program.jaxpr.jaxpr.eqns if e.primitive.name == "spmd_allreduce"]
+            assert norms and all(v.aval.shape == () for e in norms for v in e.outvars), text
+        if stage == 2:
+            assert names.count("spmd.allgather") == 1
+        if stage == 3:
+            # each weight gathered before each matmul that reads it, forward and backward
+            gathers = [i for i, n in enumerate(names) if n == "spmd.allgather"]
+            assert len(gathers) >= 4, text
+            assert gathers[0] < dots[0]
+            assert names[-1] != "spmd.allgather"
+        assert "spmd.mark" not in names
+
+
+@multirank(nprocs=(4,))
+def test_mesh_axis_group(comm):
+    """zero_shard(group="dp") inside Mesh(dp=2, tp=2): each dp group averages over its 2 ranks;
+    the tp pairs see the same data, so all four ranks match one process on 2 ranks' batches."""
+    mesh = spmd.Mesh(dp=2, tp=2)
+    tx = optax.adam(0.05)
+    batches = global_batches(3, 2)
+    want = reference(tx, batches)
+    with mesh:
+        z = spmd.zero_shard(_step(tx), stage=2, group="dp")
+        params = init_params()
+        params, opt_state = z.shard(params, tx.init(params))
+        leaf = jax.tree_util.tree_leaves(opt_state, is_leaf=spmd.sharded.is_sharded)[1]
+        assert leaf.mesh is mesh and leaf.spec == spmd.PartitionSpec("dp")
+        i = mesh.index("dp")
+        for k, b in enumerate(batches):
+            mine = tuple(x[i * ROWS_PER_RANK : (i + 1) * ROWS_PER_RANK] for x in b)
+            params, opt_state, _ = z(params, opt_state, mine)
+            assert_close(params, want[k], 1e-5, f"step {k + 1}")
+
+
+@multirank(nprocs=(1,))
+def test_one_rank_is_one_process(comm):
+    tx = optax.adam(0.05)
+    batches = global_batches(3, 1)
+    for stage in (1, 3):
+        for (p, _), w in zip(_train_zero(tx, batches, stage), reference(tx, batches), strict=True):
+            assert_close(p, w, 1e-6, f"stage {stage}")
+
+
+def _cumulative(learning_rate):
+    """A made-up optimizer whose state update is not elementwise (a cumulative sum)."""
+
+    def init(params):
+        return {"m": jax.tree_util.tree_map(jnp.zeros_like, params)}
+
+    def update(grads, state, params=None):
+        m = jax.tree_util.tree_map(lambda m, g: jnp.cumsum(m + g, axis=0), state["m"], grads)
+        return jax.tree_util.tree_map(lambda x: -learning_rate * x, m), {"m": m}
+
+    return optax.GradientTransformation(init, update)
+
+
+@multirank(nprocs=(2,))
+def test_errors_name_the_op_and_the_rank(comm):
+    batch = spmd.data.shard_batch(global_batches(1, 2)[0])
+    params = init_params()
+    tx = _cumulative(0.1)
+    z = spmd.zero_shard(_step(tx), stage=1)
+    p, s = z.shard(params, tx.init(params))
+    with pytest.raises(spmd.SpmdError, match=rf"rank {comm.rank}: .*op cumsum .*opt_state\.m\."):
+        z(p, s, batch)
+
+    adam = optax.adam(0.1)
+    z = spmd.zero_shard(_step(adam), stage=2)
+    p, s = z.shard(params, adam.init(params))
+    wrong = spmd.shard(params["w1"], spmd.PartitionSpec(None, "dp"))
+    bad = (s[0]._replace(mu={**s[0].mu, "w1": wrong}), *s[1:])
+    with pytest.raises(spmd.SpmdError, match=r"opt_state.*mu.*w1.*split along axis 0"):
+        z(p, bad, batch)
+
+    def no_grad(params, opt_state, batch):
+        return params, opt_state, loss_fn(params, batch)
+
+    with pytest.raises(spmd.SpmdError, match="computes no gradient"):
+        spmd.zero_shard(no_grad)(p, s, batch)
+    with pytest.raises(spmd.SpmdError, match=r"stage=4; expected 1, 2 or 3"):
+        spmd.zero_shard(no_grad, stage=4)
