@@ -1,13 +1,16 @@
 """Data-parallel training throughput: spmd's @data_parallel on N ranks against one process at
 the same global batch, and torch DDP (gloo) where torch is installed, in the same run.
 
-    python benchmarks/data_parallel.py [--ranks 2] [--rounds 3] [--steps 40]
+    python benchmarks/data_parallel.py [--ranks 2] [--rounds 3] [--steps 40] [--zero]
 
 Model: MLP 784-1024-1024-10 (float32), batch 64 per rank, cross-entropy, SGD with momentum
 (``--optimizer adam`` for Adam). Rounds alternate the implementations so that a noisy
 neighbour hits them alike; each round reports the median step time of its timed steps, and the
 table quotes the median over rounds. Writes
 ``benchmarks/results/data_parallel-cpu<cores>-n<ranks>.{json,md}``.
+
+``--zero`` adds ``@spmd.zero_shard`` stages 1, 2 and 3 on the same step and reports each
+against ``@data_parallel`` (results tagged ``-zero``).
 
 Each implementation runs as its own job (this script with ``--worker``): spmd under
 ``spmd-run -n N``, one process alone with the machine, torch DDP under ``spmd-run -n N`` with a
@@ -32,6 +35,9 @@ from typing import Any
 from spmd.cli.bench import cpu_model, memory_gib, package_version
 
 SIZES = (784, 1024, 1024, 10)
+HEADER = (
+    "| implementation | step (ms) | samples/s | vs one process | vs data_parallel | rounds (ms) |"
+)
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -90,11 +96,16 @@ def worker_spmd(args: argparse.Namespace) -> dict[str, Any]:
     params, opt_state, tx, loss_fn = _jax_setup(args.optimizer)
     params = spmd.broadcast_params(params)
 
-    @spmd.data_parallel(bucket_mb=args.bucket_mb)
-    def step(params: Any, opt_state: Any, batch: Any) -> Any:
+    def train_step(params: Any, opt_state: Any, batch: Any) -> Any:
         loss, grads = spmd.value_and_grad(loss_fn)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
+
+    if args.stage:
+        step = spmd.zero_shard(train_step, stage=args.stage, bucket_mb=args.bucket_mb)
+        params, opt_state = step.shard(params, opt_state)
+    else:
+        step = spmd.data_parallel(train_step, bucket_mb=args.bucket_mb)
 
     batch = tuple(jax.device_put(a) for a in _data(args.batch, seed=comm.rank))
     state = [params, opt_state]
@@ -170,7 +181,8 @@ def worker_torch(args: argparse.Namespace) -> dict[str, Any]:
 
 
 WORKERS = {"spmd": worker_spmd, "spmd-bound": worker_spmd, "single": worker_single,
-           "torch": worker_torch}  # fmt: skip
+           "torch": worker_torch, "zero1": worker_spmd, "zero2": worker_spmd,
+           "zero3": worker_spmd}  # fmt: skip
 
 
 # -- driver ---------------------------------------------------------------------------------------
@@ -179,7 +191,8 @@ WORKERS = {"spmd": worker_spmd, "spmd-bound": worker_spmd, "single": worker_sing
 def _run_worker(name: str, args: argparse.Namespace) -> dict[str, Any] | str:
     cmd = [sys.executable, __file__, "--worker", name, "--ranks", str(args.ranks),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
-           "--optimizer", args.optimizer, "--bucket-mb", str(args.bucket_mb)]  # fmt: skip
+           "--optimizer", args.optimizer, "--bucket-mb", str(args.bucket_mb),
+           "--stage", name[4:] if name.startswith("zero") else "0"]  # fmt: skip
     if name != "single":
         # spmd-bound: MPICH's launcher pins each rank to its own core (-bind-to core).
         bind = ["--mpi-arg=-bind-to", "--mpi-arg=core"] if name == "spmd-bound" else []
@@ -200,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--zero", action="store_true", help="also zero_shard stages 1-3")
+    p.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out-dir", default=str(RESULTS))
     p.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -210,11 +225,15 @@ def main(argv: list[str] | None = None) -> int:
             print("RESULT " + json.dumps(result), flush=True)
         return 0
 
-    impls = ["single", "spmd", "spmd-bound"]
+    impls = (
+        ["single", "spmd", "zero1", "zero2", "zero3"]
+        if args.zero
+        else ["single", "spmd", "spmd-bound"]
+    )
     skipped = {}
     if package_version("torch") is None:
         skipped["torch DDP"] = "torch is not installed"
-    else:
+    elif not args.zero:
         impls.append("torch")
     runs: dict[str, list[float]] = {i: [] for i in impls}
     errors: dict[str, str] = {}
@@ -233,9 +252,11 @@ def main(argv: list[str] | None = None) -> int:
         "spmd": f"spmd data_parallel ({args.ranks} ranks)",
         "spmd-bound": f"spmd data_parallel ({args.ranks} ranks, -bind-to core)",
         "torch": f"torch DDP gloo ({args.ranks} ranks)",
+        **{f"zero{k}": f"spmd zero_shard stage {k} ({args.ranks} ranks)" for k in (1, 2, 3)},
     }
     rows = []
     single = statistics.median(runs["single"]) if runs["single"] else float("nan")
+    dp = statistics.median(runs["spmd"]) if runs["spmd"] else float("nan")
     for impl in impls:
         if not runs[impl]:
             continue
@@ -245,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             "step_ms": round(t * 1e3, 3),
             "samples_per_s": round(global_batch / t, 1),
             "vs_one_process": round(single / t, 3),
+            "vs_data_parallel": round(dp / t, 3),
             "rounds_ms": [round(x * 1e3, 3) for x in runs[impl]],
         })  # fmt: skip
     info = {
@@ -282,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     tag = f"data_parallel-cpu{os.cpu_count()}-n{args.ranks}"
     if args.optimizer != "sgd":
         tag += f"-{args.optimizer}"
+    if args.zero:
+        tag += "-zero"
     (out / f"{tag}.json").write_text(
         json.dumps({"machine": info, "results": rows, "skipped": skipped, "errors": errors},
                    indent=2) + "\n"
@@ -297,27 +321,20 @@ def main(argv: list[str] | None = None) -> int:
     md += [f"| {k} | {v} |" for k, v in info.items()]
     md += ["", "Step time: per round the median over timed steps (the slowest rank's), then the "
            "median over rounds. samples/s = global batch / step time. vs one process = one "
-           "process's step time / this step time at the same global batch (above 1: faster).", "",
-           "| implementation | step (ms) | samples/s | vs one process | rounds (ms) |",
-           "|---|---:|---:|---:|---|"]  # fmt: skip
+           "process's step time / this step time at the same global batch (above 1: faster); "
+           "vs data_parallel likewise against spmd's data_parallel.", "",
+           HEADER, "|---|---:|---:|---:|---:|---|"]  # fmt: skip
     md += [
         f"| {r['implementation']} | {r['step_ms']:.2f} | {r['samples_per_s']:.0f} | "
-        f"{r['vs_one_process']:.2f} | {', '.join(f'{x:.2f}' for x in r['rounds_ms'])} |"
+        f"{r['vs_one_process']:.2f} | {r['vs_data_parallel']:.2f} | "
+        f"{', '.join(f'{x:.2f}' for x in r['rounds_ms'])} |"
         for r in rows
     ]
     if skipped or errors:
         md += ["", *(f"- skipped {k}: {v}" for k, v in skipped.items()),
                *(f"- {k} failed: {v}" for k, v in errors.items())]  # fmt: skip
     (out / f"{tag}.md").write_text("\n".join(md) + "\n")
-    print(
-        "\n".join(
-            md[
-                md.index(
-                    "| implementation | step (ms) | samples/s | vs one process | rounds (ms) |"
-                ) :
-            ]
-        )
-    )
+    print("\n".join(md[md.index(HEADER) :]))
     return 1 if errors else 0
 
 
