@@ -60,7 +60,8 @@ def test_shard_gather_round_trip_uneven_dtypes(comm):
                 padding = np.asarray(s.local)[rest]
                 assert not padding.astype(bool).any()
                 np.testing.assert_array_equal(s.gather(), x)
-                np.testing.assert_array_equal(jax.jit(lambda a: a.gather())(s), x)
+                if dtype in (np.float32, jnp.bfloat16):  # under jit too (compiles are slow)
+                    np.testing.assert_array_equal(jax.jit(lambda a: a.gather())(s), x)
                 assert s.gather().dtype == x.dtype
 
 

@@ -20,9 +20,13 @@ from .runtime import is_initialized as is_initialized
 from .runtime import set_default_communicator as set_default_communicator
 
 if TYPE_CHECKING:
+    from . import checkpoint as checkpoint
     from . import data as data
     from . import ops as ops
     from . import parallel as parallel
+    from . import sharded as sharded
+    from .checkpoint import load as load
+    from .checkpoint import save as save
     from .ops import all_to_all as all_to_all
     from .ops import allgather as allgather
     from .ops import allgatherv as allgatherv
@@ -75,12 +79,13 @@ _PARALLEL = (
 
 
 _SHARDED = ("PartitionSpec", "ShardedArray", "gather", "shard")
+_CHECKPOINT = ("load", "save")
 
 
 def __getattr__(name: str) -> Any:
     import importlib
 
-    if name in ("ops", "parallel", "data"):
+    if name in ("ops", "parallel", "data", "sharded", "checkpoint"):
         return importlib.import_module("." + name, __name__)
     if name in _OPS:
         return getattr(importlib.import_module(".ops", __name__), name)
@@ -88,6 +93,8 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module(".parallel", __name__), name)
     if name in _SHARDED:
         return getattr(importlib.import_module(".sharded", __name__), name)
+    if name in _CHECKPOINT:
+        return getattr(importlib.import_module(".checkpoint", __name__), name)
     raise AttributeError(f"module 'spmd' has no attribute {name!r}")
 
 
@@ -95,9 +102,12 @@ __all__ = [
     *_OPS,
     *_PARALLEL,
     *_SHARDED,
+    *_CHECKPOINT,
+    "checkpoint",
     "data",
     "ops",
     "parallel",
+    "sharded",
     "Communicator",
     "Mesh",
     "SpmdError",
