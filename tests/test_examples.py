@@ -7,7 +7,6 @@ import re
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
@@ -23,17 +22,24 @@ def _run(nprocs: int, script: str, *args: str, cwd: pathlib.Path) -> str:
     return out.stdout
 
 
-def test_train_digits_reaches_95_percent_and_writes_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("zero", [0, 3])
+def test_train_digits_reaches_95_percent_and_writes_a_checkpoint(tmp_path, zero):
     pytest.importorskip("sklearn")
     pytest.importorskip("tqdm")
-    out = _run(2, "train_digits.py", "--checkpoint", "ck/digits.npz", cwd=tmp_path)
+    import spmd
+
+    out = _run(2, "train_digits.py", "--checkpoint", "ck/digits", "--zero", str(zero),
+               cwd=tmp_path)  # fmt: skip
     losses = [float(m) for m in re.findall(r"epoch +\d+ +loss ([\d.]+)", out)]
     assert len(losses) == 12 and losses[-1] < losses[0] / 5, out
     accuracy = float(re.search(r"test accuracy ([\d.]+)", out).group(1))
     assert accuracy >= 0.95, out
-    with np.load(tmp_path / "ck" / "digits.npz") as ck:
-        assert ck["[0][0]['w']"].shape == (64, 128)
-        assert ck["[0][1]['b']"].shape == (10,)
+    # written by 2 ranks (sharded at stage 3), read here by one process
+    ck = spmd.load(tmp_path / "ck" / "digits")
+    assert ck["params"][0]["w"].shape == (64, 128)
+    assert ck["params"][1]["b"].shape == (10,)
+    assert ck["opt_state"][0].mu[0]["w"].shape == (64, 128)
+    assert spmd.checkpoint.metadata(tmp_path / "ck" / "digits")["sampler"]["num_replicas"] == 2
 
 
 def test_hello(tmp_path):

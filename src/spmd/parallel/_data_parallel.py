@@ -218,6 +218,19 @@ def _buckets(leaves: list[_Leaf], bucket_mb: float) -> list[_Bucket]:
     return buckets
 
 
+def schedule(
+    leaves: list[_Leaf], marks: dict[int, int], bucket_mb: float, overlap: bool
+) -> dict[int, list[_Bucket]]:
+    """{op index: the buckets to reduce right after it} (-1: before the first op). With overlap,
+    a bucket goes after the op that produces its last gradient; without, after the backward pass
+    (just before its gradient call's mark)."""
+    at: dict[int, list[_Bucket]] = {}
+    for b in _buckets(leaves, bucket_mb):
+        i = max(x.producer for x in b.leaves) if overlap else marks[b.leaves[0].call] - 1
+        at.setdefault(i, []).append(b)
+    return at
+
+
 def _reducible(leaf: _Leaf) -> bool:
     return bool(jnp.issubdtype(leaf.src.aval.dtype, jnp.inexact))
 
@@ -245,10 +258,7 @@ def allreduce_gradients(
     leaves, marks = gradient_leaves(program)
     if not leaves:
         raise SpmdError(NO_GRAD.format(where=f"{this_rank()}: data_parallel", name=program.name))
-    at: dict[int, list[_Bucket]] = {}
-    for b in _buckets(leaves, bucket_mb):
-        i = max(x.producer for x in b.leaves) if overlap else marks[b.leaves[0].call] - 1
-        at.setdefault(i, []).append(b)
+    at = schedule(leaves, marks, bucket_mb, overlap)
     eqns = program.jaxpr.jaxpr.eqns
     invars = program.jaxpr.jaxpr.invars
     n_in = len(invars)

@@ -42,7 +42,7 @@ from jax._src import core
 from .._errors import SpmdError
 from ..runtime import Communicator, this_rank
 from ..sharded import ShardedArray, _spec, is_sharded
-from ._data_parallel import _buckets, _communicator, check_replicas, gradient_leaves
+from ._data_parallel import _communicator, check_replicas, gradient_leaves, schedule
 from ._grad import mark_p, marking
 from ._program import Program, _arg_names, eval_eqn, retrace, trace_program
 
@@ -357,10 +357,7 @@ def partition(
         from ._data_parallel import NO_GRAD
 
         raise SpmdError(NO_GRAD.format(where=f"{this_rank()}: zero_shard", name=program.name))
-    at: dict[int, list[Any]] = {}
-    for b in _buckets(leaves, bucket_mb):
-        i = max(x.producer for x in b.leaves) if overlap else marks[b.leaves[0].call] - 1
-        at.setdefault(i, []).append(b)
+    at = schedule(leaves, marks, bucket_mb, overlap)
     jaxpr = program.jaxpr.jaxpr
     eqns = jaxpr.eqns
     param_vars = {
