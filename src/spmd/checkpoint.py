@@ -93,7 +93,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._errors import SpmdError, SpmdTypeError
-from .runtime import Communicator, get_communicator, this_rank
+from .runtime import Communicator, this_rank
 from .sharded import ShardedArray, is_sharded
 
 __all__ = ["FORMAT", "VERSION", "load", "metadata", "save"]
@@ -114,7 +114,7 @@ def save(
     tree: Any,
     *,
     metadata: dict[str, Any] | None = None,
-    group: Communicator | None = None,
+    group: Any = None,
 ) -> None:
     """Write ``tree`` to the checkpoint directory ``path``, replacing what is there atomically.
 
@@ -130,8 +130,9 @@ def save(
         metadata: a JSON-serialisable dict with string keys, e.g.
             ``{"step": 10, "sampler": sampler.state_dict()}``; read it back with
             :func:`metadata`. Tuples come back as lists, as JSON has only lists.
-        group: the ranks that save together (a Communicator); they must hold every shard of
-            every ShardedArray in ``tree``.
+        group: the ranks that save together (None: the default communicator; a Communicator;
+            or an axis name of the active mesh); they must hold every shard of every
+            ShardedArray in ``tree``.
 
     Raises:
         SpmdTypeError: a leaf that is not an array, a scalar or a ShardedArray (naming its path).
@@ -226,7 +227,7 @@ def save(
         raise SpmdError(outcome if comm.rank == 0 else f"{me}: rank 0 failed: {outcome}")
 
 
-def load(path: PathLike, like: Any = None, *, group: Communicator | None = None) -> Any:
+def load(path: PathLike, like: Any = None, *, group: Any = None) -> Any:
     """Read the checkpoint at ``path``, at any world size and in any layout.
 
     Args:
@@ -844,14 +845,11 @@ def _into(entry: dict[str, Any], want: Any, reader: _Reader, where: str) -> Any:
 
 
 def _communicator(group: Any) -> Communicator:
-    if group is None:
-        return get_communicator()
-    if not isinstance(group, Communicator):
-        raise SpmdTypeError(
-            f"{this_rank()}: group={group!r} is not a Communicator; pass one (e.g. "
-            "mesh.group('dp')) or None for the default communicator"
-        )
-    return group
+    """The group that saves or loads together: the collectives' own resolution (None: the
+    default communicator; a Communicator; or an axis name of the active mesh)."""
+    from .ops._groups import communicator
+
+    return communicator(None, group, "spmd.checkpoint")
 
 
 def _target(path: Any) -> Path:

@@ -35,7 +35,7 @@ from ._errors import SpmdError, SpmdTypeError
 from .mesh import Mesh, current_mesh
 from .runtime import Communicator, get_communicator, this_rank
 
-__all__ = ["PartitionSpec", "ShardedArray", "gather", "shard"]
+__all__ = ["PartitionSpec", "ShardedArray", "gather", "is_sharded", "shard"]
 
 Where = Mesh | Communicator
 
@@ -244,7 +244,7 @@ class ShardedArray:
         target = _dims(self.shape, spec, self.mesh)
         for axis in changed:
             if target[axis].split:
-                x = _slice_dim(x, axis, target[axis], self.shape[axis])
+                x = slice_dim(x, axis, target[axis].index, target[axis].chunk)
         return ShardedArray(x, self.shape, spec, self.mesh)
 
     def _all_to_all(self, i: int, j: int, spec: PartitionSpec) -> ShardedArray:
@@ -253,7 +253,7 @@ class ShardedArray:
 
         d = self.dims[i]
         target = _dims(self.shape, spec, self.mesh)[j]
-        x = _pad_dim(self.local, j, target.n * target.chunk)
+        x = pad_dim(self.local, j, target.n * target.chunk)
         x = all_to_all(x, split_axis=j, concat_axis=i, group=_group(self.mesh, d.axes))
         x = lax.slice_in_dim(x, 0, self.shape[i], axis=i)
         return ShardedArray(x, self.shape, spec, self.mesh)
@@ -262,7 +262,8 @@ class ShardedArray:
 # -- helpers --------------------------------------------------------------------------------------
 
 
-def _pad_dim(x: Any, axis: int, size: int) -> Any:
+def pad_dim(x: Any, axis: int, size: int) -> Any:
+    """``x`` zero-padded at the end of ``axis`` to ``size`` elements."""
     have = x.shape[axis]
     if have == size:
         return x
@@ -271,11 +272,13 @@ def _pad_dim(x: Any, axis: int, size: int) -> Any:
     return lax.pad(x, jnp.zeros((), x.dtype), config)
 
 
-def _slice_dim(x: Any, axis: int, d: _Dim, size: int) -> Any:
-    """This rank's chunk of a full dimension, padded with zeros to the chunk size."""
-    start = min(size, d.index * d.chunk)
-    stop = min(size, start + d.chunk)
-    return _pad_dim(lax.slice_in_dim(x, start, stop, axis=axis), axis, d.chunk)
+def slice_dim(x: Any, axis: int, index: int, chunk: int) -> Any:
+    """Chunk ``index`` (of ``chunk`` elements) of a full ``axis``, zero-padded where it runs past
+    the end: this rank's part of a replicated array."""
+    size = x.shape[axis]
+    start = min(size, index * chunk)
+    stop = min(size, start + chunk)
+    return pad_dim(lax.slice_in_dim(x, start, stop, axis=axis), axis, chunk)
 
 
 # -- API ------------------------------------------------------------------------------------------
@@ -299,7 +302,7 @@ def shard(x: Any, spec: Any, mesh: Mesh | None = None, *, group: Communicator | 
         local = leaf
         for axis, d in enumerate(_dims(leaf.shape, s, where)):
             if d.split:
-                local = _slice_dim(local, axis, d, leaf.shape[axis])
+                local = slice_dim(local, axis, d.index, d.chunk)
         return ShardedArray(local, leaf.shape, s, where)
 
     return jax.tree_util.tree_map(one, x)

@@ -226,6 +226,32 @@ def test_mesh_axis_group(comm):
             assert_close(params, want[k], 1e-5, f"step {k + 1}")
 
 
+@multirank(nprocs=(2,))
+def test_arrays_whose_shards_look_alike_get_their_own_program(comm):
+    """7 and 8 rows both give 4-row shards on 2 ranks: the step must not reuse the 7-row
+    program for the 8-row state (the global shape is part of the cache key)."""
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    def loss(params, x):
+        return jnp.sum(params["w"] ** 2) * x.mean()
+
+    def step(params, opt_state, x):
+        grads = spmd.grad(loss)(params, x)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    z = spmd.zero_shard(step, stage=3)
+    x = jnp.ones((4,))
+    for rows in (7, 8, 7):
+        full = {"w": jnp.arange(rows, dtype=jnp.float32)}
+        params, opt_state = z.shard(full, tx.init(full))
+        params, opt_state = z(params, opt_state, x)
+        got = spmd.gather(params)["w"]
+        assert got.shape == (rows,)
+        np.testing.assert_allclose(got, full["w"] * (1 - 0.1 * 2), rtol=1e-6)
+    assert len(z._cache) == 2
+
+
 @multirank(nprocs=(1,))
 def test_one_rank_is_one_process(comm):
     tx = optax.adam(0.05)

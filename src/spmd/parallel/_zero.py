@@ -41,7 +41,7 @@ from jax._src import core
 
 from .._errors import SpmdError
 from ..runtime import Communicator, this_rank
-from ..sharded import ShardedArray, _spec, is_sharded
+from ..sharded import ShardedArray, _spec, is_sharded, pad_dim, shard, slice_dim
 from ._data_parallel import _communicator, check_replicas, gradient_leaves, schedule
 from ._grad import mark_p, marking
 from ._program import Program, _arg_names, eval_eqn, retrace, trace_program
@@ -146,12 +146,9 @@ class _Rows:
         c = self.chunk(rows)
         return max(0, min(c, rows - self.comm.rank * c))
 
-    def local(self, x: Any, shape: tuple[int, ...]) -> Any:
+    def local(self, x: Any) -> Any:
         """This rank's rows of a full value, zero-padded to the chunk."""
-        c = self.chunk(shape[0])
-        start = min(shape[0], self.comm.rank * c)
-        part = lax.slice_in_dim(x, start, min(shape[0], start + c), axis=0)
-        return _pad0(part, c)
+        return slice_dim(x, 0, self.comm.rank, self.chunk(x.shape[0]))
 
     def mask(self, x: Any, shape: tuple[int, ...], fill: Any) -> Any:
         v = self.valid(shape[0])
@@ -167,13 +164,6 @@ class _Rows:
             return []
         full = allgather(xs, axis=0, group=self.comm) if self.comm.size > 1 else xs
         return [lax.slice_in_dim(f, 0, s[0], axis=0) for f, s in zip(full, shapes, strict=True)]
-
-
-def _pad0(x: Any, rows: int) -> Any:
-    if x.shape[0] == rows:
-        return x
-    config = [(0, rows - x.shape[0], 0)] + [(0, 0, 0)] * (x.ndim - 1)
-    return lax.pad(x, jnp.zeros((), x.dtype), config)
 
 
 @dataclass
@@ -266,7 +256,7 @@ class _Partitioner:
             if self.layout(v) is not None or v.aval.shape == ():
                 args.append(self.read(v))
             else:  # a full operand of the same shape: this rank's rows of it
-                args.append(self.rows.local(self.read(v), shape))
+                args.append(self.rows.local(self.read(v)))
         outs = eval_eqn(eqn, args)
         is_param = all(v in self.params for v in sharded)
         for o, val in zip(eqn.outvars, outs, strict=True):
@@ -395,7 +385,7 @@ def partition(
         if split:
             shapes = [tuple(x.src.aval.shape) for x in split]
             padded = [
-                _pad0(p.full(x.src), rows.chunk(s[0]) * comm.size)
+                pad_dim(p.full(x.src), 0, rows.chunk(s[0]) * comm.size)
                 for x, s in zip(split, shapes, strict=True)
             ]
             for x, val, s in zip(split, reduce_scatter(padded, "avg", group=comm), shapes,
@@ -448,7 +438,7 @@ def partition(
 class _Traced:
     program: Program
     run: Callable[..., Any]
-    out_layout: list[tuple[int, ...] | None]
+    outputs: list[Any]  # per output: None (full) or (global shape, spec, mesh) of a ShardedArray
     param_inputs: list[int]  # flat positions of replicated parameters (for the first-call check)
     transformed: Program
 
@@ -504,16 +494,14 @@ class ZeroShard:
         """``(params, opt_state)`` as this stage keeps them: every array of rank >= 1 of the
         optimizer state (and at stage 3 of the parameters) becomes a ShardedArray of this rank's
         rows; scalars and, at stages 1 and 2, the parameters stay replicated."""
-        comm, where, axis = self._where()
+        _, where, axis = self._where()
+        place = {"group": where} if isinstance(where, Communicator) else {"mesh": where}
 
         def one(x: Any) -> Any:
             if is_sharded(x):
                 return x
             x = jnp.asarray(x)
-            if x.ndim == 0:
-                return x
-            rows = _Rows(comm)
-            return ShardedArray(rows.local(x, x.shape), x.shape, _spec(axis), where)
+            return x if x.ndim == 0 else shard(x, _spec(axis), **place)
 
         sharded_state = jax.tree_util.tree_map(one, opt_state, is_leaf=is_sharded)
         if self.stage == 3:
@@ -522,12 +510,22 @@ class ZeroShard:
 
     # Tracing -----------------------------------------------------------------------------------
 
-    def _inputs(self, args: Any, kwargs: Any) -> tuple[list[Any], Any, list[Any], dict[int, Any]]:
-        """Flat local leaves, the structure, the abstract (global) leaves to trace with, and
-        {flat position: global shape} of the sharded inputs."""
-        comm = _communicator(self.group, "zero_shard")
+    def _traced(self, args: Any, kwargs: Any) -> tuple[_Traced, list[Any]]:
+        # A ShardedArray flattens to its shard, and its global shape, spec and mesh are part of
+        # the structure: the cache key tells apart arrays whose shards look alike.
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        key = (tree, tuple(core.typeof(x) for x in leaves))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self._trace(args, kwargs)
+        return hit, leaves
+
+    def _trace(self, args: Any, kwargs: Any) -> _Traced:
+        """Check the sharded inputs, trace the step with their global shapes, run the pass."""
+        comm, where, axis = self._where()
         objs, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_sharded)
         abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) if is_sharded(x) else x for x in objs]
+        a, kw = jax.tree_util.tree_unflatten(tree, abstract)
         sharded: dict[int, Any] = {}
         for i, x in enumerate(objs):
             if not is_sharded(x):
@@ -536,7 +534,6 @@ class ZeroShard:
             if not (
                 dims[0].split and not any(d.split for d in dims[1:]) and _ranks(x) == comm.ranks
             ):
-                a, kw = jax.tree_util.tree_unflatten(tree, abstract)
                 raise SpmdError(
                     BAD_INPUT.format(
                         where=f"{this_rank()}: zero_shard({self._name})",
@@ -547,33 +544,24 @@ class ZeroShard:
                     )
                 )
             sharded[i] = x.shape
-        leaves = [x.local if is_sharded(x) else x for x in objs]
-        return leaves, tree, abstract, sharded
-
-    def _traced(self, args: Any, kwargs: Any) -> tuple[_Traced, list[Any]]:
-        leaves, tree, abstract, sharded = self._inputs(args, kwargs)
-        key = (tree, tuple(core.typeof(x) for x in leaves))
-        hit = self._cache.get(key)
-        if hit is None:
-            a, kw = jax.tree_util.tree_unflatten(tree, abstract)
-            with marking(self.accumulate_steps):
-                program = trace_program(self.fn, a, kw)
-            new, layout = partition(
-                program,
-                sharded,
-                stage=self.stage,
-                group=self.group,
-                bucket_mb=self.bucket_mb,
-                overlap=self.overlap,
-            )
-            index = {v: i for i, v in enumerate(program.jaxpr.jaxpr.invars)}
-            params = sorted(
-                {index[v] for e in program.jaxpr.jaxpr.eqns
-                 if e.primitive is mark_p and e.params["kind"] == "param"
-                 for v in e.invars if v in index and index[v] not in sharded}
-            )  # fmt: skip
-            hit = self._cache[key] = _Traced(program, new._compiled, layout, params, new)
-        return hit, leaves
+        with marking(self.accumulate_steps):
+            program = trace_program(self.fn, a, kw)
+        new, layout = partition(
+            program,
+            sharded,
+            stage=self.stage,
+            group=self.group,
+            bucket_mb=self.bucket_mb,
+            overlap=self.overlap,
+        )
+        index = {v: i for i, v in enumerate(program.jaxpr.jaxpr.invars)}
+        params = sorted(
+            {index[v] for e in program.jaxpr.jaxpr.eqns
+             if e.primitive is mark_p and e.params["kind"] == "param"
+             for v in e.invars if v in index and index[v] not in sharded}
+        )  # fmt: skip
+        outputs = [None if s is None else (s, _spec(axis), where) for s in layout]
+        return _Traced(program, new._compiled, outputs, params, new)
 
     def __spmd_trace__(self, *args: Any, **kwargs: Any) -> Program:
         """The step's op list after the ZeRO pass (what ``spmd.trace`` shows)."""
@@ -586,10 +574,9 @@ class ZeroShard:
             check_replicas(comm, traced.program, traced.param_inputs, leaves, "zero_shard")
             self._checked = True
         outs = traced.run(*leaves)
-        comm, where, axis = self._where()
         wrapped = [
-            val if shape is None else ShardedArray(val, shape, _spec(axis), where)
-            for val, shape in zip(outs, traced.out_layout, strict=True)
+            val if placed is None else ShardedArray(val, *placed)
+            for val, placed in zip(outs, traced.outputs, strict=True)
         ]
         return jax.tree_util.tree_unflatten(traced.program.out_tree, wrapped)
 
