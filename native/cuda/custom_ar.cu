@@ -1,0 +1,635 @@
+// Kernels of the custom all-reduce; see custom_ar.h.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+
+#include "custom_ar.h"
+
+namespace spmd {
+namespace car {
+namespace {
+
+using codec::Codec;
+
+// -- element types ------------------------------------------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ float ToFloat(T v);
+template <>
+__device__ __forceinline__ float ToFloat<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ float ToFloat<__half>(__half v) {
+  return __half2float(v);
+}
+template <>
+__device__ __forceinline__ float ToFloat<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+
+template <typename T>
+__device__ __forceinline__ T FromFloat(float v);
+template <>
+__device__ __forceinline__ float FromFloat<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half FromFloat<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// 16 bytes of T.
+template <typename T>
+struct Pack {
+  static constexpr int kN = 16 / sizeof(T);
+  union {
+    uint4 raw;
+    T v[kN];
+  };
+};
+
+// Loads that skip L1: peers' buffers change between (and, for two-shot, within) launches.
+template <typename T>
+__device__ __forceinline__ void LoadPack(const char* base, int64_t i, float (&out)[Pack<T>::kN]) {
+  Pack<T> p;
+  p.raw = __ldcg(reinterpret_cast<const uint4*>(base) + i);
+#pragma unroll
+  for (int k = 0; k < Pack<T>::kN; ++k) out[k] = ToFloat<T>(p.v[k]);
+}
+
+template <typename T>
+__device__ __forceinline__ void StorePack(char* base, int64_t i, const float (&in)[Pack<T>::kN]) {
+  Pack<T> p;
+#pragma unroll
+  for (int k = 0; k < Pack<T>::kN; ++k) p.v[k] = FromFloat<T>(in[k]);
+  reinterpret_cast<uint4*>(base)[i] = p.raw;
+}
+
+// -- barrier ------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void StoreRelease(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t LoadAcquire(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Block blockIdx.x of `rank` meets block blockIdx.x of every other rank. Writes of this block
+// before the barrier are visible to the peers' same block after it (release/acquire at system
+// scope, after __syncthreads). Flags only grow, so a peer already one barrier ahead passes too.
+__device__ void Barrier(const Peers& p, int rank, uint64_t timeout_ns) {
+  __syncthreads();
+  Signal* self = p.sig[rank];
+  const int b = blockIdx.x;
+  if (threadIdx.x < p.world) {
+    const uint32_t want = self->epoch[b] + 1;
+    StoreRelease(&p.sig[threadIdx.x]->flag[b][rank], want);
+    uint64_t start = 0;
+    while (static_cast<int32_t>(LoadAcquire(&self->flag[b][threadIdx.x]) - want) < 0) {
+      const uint64_t now = GlobalTimerNs();
+      if (start == 0) {
+        start = now;
+      } else if (now - start > timeout_ns) {
+        __trap();  // a peer never came: fail the launch rather than hang
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) self->epoch[b] += 1;
+}
+
+// Work split. A slice is a contiguous range of units owned by one rank; every phase walks the
+// slices with the same unit-to-block map, so that the units block b of rank r writes in one phase
+// are the units block b of every rank reads in the next (the barrier is per block).
+struct Slice {
+  int64_t lo, hi;
+};
+
+__device__ __forceinline__ Slice SliceOf(int64_t units, int world, int owner) {
+  const int64_t per = (units + world - 1) / world;
+  const int64_t lo = min(units, per * owner);
+  return {lo, min(units, lo + per)};
+}
+
+struct Args {
+  Peers peers;
+  int rank;  // -1: simulation, rank = blockIdx.y
+  uint64_t timeout_ns;
+  int64_t count;  // elements
+  const void* in[kMaxRanks];
+  void* out[kMaxRanks];
+  // all-reduce + RMSNorm
+  const void* residual[kMaxRanks];
+  const void* weight[kMaxRanks];
+  void* out2[kMaxRanks];
+  int64_t rows, hidden;
+  float eps;
+};
+
+__device__ __forceinline__ int RankOf(const Args& a) { return a.rank < 0 ? blockIdx.y : a.rank; }
+__device__ __forceinline__ int Slot(const Args& a) { return a.rank < 0 ? blockIdx.y : 0; }
+
+// -- one-shot and two-shot ----------------------------------------------------------------------
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) OneShotKernel(Args a) {
+  using P = Pack<T>;
+  const int rank = RankOf(a);
+  const Peers& p = a.peers;
+  Barrier(p, rank, a.timeout_ns);
+  const int64_t packs = a.count / P::kN;
+  char* out = static_cast<char*>(a.out[Slot(a)]);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < packs;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float acc[P::kN], v[P::kN];
+    LoadPack<T>(p.data[0], i, acc);
+    for (int r = 1; r < p.world; ++r) {
+      LoadPack<T>(p.data[r], i, v);
+#pragma unroll
+      for (int k = 0; k < P::kN; ++k) acc[k] += v[k];
+    }
+    StorePack<T>(out, i, acc);
+  }
+  Barrier(p, rank, a.timeout_ns);  // nobody restages its buffer while a peer still reads it
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) TwoShotKernel(Args a) {
+  using P = Pack<T>;
+  const int rank = RankOf(a);
+  const Peers& p = a.peers;
+  const int64_t packs = a.count / P::kN;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  Barrier(p, rank, a.timeout_ns);
+  // Reduce-scatter: this rank's slice, from every rank, into its own buffer (in place: peers
+  // read only their own slices of it).
+  const Slice mine = SliceOf(packs, p.world, rank);
+  for (int64_t i = mine.lo + first; i < mine.hi; i += stride) {
+    float acc[P::kN], v[P::kN];
+    LoadPack<T>(p.data[0], i, acc);
+    for (int r = 1; r < p.world; ++r) {
+      LoadPack<T>(p.data[r], i, v);
+#pragma unroll
+      for (int k = 0; k < P::kN; ++k) acc[k] += v[k];
+    }
+    StorePack<T>(p.data[rank], i, acc);
+  }
+  Barrier(p, rank, a.timeout_ns);
+  // All-gather: every slice from its owner.
+  uint4* out = static_cast<uint4*>(a.out[Slot(a)]);
+  for (int s = 0; s < p.world; ++s) {
+    const Slice sl = SliceOf(packs, p.world, s);
+    const uint4* src = reinterpret_cast<const uint4*>(p.data[s]);
+    for (int64_t i = sl.lo + first; i < sl.hi; i += stride) out[i] = __ldcg(src + i);
+  }
+  Barrier(p, rank, a.timeout_ns);
+}
+
+// -- quantized ----------------------------------------------------------------------------------
+
+// Region layout for `blocks` codec blocks: payloads, then the float32 scales (16-byte aligned).
+__host__ __device__ __forceinline__ size_t ScalesOffset(Codec c, int64_t blocks) {
+  return (static_cast<size_t>(blocks) * codec::PayloadBytes(c) + 15) / 16 * 16;
+}
+__host__ __device__ __forceinline__ size_t RegionBytes(Codec c, int64_t blocks) {
+  return ScalesOffset(c, blocks) + static_cast<size_t>(blocks) * 4;
+}
+
+template <typename T>
+__device__ void EncodeFrom(Codec c, const T* src, int64_t count, int64_t blk, char* region,
+                           int64_t blocks) {
+  float v[codec::kBlock];
+  const int64_t at = blk * codec::kBlock;
+  const int n = static_cast<int>(min(static_cast<int64_t>(codec::kBlock), count - at));
+  for (int i = 0; i < n; ++i) v[i] = ToFloat<T>(src[at + i]);
+  uint8_t* payload = reinterpret_cast<uint8_t*>(region) + blk * codec::PayloadBytes(c);
+  float* scales = reinterpret_cast<float*>(region + ScalesOffset(c, blocks));
+  scales[blk] = codec::EncodeBlock(c, v, n, payload);
+}
+
+__device__ __forceinline__ void DecodeAdd(Codec c, const char* region, int64_t blocks, int64_t blk,
+                                          int n, float* acc) {
+  uint8_t payload[codec::kBlock];
+  const int pb = codec::PayloadBytes(c);
+  const uint4* src = reinterpret_cast<const uint4*>(region + blk * pb);
+  for (int k = 0; k < pb / 16; ++k) reinterpret_cast<uint4*>(payload)[k] = __ldcg(src + k);
+  const float scale = __ldcg(reinterpret_cast<const float*>(region + ScalesOffset(c, blocks)) + blk);
+  for (int i = 0; i < n; ++i) acc[i] = codec::AddRn(acc[i], codec::DecodeValue(c, payload, scale, i));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) QuantizedKernel(Args a, Codec c) {
+  const int rank = RankOf(a);
+  const Peers& p = a.peers;
+  const int64_t blocks = (a.count + codec::kBlock - 1) / codec::kBlock;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const T* in = static_cast<const T*>(a.in[Slot(a)]);
+  // Encode this rank's input into its region A, slice by slice with the reading phase's map.
+  for (int s = 0; s < p.world; ++s) {
+    const Slice sl = SliceOf(blocks, p.world, s);
+    for (int64_t b = sl.lo + first; b < sl.hi; b += stride) {
+      EncodeFrom<T>(c, in, a.count, b, p.data[rank], blocks);
+    }
+  }
+  Barrier(p, rank, a.timeout_ns);
+  // Reduce this rank's slice of blocks from every rank's A; encode the sum into its region B.
+  const Slice mine = SliceOf(blocks, p.world, rank);
+  for (int64_t b = mine.lo + first; b < mine.hi; b += stride) {
+    const int n = static_cast<int>(min(static_cast<int64_t>(codec::kBlock), a.count - b * codec::kBlock));
+    float acc[codec::kBlock];
+    for (int i = 0; i < codec::kBlock; ++i) acc[i] = 0.0f;
+    for (int r = 0; r < p.world; ++r) DecodeAdd(c, p.data[r], blocks, b, n, acc);
+    char* region = p.data[rank] + p.cap;
+    uint8_t* payload = reinterpret_cast<uint8_t*>(region) + b * codec::PayloadBytes(c);
+    reinterpret_cast<float*>(region + ScalesOffset(c, blocks))[b] =
+        codec::EncodeBlock(c, acc, n, payload);
+  }
+  Barrier(p, rank, a.timeout_ns);
+  // Gather: decode every slice from its owner's B.
+  T* out = static_cast<T*>(a.out[Slot(a)]);
+  for (int s = 0; s < p.world; ++s) {
+    const Slice sl = SliceOf(blocks, p.world, s);
+    for (int64_t b = sl.lo + first; b < sl.hi; b += stride) {
+      const int n = static_cast<int>(min(static_cast<int64_t>(codec::kBlock), a.count - b * codec::kBlock));
+      float v[codec::kBlock];
+      for (int i = 0; i < codec::kBlock; ++i) v[i] = 0.0f;
+      DecodeAdd(c, p.data[s] + p.cap, blocks, b, n, v);
+      for (int i = 0; i < n; ++i) out[b * codec::kBlock + i] = FromFloat<T>(v[i]);
+    }
+  }
+  Barrier(p, rank, a.timeout_ns);
+}
+
+// -- all-reduce + RMSNorm -----------------------------------------------------------------------
+
+__device__ float BlockSum(float v) {
+  __shared__ float partial[kThreads / 32];
+  __shared__ float total;
+  for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // `partial` may still be read by a previous call
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    const int warps = (blockDim.x + 31) / 32;
+    float s = lane < warps ? partial[lane] : 0.0f;
+    for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if (lane == 0) total = s;
+  }
+  __syncthreads();
+  return total;
+}
+
+// One row: the all-reduced value (rounded to T as the all-reduce returns it) plus the residual,
+// rounded to T, into res_out; then the norm of that row into normed.
+template <typename T>
+__device__ void NormRow(const Args& a, int64_t row, const T* residual, const T* weight, T* normed,
+                        T* res_out, bool reduce) {
+  const Peers& p = a.peers;
+  const int64_t h = a.hidden;
+  float sumsq = 0.0f;
+  for (int64_t col = threadIdx.x; col < h; col += blockDim.x) {
+    const int64_t i = row * h + col;
+    float v;
+    if (reduce) {
+      float acc = ToFloat<T>(__ldcg(reinterpret_cast<const T*>(p.data[0]) + i));
+      for (int r = 1; r < p.world; ++r) {
+        acc += ToFloat<T>(__ldcg(reinterpret_cast<const T*>(p.data[r]) + i));
+      }
+      v = ToFloat<T>(FromFloat<T>(acc));
+    } else {
+      v = ToFloat<T>(res_out[i]);  // already summed (unfused path: res_out holds allreduce(x))
+    }
+    const T out = FromFloat<T>(v + ToFloat<T>(residual[i]));
+    res_out[i] = out;
+    const float f = ToFloat<T>(out);
+    sumsq += f * f;
+  }
+  const float inv = rsqrtf(BlockSum(sumsq) / static_cast<float>(h) + a.eps);
+  for (int64_t col = threadIdx.x; col < h; col += blockDim.x) {
+    const int64_t i = row * h + col;
+    normed[i] = FromFloat<T>(ToFloat<T>(res_out[i]) * inv * ToFloat<T>(weight[col]));
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) FusedOneShotKernel(Args a) {
+  const int rank = RankOf(a);
+  const int slot = Slot(a);
+  Barrier(a.peers, rank, a.timeout_ns);
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    NormRow<T>(a, row, static_cast<const T*>(a.residual[slot]), static_cast<const T*>(a.weight[slot]),
+               static_cast<T*>(a.out[slot]), static_cast<T*>(a.out2[slot]), true);
+  }
+  Barrier(a.peers, rank, a.timeout_ns);
+}
+
+// Rows split between the ranks; each owner writes its rows' normed and residual_out into its
+// region B (normed, then residual_out), and every rank gathers them.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) FusedTwoShotKernel(Args a) {
+  const int rank = RankOf(a);
+  const int slot = Slot(a);
+  const Peers& p = a.peers;
+  const size_t plane = static_cast<size_t>(a.rows * a.hidden) * sizeof(T);
+  Barrier(p, rank, a.timeout_ns);
+  const Slice mine = SliceOf(a.rows, p.world, rank);
+  T* normed_b = reinterpret_cast<T*>(p.data[rank] + p.cap);
+  T* res_b = reinterpret_cast<T*>(p.data[rank] + p.cap + plane);
+  for (int64_t row = mine.lo + blockIdx.x; row < mine.hi; row += gridDim.x) {
+    NormRow<T>(a, row, static_cast<const T*>(a.residual[slot]), static_cast<const T*>(a.weight[slot]),
+               normed_b, res_b, true);
+  }
+  Barrier(p, rank, a.timeout_ns);
+  T* normed = static_cast<T*>(a.out[slot]);
+  T* res_out = static_cast<T*>(a.out2[slot]);
+  for (int s = 0; s < p.world; ++s) {
+    const Slice sl = SliceOf(a.rows, p.world, s);
+    const T* nb = reinterpret_cast<const T*>(p.data[s] + p.cap);
+    const T* rb = reinterpret_cast<const T*>(p.data[s] + p.cap + plane);
+    for (int64_t row = sl.lo + blockIdx.x; row < sl.hi; row += gridDim.x) {
+      for (int64_t col = threadIdx.x; col < a.hidden; col += blockDim.x) {
+        const int64_t i = row * a.hidden + col;
+        normed[i] = __ldcg(nb + i);
+        res_out[i] = __ldcg(rb + i);
+      }
+    }
+  }
+  Barrier(p, rank, a.timeout_ns);
+}
+
+// The unfused path's norm: res_out holds allreduce(x) on entry.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) RmsNormKernel(Args a) {
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    NormRow<T>(a, row, static_cast<const T*>(a.residual[0]), static_cast<const T*>(a.weight[0]),
+               static_cast<T*>(a.out[0]), static_cast<T*>(a.out2[0]), false);
+  }
+}
+
+__global__ void ReadChecksKernel(Peers p, uint32_t* got) {
+  if (threadIdx.x < p.world) got[threadIdx.x] = LoadAcquire(&p.sig[threadIdx.x]->check[0]);
+}
+
+// -- host side ----------------------------------------------------------------------------------
+
+Status CudaCheck(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return Status::Ok();
+  return Status::Error(std::string(what) + " failed: " + cudaGetErrorString(e));
+}
+
+int Blocks(const Call& call, int64_t units) {
+  int cap = call.max_blocks > 0 ? std::min(call.max_blocks, kMaxBlocks) : kMaxBlocks;
+  int64_t want = (units + kThreads - 1) / kThreads;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(cap, want)));
+}
+
+Args MakeArgs(const Call& call, int64_t count) {
+  Args a{};
+  a.peers = *call.peers;
+  a.rank = call.rank;
+  a.timeout_ns = call.timeout_ns;
+  a.count = count;
+  return a;
+}
+
+int Ranks(const Call& call) { return call.rank < 0 ? call.peers->world : 1; }
+
+// Copies each (simulated) rank's input into its buffer's region A.
+Status Stage(const Call& call, const void* const* in, size_t bytes) {
+  cudaStream_t s = static_cast<cudaStream_t>(call.stream);
+  for (int k = 0; k < Ranks(call); ++k) {
+    int r = call.rank < 0 ? k : call.rank;
+    SPMD_RETURN_IF_ERROR(CudaCheck(
+        cudaMemcpyAsync(call.peers->data[r], in[k], bytes, cudaMemcpyDeviceToDevice, s),
+        "staging the all-reduce input (cudaMemcpyAsync)"));
+  }
+  return Status::Ok();
+}
+
+template <typename Kernel>
+Status Launch(const Call& call, Kernel kernel, int blocks, const Args& a) {
+  dim3 grid(blocks, Ranks(call));
+  kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(call.stream)>>>(a);
+  return CudaCheck(cudaGetLastError(), "launching the custom all-reduce kernel");
+}
+
+template <typename T>
+Status AllReduceT(const Call& call, Algo algo, const void* const* in, void* const* out,
+                  size_t count) {
+  SPMD_RETURN_IF_ERROR(Stage(call, in, count * sizeof(T)));
+  Args a = MakeArgs(call, static_cast<int64_t>(count));
+  for (int k = 0; k < Ranks(call); ++k) a.out[k] = out[k];
+  int64_t packs = static_cast<int64_t>(count * sizeof(T) / 16);
+  if (algo == Algo::kOneShot) return Launch(call, OneShotKernel<T>, Blocks(call, packs), a);
+  return Launch(call, TwoShotKernel<T>,
+                Blocks(call, (packs + call.peers->world - 1) / call.peers->world), a);
+}
+
+template <typename T>
+Status QuantizedT(const Call& call, Codec c, const void* const* in, void* const* out,
+                  size_t count) {
+  Args a = MakeArgs(call, static_cast<int64_t>(count));
+  for (int k = 0; k < Ranks(call); ++k) {
+    a.in[k] = in[k];
+    a.out[k] = out[k];
+  }
+  int64_t blocks = static_cast<int64_t>((count + codec::kBlock - 1) / codec::kBlock);
+  dim3 grid(Blocks(call, (blocks + call.peers->world - 1) / call.peers->world), Ranks(call));
+  QuantizedKernel<T><<<grid, kThreads, 0, static_cast<cudaStream_t>(call.stream)>>>(a, c);
+  return CudaCheck(cudaGetLastError(), "launching the quantized all-reduce kernel");
+}
+
+template <typename T>
+Status FusedT(const Call& call, Algo algo, const void* const* x, const void* const* residual,
+              const void* const* weight, float eps, size_t rows, size_t hidden,
+              void* const* normed, void* const* residual_out) {
+  SPMD_RETURN_IF_ERROR(Stage(call, x, rows * hidden * sizeof(T)));
+  Args a = MakeArgs(call, static_cast<int64_t>(rows * hidden));
+  a.rows = static_cast<int64_t>(rows);
+  a.hidden = static_cast<int64_t>(hidden);
+  a.eps = eps;
+  for (int k = 0; k < Ranks(call); ++k) {
+    a.residual[k] = residual[k];
+    a.weight[k] = weight[k];
+    a.out[k] = normed[k];
+    a.out2[k] = residual_out[k];
+  }
+  int cap = call.max_blocks > 0 ? std::min(call.max_blocks, kMaxBlocks) : kMaxBlocks;
+  if (algo == Algo::kOneShot) {
+    int blocks = static_cast<int>(std::max<size_t>(1, std::min<size_t>(cap, rows)));
+    return Launch(call, FusedOneShotKernel<T>, blocks, a);
+  }
+  size_t per = (rows + call.peers->world - 1) / call.peers->world;
+  int blocks = static_cast<int>(std::max<size_t>(1, std::min<size_t>(cap, per)));
+  return Launch(call, FusedTwoShotKernel<T>, blocks, a);
+}
+
+}  // namespace
+
+size_t DTypeBytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+size_t BufferBytes(size_t cap) { return sizeof(Signal) + 2 * cap; }
+
+Status Eligible(const Peers& p, Algo algo, Codec c, DType t, size_t bytes) {
+  if (p.world < 2 || p.world > kMaxRanks) {
+    return Status::Error("the custom all-reduce takes 2 to 8 ranks, not " +
+                         std::to_string(p.world));
+  }
+  if (algo == Algo::kQuantized) {
+    int64_t count = static_cast<int64_t>(bytes / DTypeBytes(t));
+    int64_t blocks = (count + codec::kBlock - 1) / codec::kBlock;
+    if (c == Codec::kNone) return Status::Error("quantized all-reduce without a codec");
+    if (RegionBytes(c, blocks) > p.cap) {
+      return Status::Error("the quantized all-reduce of " + std::to_string(bytes) +
+                           " bytes needs more than the registered " + std::to_string(p.cap));
+    }
+    return Status::Ok();
+  }
+  if (bytes % 16 != 0) {
+    return Status::Error("the custom all-reduce needs a multiple of 16 bytes, got " +
+                         std::to_string(bytes));
+  }
+  if (bytes > p.cap) {
+    return Status::Error("the custom all-reduce's registered buffer holds " +
+                         std::to_string(p.cap) + " bytes, the call has " + std::to_string(bytes));
+  }
+  return Status::Ok();
+}
+
+bool FusedEligible(const Peers& p, Algo algo, DType t, size_t rows, size_t hidden) {
+  size_t plane = rows * hidden * DTypeBytes(t);
+  if (p.world < 2 || p.world > kMaxRanks || hidden == 0 || hidden > 16384) return false;
+  if (algo == Algo::kOneShot) return plane <= p.cap;
+  if (algo == Algo::kTwoShot) return 2 * plane <= p.cap;
+  return false;
+}
+
+Status AllReduce(const Call& call, Algo algo, DType t, const void* const* in, void* const* out,
+                 size_t count) {
+  if (count == 0) return Status::Ok();
+  SPMD_RETURN_IF_ERROR(Eligible(*call.peers, algo, Codec::kNone, t, count * DTypeBytes(t)));
+  switch (t) {
+    case DType::kF32:
+      return AllReduceT<float>(call, algo, in, out, count);
+    case DType::kF16:
+      return AllReduceT<__half>(call, algo, in, out, count);
+    case DType::kBF16:
+      return AllReduceT<__nv_bfloat16>(call, algo, in, out, count);
+  }
+  return Status::Error("unknown dtype code");
+}
+
+Status QuantizedAllReduce(const Call& call, Codec c, DType t, const void* const* in,
+                          void* const* out, size_t count) {
+  if (count == 0) return Status::Ok();
+  SPMD_RETURN_IF_ERROR(Eligible(*call.peers, Algo::kQuantized, c, t, count * DTypeBytes(t)));
+  switch (t) {
+    case DType::kF32:
+      return QuantizedT<float>(call, c, in, out, count);
+    case DType::kF16:
+      return QuantizedT<__half>(call, c, in, out, count);
+    case DType::kBF16:
+      return QuantizedT<__nv_bfloat16>(call, c, in, out, count);
+  }
+  return Status::Error("unknown dtype code");
+}
+
+Status AllReduceRmsNorm(const Call& call, Algo algo, DType t, const void* const* x,
+                        const void* const* residual, const void* const* weight, float eps,
+                        size_t rows, size_t hidden, void* const* normed,
+                        void* const* residual_out) {
+  if (rows == 0 || hidden == 0) return Status::Ok();
+  if (!FusedEligible(*call.peers, algo, t, rows, hidden)) {
+    return Status::Error("the fused all-reduce + RMSNorm does not take " + std::to_string(rows) +
+                         " x " + std::to_string(hidden) + " with this algorithm");
+  }
+  switch (t) {
+    case DType::kF32:
+      return FusedT<float>(call, algo, x, residual, weight, eps, rows, hidden, normed,
+                           residual_out);
+    case DType::kF16:
+      return FusedT<__half>(call, algo, x, residual, weight, eps, rows, hidden, normed,
+                            residual_out);
+    case DType::kBF16:
+      return FusedT<__nv_bfloat16>(call, algo, x, residual, weight, eps, rows, hidden, normed,
+                                   residual_out);
+  }
+  return Status::Error("unknown dtype code");
+}
+
+Status RmsNorm(void* stream, DType t, const void* summed, const void* residual, const void* weight,
+               float eps, size_t rows, size_t hidden, void* normed, void* residual_out) {
+  if (rows == 0 || hidden == 0) return Status::Ok();
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  size_t bytes = rows * hidden * DTypeBytes(t);
+  if (summed != residual_out) {
+    SPMD_RETURN_IF_ERROR(CudaCheck(
+        cudaMemcpyAsync(residual_out, summed, bytes, cudaMemcpyDeviceToDevice, s),
+        "cudaMemcpyAsync"));
+  }
+  Args a{};
+  a.rows = static_cast<int64_t>(rows);
+  a.hidden = static_cast<int64_t>(hidden);
+  a.eps = eps;
+  a.residual[0] = residual;
+  a.weight[0] = weight;
+  a.out[0] = normed;
+  a.out2[0] = residual_out;
+  int blocks = static_cast<int>(std::min<size_t>(rows, 1024));
+  switch (t) {
+    case DType::kF32:
+      RmsNormKernel<float><<<blocks, kThreads, 0, s>>>(a);
+      break;
+    case DType::kF16:
+      RmsNormKernel<__half><<<blocks, kThreads, 0, s>>>(a);
+      break;
+    case DType::kBF16:
+      RmsNormKernel<__nv_bfloat16><<<blocks, kThreads, 0, s>>>(a);
+      break;
+  }
+  return CudaCheck(cudaGetLastError(), "launching the RMSNorm kernel");
+}
+
+Status WriteCheck(char* own_buffer, uint32_t pattern) {
+  Signal* sig = SignalOf(own_buffer);
+  SPMD_RETURN_IF_ERROR(
+      CudaCheck(cudaMemcpy(&sig->check[0], &pattern, sizeof(pattern), cudaMemcpyHostToDevice),
+                "writing the peer-access check pattern"));
+  return CudaCheck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+}
+
+Status ReadChecks(const Peers& p, uint32_t* got) {
+  uint32_t* dev = nullptr;
+  SPMD_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&dev, kMaxRanks * sizeof(uint32_t)), "cudaMalloc"));
+  ReadChecksKernel<<<1, 32>>>(p, dev);
+  Status s = CudaCheck(cudaGetLastError(), "launching the peer-access check");
+  if (s.ok()) {
+    s = CudaCheck(cudaMemcpy(got, dev, p.world * sizeof(uint32_t), cudaMemcpyDeviceToHost),
+                  "reading peers' buffers (the peer-access check)");
+  }
+  cudaFree(dev);
+  return s;
+}
+
+}  // namespace car
+}  // namespace spmd

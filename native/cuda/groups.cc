@@ -1,0 +1,174 @@
+// The GPU group registry; see groups.h.
+#include "groups.h"
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <map>
+#include <memory>
+
+namespace spmd {
+namespace {
+
+std::mutex registry_mu;
+std::map<int64_t, std::unique_ptr<CudaGroup>>& Registry() {
+  static auto* r = new std::map<int64_t, std::unique_ptr<CudaGroup>>();
+  return *r;
+}
+
+Status CudaCheck(cudaError_t e, const std::string& what) {
+  if (e == cudaSuccess) return Status::Ok();
+  return Status::Error(what + " failed: " + cudaGetErrorString(e));
+}
+
+Status Find(int64_t id, CudaGroup** g) {
+  *g = CudaGroupFind(id);
+  if (*g == nullptr) return Status::Error("GPU group " + std::to_string(id) + " is not registered");
+  return CudaCheck(cudaSetDevice((*g)->device), "cudaSetDevice");
+}
+
+void ReleaseCar(CudaGroup& g) {
+  for (char* p : g.opened) {
+    if (p != nullptr) cudaIpcCloseMemHandle(p);
+  }
+  g.opened.clear();
+  if (g.own != nullptr) cudaFree(g.own);
+  g.own = nullptr;
+  g.car_ready = false;
+  g.peers = car::Peers{};
+}
+
+}  // namespace
+
+uint32_t CheckPattern(uint32_t seed, int rank) {
+  return (seed * 2654435761u) ^ (0x5bd1e995u * static_cast<uint32_t>(rank + 1));
+}
+
+Status CudaGroupCreate(int64_t id, int rank, int size, std::vector<int> world_ranks, int device,
+                       double timeout_s) {
+  auto g = std::make_unique<CudaGroup>();
+  g->id = id;
+  g->rank = rank;
+  g->size = size;
+  g->world_ranks = std::move(world_ranks);
+  g->device = device;
+  g->timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+  SPMD_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device), "cudaSetDevice(" +
+                                                            std::to_string(device) + ")"));
+  SPMD_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&g->scratch, 16), "cudaMalloc"));
+  SPMD_RETURN_IF_ERROR(CudaCheck(cudaMemset(g->scratch, 0, 16), "cudaMemset"));
+  std::lock_guard<std::mutex> lock(registry_mu);
+  auto& slot = Registry()[id];
+  if (slot) return Status::Error("GPU group " + std::to_string(id) + " registered twice");
+  slot = std::move(g);
+  return Status::Ok();
+}
+
+Status CudaGroupNcclInit(int64_t id, const NcclUniqueId& uid) {
+  CudaGroup* g;
+  SPMD_RETURN_IF_ERROR(Find(id, &g));
+  std::lock_guard<std::mutex> lock(g->mu);
+  if (g->nccl != nullptr) return Status::Ok();
+  return NcclCommInitRank(&g->nccl, g->size, uid, g->rank);
+}
+
+Status CudaGroupCarAlloc(int64_t id, size_t cap, std::string* handle) {
+  CudaGroup* g;
+  SPMD_RETURN_IF_ERROR(Find(id, &g));
+  std::lock_guard<std::mutex> lock(g->mu);
+  ReleaseCar(*g);
+  cap = (cap + 255) / 256 * 256;
+  SPMD_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&g->own, car::BufferBytes(cap)),
+                                 "allocating the custom all-reduce buffer (cudaMalloc of " +
+                                     std::to_string(car::BufferBytes(cap)) + " bytes)"));
+  // Flags and epochs start at zero on every rank.
+  SPMD_RETURN_IF_ERROR(CudaCheck(cudaMemset(g->own, 0, sizeof(car::Signal)), "cudaMemset"));
+  SPMD_RETURN_IF_ERROR(CudaCheck(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
+  cudaIpcMemHandle_t h;
+  SPMD_RETURN_IF_ERROR(CudaCheck(cudaIpcGetMemHandle(&h, g->own), "cudaIpcGetMemHandle"));
+  handle->assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  g->peers.cap = cap;
+  return Status::Ok();
+}
+
+Status CudaGroupCarOpen(int64_t id, const std::vector<std::string>& handles) {
+  CudaGroup* g;
+  SPMD_RETURN_IF_ERROR(Find(id, &g));
+  std::lock_guard<std::mutex> lock(g->mu);
+  if (g->own == nullptr) return Status::Error("custom all-reduce buffer not allocated");
+  if (static_cast<int>(handles.size()) != g->size || g->size > car::kMaxRanks) {
+    return Status::Error("expected " + std::to_string(g->size) + " IPC handles (at most " +
+                         std::to_string(car::kMaxRanks) + "), got " +
+                         std::to_string(handles.size()));
+  }
+  g->opened.assign(g->size, nullptr);
+  g->peers.world = g->size;
+  for (int r = 0; r < g->size; ++r) {
+    char* base = g->own;
+    if (r != g->rank) {
+      if (handles[r].size() != sizeof(cudaIpcMemHandle_t)) {
+        return Status::Error("IPC handle of rank " + std::to_string(g->world_ranks[r]) +
+                             " has " + std::to_string(handles[r].size()) + " bytes");
+      }
+      cudaIpcMemHandle_t h;
+      std::memcpy(&h, handles[r].data(), sizeof(h));
+      void* p = nullptr;
+      SPMD_RETURN_IF_ERROR(CudaCheck(
+          cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
+          "mapping the custom all-reduce buffer of rank " + std::to_string(g->world_ranks[r]) +
+              " (cudaIpcOpenMemHandle)"));
+      base = static_cast<char*>(p);
+      g->opened[r] = base;
+    }
+    g->peers.sig[r] = car::SignalOf(base);
+    g->peers.data[r] = car::DataOf(base);
+  }
+  return Status::Ok();
+}
+
+Status CudaGroupCarWriteCheck(int64_t id, uint32_t seed) {
+  CudaGroup* g;
+  SPMD_RETURN_IF_ERROR(Find(id, &g));
+  std::lock_guard<std::mutex> lock(g->mu);
+  if (g->own == nullptr) return Status::Error("custom all-reduce buffer not allocated");
+  return car::WriteCheck(g->own, CheckPattern(seed, g->rank));
+}
+
+Status CudaGroupCarReadCheck(int64_t id, uint32_t seed, std::vector<int>* bad) {
+  CudaGroup* g;
+  SPMD_RETURN_IF_ERROR(Find(id, &g));
+  std::lock_guard<std::mutex> lock(g->mu);
+  uint32_t got[car::kMaxRanks] = {0};
+  SPMD_RETURN_IF_ERROR(car::ReadChecks(g->peers, got));
+  bad->clear();
+  for (int r = 0; r < g->size; ++r) {
+    if (got[r] != CheckPattern(seed, r)) bad->push_back(g->world_ranks[r]);
+  }
+  g->car_ready = bad->empty();
+  return Status::Ok();
+}
+
+void CudaGroupDestroy(int64_t id) {
+  std::unique_ptr<CudaGroup> g;
+  {
+    std::lock_guard<std::mutex> lock(registry_mu);
+    auto it = Registry().find(id);
+    if (it == Registry().end()) return;
+    g = std::move(it->second);
+    Registry().erase(it);
+  }
+  std::lock_guard<std::mutex> lock(g->mu);
+  cudaSetDevice(g->device);
+  cudaDeviceSynchronize();  // spmd.finalize(): work still queued must not touch freed buffers
+  ReleaseCar(*g);
+  NcclCommDestroy(g->nccl);
+  if (g->scratch != nullptr) cudaFree(g->scratch);
+}
+
+CudaGroup* CudaGroupFind(int64_t id) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  auto it = Registry().find(id);
+  return it == Registry().end() ? nullptr : it->second.get();
+}
+
+}  // namespace spmd

@@ -1,0 +1,508 @@
+// The XLA FFI handlers of the GPU collectives: the same operands, results and attributes as the
+// CPU handlers (native/cpu/handlers.cc), enqueued on the stream XLA gives the handler; they never
+// synchronise the host. After the ordering operand come the leaves of one fused call.
+#include "handlers.h"
+
+#include <cuda_runtime.h>
+
+#include <string>
+#include <vector>
+
+#include "custom_ar.h"
+#include "groups.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace spmd {
+namespace {
+
+struct Leaf {
+  char* data;
+  size_t bytes;
+  ffi::DataType dtype;
+  size_t elem;
+};
+
+size_t ElemBytes(ffi::DataType d) {
+  switch (d) {
+    case ffi::DataType::PRED:
+    case ffi::DataType::S8:
+    case ffi::DataType::U8:
+      return 1;
+    case ffi::DataType::F16:
+    case ffi::DataType::BF16:
+      return 2;
+    case ffi::DataType::S32:
+    case ffi::DataType::F32:
+      return 4;
+    case ffi::DataType::S64:
+    case ffi::DataType::F64:
+      return 8;
+    default:
+      return 0;
+  }
+}
+
+NcclType NcclTypeOf(ffi::DataType d) {
+  switch (d) {
+    case ffi::DataType::S8:
+      return kNcclInt8;
+    case ffi::DataType::PRED:
+    case ffi::DataType::U8:
+      return kNcclUint8;
+    case ffi::DataType::S32:
+      return kNcclInt32;
+    case ffi::DataType::S64:
+      return kNcclInt64;
+    case ffi::DataType::F16:
+      return kNcclFloat16;
+    case ffi::DataType::BF16:
+      return kNcclBfloat16;
+    case ffi::DataType::F64:
+      return kNcclFloat64;
+    default:
+      return kNcclFloat32;
+  }
+}
+
+// Reduction codes as in Python (sum, prod, max, min); on bool, sum/max are logical or (max of
+// 0/1 bytes) and prod/min logical and (min).
+NcclOp NcclOpOf(int32_t op, ffi::DataType d) {
+  if (d == ffi::DataType::PRED) return (op == 0 || op == 2) ? kNcclMax : kNcclMin;
+  return static_cast<NcclOp>(op);
+}
+
+bool CustomDType(ffi::DataType d, car::DType* t) {
+  switch (d) {
+    case ffi::DataType::F32:
+      *t = car::DType::kF32;
+      return true;
+    case ffi::DataType::F16:
+      *t = car::DType::kF16;
+      return true;
+    case ffi::DataType::BF16:
+      *t = car::DType::kBF16;
+      return true;
+    default:
+      return false;
+  }
+}
+
+const char* const kReduceNames[] = {"sum", "prod", "max", "min"};
+
+struct Call {
+  explicit Call(const char* name) : op(name) {}
+  const char* op;
+  cudaStream_t stream = nullptr;
+  CudaGroup* group = nullptr;
+  std::vector<Leaf> in, out;
+};
+
+ffi::Error Fail(const Call& call, const std::string& message) {
+  int rank = call.group ? call.group->world_rank() : -1;
+  return ffi::Error(ffi::ErrorCode::kInternal, "spmd.SpmdError: [rank " + std::to_string(rank) +
+                                                   "] " + call.op + " (GPU): " + message);
+}
+
+ffi::Error FromStatus(const Call& call, const Status& s) {
+  return s.ok() ? ffi::Error::Success() : Fail(call, s.message());
+}
+
+ffi::Error Decode(Call& call, cudaStream_t stream, int64_t group_id, ffi::RemainingArgs args,
+                  ffi::RemainingRets rets) {
+  call.stream = stream;
+  call.group = CudaGroupFind(group_id);
+  if (call.group == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string("spmd.SpmdError: ") + call.op +
+                          " (GPU): its group is not initialized (spmd.finalize() was called, or "
+                          "the program was compiled in another process); call spmd.init() first");
+  }
+  for (size_t i = 1; i < args.size(); ++i) {
+    auto b = args.get<ffi::AnyBuffer>(i);
+    if (!b.has_value()) return b.error();
+    size_t w = ElemBytes(b->element_type());
+    if (w == 0) {
+      return Fail(call, "unsupported dtype; spmd's collectives take float16, bfloat16, float32, "
+                        "float64, int8, uint8, int32, int64 and bool arrays");
+    }
+    call.in.push_back({static_cast<char*>(b->untyped_data()), b->size_bytes(), b->element_type(),
+                       w});
+  }
+  for (size_t i = 1; i < rets.size(); ++i) {
+    auto b = rets.get<ffi::AnyBuffer>(i);
+    if (!b.has_value()) return b.error();
+    call.out.push_back({static_cast<char*>((*b)->untyped_data()), (*b)->size_bytes(),
+                        (*b)->element_type(), ElemBytes((*b)->element_type())});
+  }
+  return ffi::Error::Success();
+}
+
+// Every NCCL path goes through here first.
+ffi::Error NeedNccl(const Call& call) {
+  if (call.group->nccl != nullptr) return ffi::Error::Success();
+  return Fail(call, "this group has no NCCL communicator (NCCL failed to start for it)");
+}
+
+car::Call CarCall(const Call& call) {
+  const CudaGroup& g = *call.group;
+  return car::Call{&g.peers, g.rank, call.stream, g.timeout_ns, 0};
+}
+
+Status CopyAsync(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0 || dst == src) return Status::Ok();
+  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
+  if (e == cudaSuccess) return Status::Ok();
+  return Status::Error(std::string("cudaMemcpyAsync failed: ") + cudaGetErrorString(e));
+}
+
+// -- allreduce --------------------------------------------------------------------------------
+
+// algos: per leaf, the path Python's backend chain chose (car::Algo codes); codec: the quantized
+// path's codec.
+ffi::Error AllreduceFfi(cudaStream_t stream, int64_t group, int32_t op,
+                        ffi::Span<const int64_t> algos, int32_t codec_code,
+                        ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  Call call("allreduce");
+  if (ffi::Error e = Decode(call, stream, group, args, rets); e.failure()) return e;
+  CudaGroup& g = *call.group;
+  if (op < 0 || op > 3) return Fail(call, "unknown reduction code " + std::to_string(op));
+  if (algos.size() != call.in.size()) {
+    return Fail(call, "got " + std::to_string(algos.size()) + " algorithm codes for " +
+                          std::to_string(call.in.size()) + " arrays");
+  }
+  std::lock_guard<std::mutex> lock(g.mu);
+  // The custom paths first, each leaf one launch; then every NCCL leaf in one NCCL group.
+  for (size_t i = 0; i < call.in.size(); ++i) {
+    auto algo = static_cast<car::Algo>(algos[i]);
+    if (algo == car::Algo::kNccl) continue;
+    car::DType t;
+    if (!g.car_ready || op != 0 || !CustomDType(call.in[i].dtype, &t)) {
+      return Fail(call, std::string("the custom all-reduce was chosen for a leaf it cannot take (") +
+                            (g.car_ready ? "" : "not registered for this group, ") + "op=" +
+                            kReduceNames[op] + ")");
+    }
+    const void* in = call.in[i].data;
+    void* out = call.out[i].data;
+    size_t count = call.in[i].bytes / call.in[i].elem;
+    Status s = algo == car::Algo::kQuantized
+                   ? car::QuantizedAllReduce(CarCall(call), static_cast<codec::Codec>(codec_code),
+                                             t, &in, &out, count)
+                   : car::AllReduce(CarCall(call), algo, t, &in, &out, count);
+    if (!s.ok()) return FromStatus(call, s);
+  }
+  bool any_nccl = false;
+  for (size_t i = 0; i < call.in.size(); ++i) {
+    any_nccl |= static_cast<car::Algo>(algos[i]) == car::Algo::kNccl && call.in[i].bytes != 0;
+  }
+  if (!any_nccl) return ffi::Error::Success();
+  if (ffi::Error e = NeedNccl(call); e.failure()) return e;
+  NcclGroup group_call;
+  if (!group_call.status().ok()) return FromStatus(call, group_call.status());
+  for (size_t i = 0; i < call.in.size(); ++i) {
+    if (static_cast<car::Algo>(algos[i]) != car::Algo::kNccl || call.in[i].bytes == 0) continue;
+    Status s = NcclAllReduce(call.in[i].data, call.out[i].data, call.in[i].bytes / call.in[i].elem,
+                             NcclTypeOf(call.in[i].dtype), NcclOpOf(op, call.in[i].dtype), g.nccl,
+                             stream);
+    if (!s.ok()) return FromStatus(call, s);
+  }
+  return FromStatus(call, group_call.End());
+}
+
+// -- allgather(v) / reduce_scatter(v) ---------------------------------------------------------
+
+// No sizes: every rank contributes its whole input. With sizes (rows per rank): one broadcast per
+// rank into its place, fused in one NCCL group (NCCL has no allgatherv).
+ffi::Error AllgatherFfi(cudaStream_t stream, int64_t group, ffi::Span<const int64_t> sizes,
+                        ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  Call call(sizes.size() ? "allgatherv" : "allgather");
+  if (ffi::Error e = Decode(call, stream, group, args, rets); e.failure()) return e;
+  if (ffi::Error e = NeedNccl(call); e.failure()) return e;
+  CudaGroup& g = *call.group;
+  if (sizes.size() != 0 && static_cast<int>(sizes.size()) != g.size) {
+    return Fail(call, "sizes has " + std::to_string(sizes.size()) + " entries for a group of " +
+                          std::to_string(g.size));
+  }
+  int64_t total = 0;
+  for (int64_t s : sizes) total += s;
+  std::lock_guard<std::mutex> lock(g.mu);
+  NcclGroup group_call;
+  for (size_t i = 0; i < call.in.size(); ++i) {
+    const Leaf& in = call.in[i];
+    const Leaf& out = call.out[i];
+    if (sizes.size() == 0) {
+      if (in.bytes == 0) continue;
+      Status s = NcclAllGather(in.data, out.data, in.bytes, kNcclUint8, g.nccl, stream);
+      if (!s.ok()) return FromStatus(call, s);
+      continue;
+    }
+    size_t row = total ? out.bytes / static_cast<size_t>(total) : 0;
+    size_t offset = 0;
+    for (int r = 0; r < g.size; ++r) {
+      size_t bytes = static_cast<size_t>(sizes[r]) * row;
+      if (r == g.rank && bytes != in.bytes) {
+        return Fail(call, "this rank passed " + std::to_string(in.bytes / in.elem) +
+                              " elements, sizes says " + std::to_string(bytes / in.elem));
+      }
+      if (bytes != 0) {
+        Status s = NcclBroadcast(in.data, out.data + offset, bytes, kNcclUint8, r, g.nccl, stream);
+        if (!s.ok()) return FromStatus(call, s);
+      }
+      offset += bytes;
+    }
+  }
+  return FromStatus(call, group_call.End());
+}
+
+// Without sizes: NCCL's reduce-scatter. With sizes: one reduce per rank onto that rank.
+ffi::Error ReduceScatterFfi(cudaStream_t stream, int64_t group, int32_t op,
+                            ffi::Span<const int64_t> sizes, ffi::RemainingArgs args,
+                            ffi::RemainingRets rets) {
+  Call call(sizes.size() ? "reduce_scatterv" : "reduce_scatter");
+  if (ffi::Error e = Decode(call, stream, group, args, rets); e.failure()) return e;
+  if (ffi::Error e = NeedNccl(call); e.failure()) return e;
+  CudaGroup& g = *call.group;
+  if (op < 0 || op > 3) return Fail(call, "unknown reduction code " + std::to_string(op));
+  if (sizes.size() != 0 && static_cast<int>(sizes.size()) != g.size) {
+    return Fail(call, "sizes has " + std::to_string(sizes.size()) + " entries for a group of " +
+                          std::to_string(g.size));
+  }
+  int64_t total = 0;
+  for (int64_t s : sizes) total += s;
+  std::lock_guard<std::mutex> lock(g.mu);
+  NcclGroup group_call;
+  for (size_t i = 0; i < call.in.size(); ++i) {
+    const Leaf& in = call.in[i];
+    const Leaf& out = call.out[i];
+    NcclType t = NcclTypeOf(in.dtype);
+    NcclOp o = NcclOpOf(op, in.dtype);
+    if (sizes.size() == 0) {
+      if (out.bytes == 0) continue;
+      Status s = NcclReduceScatter(in.data, out.data, out.bytes / out.elem, t, o, g.nccl, stream);
+      if (!s.ok()) return FromStatus(call, s);
+      continue;
+    }
+    size_t row = total ? in.bytes / static_cast<size_t>(total) : 0;
+    size_t offset = 0;
+    for (int r = 0; r < g.size; ++r) {
+      size_t bytes = static_cast<size_t>(sizes[r]) * row;
+      if (bytes != 0) {
+        // The output is only written on the root; other ranks pass their input as a valid
+        // pointer NCCL never writes.
+        void* dst = r == g.rank ? static_cast<void*>(out.data) : static_cast<void*>(in.data);
+        Status s = NcclReduce(in.data + offset, dst, bytes / in.elem, t, o, r, g.nccl, stream);
+        if (!s.ok()) return FromStatus(call, s);
+      }
+      offset += bytes;
+    }
+  }
+  return FromStatus(call, group_call.End());
+}
+
+// -- broadcast, all_to_all --------------------------------------------------------------------
+
+ffi::Error BroadcastFfi(cudaStream_t stream, int64_t group, int64_t root, ffi::RemainingArgs args,
+                        ffi::RemainingRets rets) {
+  Call call("broadcast");
+  if (ffi::Error e = Decode(call, stream, group, args, rets); e.failure()) return e;
+  if (ffi::Error e = NeedNccl(call); e.failure()) return e;
+  CudaGroup& g = *call.group;
+  std::lock_guard<std::mutex> lock(g.mu);
+  NcclGroup group_call;
+  for (size_t i = 0; i < call.in.size(); ++i) {
+    if (call.out[i].bytes == 0) continue;
+    Status s = NcclBroadcast(call.in[i].data, call.out[i].data, call.out[i].bytes, kNcclUint8,
+                             static_cast<int>(root), g.nccl, stream);
+    if (!s.ok()) return FromStatus(call, s);
+  }
+  return FromStatus(call, group_call.End());
+}
+
+// Block p of the input goes to rank p; block p of the output comes from rank p.
+ffi::Error AllToAllFfi(cudaStream_t stream, int64_t group, ffi::RemainingArgs args,
+                       ffi::RemainingRets rets) {
+  Call call("all_to_all");
+  if (ffi::Error e = Decode(call, stream, group, args, rets); e.failure()) return e;
+  if (ffi::Error e = NeedNccl(call); e.failure()) return e;
+  CudaGroup& g = *call.group;
+  std::lock_guard<std::mutex> lock(g.mu);
+  for (size_t i = 0; i < call.in.size(); ++i) {
+    size_t block = call.in[i].bytes / static_cast<size_t>(g.size);
+    Status s = CopyAsync(call.out[i].data + g.rank * block, call.in[i].data + g.rank * block,
+                         block, stream);
+    if (!s.ok()) return FromStatus(call, s);
+  }
+  NcclGroup group_call;
+  for (size_t i = 0; i < call.in.size(); ++i) {
+    size_t block = call.in[i].bytes / static_cast<size_t>(g.size);
+    if (block == 0) continue;
+    for (int p = 0; p < g.size; ++p) {
+      if (p == g.rank) continue;
+      Status s = NcclSend(call.in[i].data + p * block, block, kNcclUint8, p, g.nccl, stream);
+      if (s.ok()) s = NcclRecv(call.out[i].data + p * block, block, kNcclUint8, p, g.nccl, stream);
+      if (!s.ok()) return FromStatus(call, s);
+    }
+  }
+  return FromStatus(call, group_call.End());
+}
+
+// -- point to point, barrier ------------------------------------------------------------------
+
+// send: src < 0 and no result; recv: dst < 0 and no operand.
+ffi::Error SendRecvFfi(cudaStream_t stream, int64_t group, int64_t src, int64_t dst,
+                       ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  Call call("sendrecv");
+  if (ffi::Error e = Decode(call, stream, group, args, rets); e.failure()) return e;
+  if (ffi::Error e = NeedNccl(call); e.failure()) return e;
+  CudaGroup& g = *call.group;
+  std::lock_guard<std::mutex> lock(g.mu);
+  NcclGroup group_call;
+  if (dst >= 0 && !call.in.empty() && call.in[0].bytes != 0) {
+    Status s = NcclSend(call.in[0].data, call.in[0].bytes, kNcclUint8, static_cast<int>(dst),
+                        g.nccl, stream);
+    if (!s.ok()) return FromStatus(call, s);
+  }
+  if (src >= 0 && !call.out.empty() && call.out[0].bytes != 0) {
+    Status s = NcclRecv(call.out[0].data, call.out[0].bytes, kNcclUint8, static_cast<int>(src),
+                        g.nccl, stream);
+    if (!s.ok()) return FromStatus(call, s);
+  }
+  return FromStatus(call, group_call.End());
+}
+
+// A one-byte allreduce: every rank's later work on this stream waits for every rank.
+ffi::Error BarrierFfi(cudaStream_t stream, int64_t group, ffi::RemainingArgs args,
+                      ffi::RemainingRets rets) {
+  Call call("barrier");
+  if (ffi::Error e = Decode(call, stream, group, args, rets); e.failure()) return e;
+  if (ffi::Error e = NeedNccl(call); e.failure()) return e;
+  CudaGroup& g = *call.group;
+  std::lock_guard<std::mutex> lock(g.mu);
+  return FromStatus(call, NcclAllReduce(g.scratch, g.scratch, 1, kNcclUint8, kNcclMax, g.nccl,
+                                        stream));
+}
+
+// -- all-reduce + RMSNorm -----------------------------------------------------------------------
+
+// Operands x, residual, weight; results normed, residual_out. algo: 1 or 2 = the fused kernel
+// (one-shot or two-shot by rows), 0 = NCCL all-reduce into residual_out, then the norm kernel.
+ffi::Error AllreduceRmsNormFfi(cudaStream_t stream, int64_t group, float eps, int32_t algo,
+                               ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  Call call("allreduce_rmsnorm");
+  if (ffi::Error e = Decode(call, stream, group, args, rets); e.failure()) return e;
+  CudaGroup& g = *call.group;
+  if (call.in.size() != 3 || call.out.size() != 2) {
+    return Fail(call, "expected operands x, residual, weight and results normed, residual_out");
+  }
+  car::DType t;
+  if (!CustomDType(call.in[0].dtype, &t)) return Fail(call, "x must be float32, float16 or bfloat16");
+  auto wdims = args.get<ffi::AnyBuffer>(3)->dimensions();
+  size_t hidden = wdims.size() ? static_cast<size_t>(wdims[0]) : 0;
+  size_t rows = hidden ? call.in[0].bytes / call.in[0].elem / hidden : 0;
+  std::lock_guard<std::mutex> lock(g.mu);
+  const void* x = call.in[0].data;
+  const void* residual = call.in[1].data;
+  const void* weight = call.in[2].data;
+  void* normed = call.out[0].data;
+  void* res_out = call.out[1].data;
+  if (algo != 0) {
+    if (!g.car_ready) return Fail(call, "the fused kernel was chosen but the custom all-reduce is "
+                                        "not registered for this group");
+    return FromStatus(call, car::AllReduceRmsNorm(CarCall(call), static_cast<car::Algo>(algo), t,
+                                                  &x, &residual, &weight, eps, rows, hidden,
+                                                  &normed, &res_out));
+  }
+  if (ffi::Error e = NeedNccl(call); e.failure()) return e;
+  Status s = NcclAllReduce(x, res_out, call.in[0].bytes / call.in[0].elem,
+                           NcclTypeOf(call.in[0].dtype), kNcclSum, g.nccl, stream);
+  if (s.ok()) s = car::RmsNorm(stream, t, res_out, residual, weight, eps, rows, hidden, normed, res_out);
+  return FromStatus(call, s);
+}
+
+}  // namespace
+
+// All attrs: group (i64) first; see the Python lowering (spmd/ops/_core.py, lower_collective).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllreduce, AllreduceFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int64_t>("group")
+                                  .Attr<int32_t>("op")
+                                  .Attr<ffi::Span<const int64_t>>("algos")
+                                  .Attr<int32_t>("codec")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllgather, AllgatherFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int64_t>("group")
+                                  .Attr<ffi::Span<const int64_t>>("sizes")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaReduceScatter, ReduceScatterFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int64_t>("group")
+                                  .Attr<int32_t>("op")
+                                  .Attr<ffi::Span<const int64_t>>("sizes")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaBroadcast, BroadcastFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("root")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllToAll, AllToAllFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int64_t>("group")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaSendRecv, SendRecvFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("src")
+                                  .Attr<int64_t>("dst")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaBarrier, BarrierFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int64_t>("group")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllreduceRmsNorm, AllreduceRmsNormFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int64_t>("group")
+                                  .Attr<float>("eps")
+                                  .Attr<int32_t>("algo")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+const CudaHandlerEntry* CudaHandlers() {
+  static const CudaHandlerEntry entries[] = {
+      {"spmd_cuda_allreduce", reinterpret_cast<void*>(kCudaAllreduce)},
+      {"spmd_cuda_allgather", reinterpret_cast<void*>(kCudaAllgather)},
+      {"spmd_cuda_reduce_scatter", reinterpret_cast<void*>(kCudaReduceScatter)},
+      {"spmd_cuda_broadcast", reinterpret_cast<void*>(kCudaBroadcast)},
+      {"spmd_cuda_all_to_all", reinterpret_cast<void*>(kCudaAllToAll)},
+      {"spmd_cuda_sendrecv", reinterpret_cast<void*>(kCudaSendRecv)},
+      {"spmd_cuda_barrier", reinterpret_cast<void*>(kCudaBarrier)},
+      {"spmd_cuda_allreduce_rmsnorm", reinterpret_cast<void*>(kCudaAllreduceRmsNorm)},
+      {nullptr, nullptr},
+  };
+  return entries;
+}
+
+}  // namespace spmd
