@@ -3,12 +3,15 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "../cpu/groups.h"
 #include "../cpu/handlers.h"
 #include "../cpu/mpi.h"
+#include "../cuda/codec.h"
 #include "spmd/common.h"
 
 namespace {
@@ -152,6 +155,72 @@ PyObject* GroupDestroy(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// The GPU's quantized all-reduce codecs (native/cuda/codec.h), run on the CPU for the tests.
+bool Floats(PyObject* obj, std::vector<float>* out) {
+  char* data;
+  Py_ssize_t len;
+  if (PyBytes_AsStringAndSize(obj, &data, &len) != 0) return false;
+  out->resize(static_cast<size_t>(len) / sizeof(float));
+  std::memcpy(out->data(), data, out->size() * sizeof(float));
+  return true;
+}
+
+PyObject* FloatBytes(const std::vector<float>& v) {
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(v.data()),
+                                   static_cast<Py_ssize_t>(v.size() * sizeof(float)));
+}
+
+bool CodecArg(int code, spmd::codec::Codec* c) {
+  if (code < 1 || code > 3) {
+    PyErr_SetString(PyExc_ValueError, "codec code must be 1 (fp8), 2 (int8) or 3 (int4)");
+    return false;
+  }
+  *c = static_cast<spmd::codec::Codec>(code);
+  return true;
+}
+
+// quant_roundtrip(codec, float32 bytes) -> float32 bytes: every block encoded and decoded.
+PyObject* QuantRoundtrip(PyObject*, PyObject* args) {
+  int code;
+  PyObject* data;
+  if (!PyArg_ParseTuple(args, "iO", &code, &data)) return nullptr;
+  spmd::codec::Codec c;
+  std::vector<float> v;
+  if (!CodecArg(code, &c) || !Floats(data, &v)) return nullptr;
+  std::vector<float> out(v.size());
+  uint8_t payload[spmd::codec::kBlock];
+  for (size_t at = 0; at < v.size(); at += spmd::codec::kBlock) {
+    int n = static_cast<int>(std::min<size_t>(spmd::codec::kBlock, v.size() - at));
+    float scale = spmd::codec::EncodeBlock(c, v.data() + at, n, payload);
+    for (int i = 0; i < n; ++i) out[at + i] = spmd::codec::DecodeValue(c, payload, scale, i);
+  }
+  return FloatBytes(out);
+}
+
+// quant_allreduce_reference(codec, world, float32 bytes of world * n values, rank-major)
+//   -> float32 bytes of n: what the GPU's quantized all-reduce returns on every rank.
+PyObject* QuantAllreduceReference(PyObject*, PyObject* args) {
+  int code, world;
+  PyObject* data;
+  if (!PyArg_ParseTuple(args, "iiO", &code, &world, &data)) return nullptr;
+  spmd::codec::Codec c;
+  std::vector<float> v;
+  if (!CodecArg(code, &c) || !Floats(data, &v)) return nullptr;
+  if (world < 1 || v.size() % static_cast<size_t>(world) != 0) {
+    PyErr_SetString(PyExc_ValueError, "data must hold world equal parts");
+    return nullptr;
+  }
+  size_t n = v.size() / static_cast<size_t>(world);
+  std::vector<float> out(n);
+  std::vector<const float*> inputs(static_cast<size_t>(world));
+  for (size_t at = 0; at < n; at += spmd::codec::kBlock) {
+    for (int r = 0; r < world; ++r) inputs[r] = v.data() + static_cast<size_t>(r) * n + at;
+    int m = static_cast<int>(std::min<size_t>(spmd::codec::kBlock, n - at));
+    spmd::codec::ReduceBlockReference(c, world, inputs.data(), m, out.data() + at);
+  }
+  return FloatBytes(out);
+}
+
 PyMethodDef kMethods[] = {
     {"abi_version", AbiVersion, METH_NOARGS, "ABI version of spmd's native layer."},
     {"xla_ffi_api_version", XlaFfiApiVersion, METH_NOARGS,
@@ -163,6 +232,9 @@ PyMethodDef kMethods[] = {
     {"group_attach_mpi", GroupAttachMpi, METH_VARARGS, "Give a group an MPI communicator."},
     {"group_set_backend", GroupSetBackend, METH_VARARGS, "Choose how a group moves data."},
     {"group_destroy", GroupDestroy, METH_VARARGS, "Unregister a group."},
+    {"quant_roundtrip", QuantRoundtrip, METH_VARARGS, "Encode and decode with a GPU codec."},
+    {"quant_allreduce_reference", QuantAllreduceReference, METH_VARARGS,
+     "The GPU quantized all-reduce's result, computed on the CPU."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -105,6 +105,12 @@ def report() -> str:
     lines.append("  communicators: mpi (mpi4py), void (file store, single machine)")
     lines += _collectives()
     lines += [f"  gpu {g}" for g in _gpu_libraries()]
+    try:
+        from ..ops._cuda import info_lines
+
+        lines += info_lines()
+    except Exception as e:
+        lines.append(f"  GPU module: unavailable ({e})")
     lines.append("devices:")
     try:
         import jax

@@ -1,5 +1,6 @@
 """Collective operations as JAX primitives: eager, under ``jax.jit``, ``jax.grad`` and
-``jax.vmap``; run by native XLA FFI handlers (shared memory and MPI on CPU).
+``jax.vmap``; run by native XLA FFI handlers (shared memory and MPI on CPU; NCCL and the CUDA IPC
+custom all-reduce on GPU).
 
 Every operation takes ``rank_list=`` (RAF's grouping) or ``group=`` (a Communicator or an axis
 name of the active mesh), and arrays or pytrees of arrays (one fused call). The gradient
@@ -19,12 +20,14 @@ from ._p2p import barrier as barrier
 from ._p2p import recv as recv
 from ._p2p import send as send
 from ._p2p import sendrecv as sendrecv
+from ._rmsnorm import allreduce_rmsnorm as allreduce_rmsnorm
 
 __all__ = [
     "all_to_all",
     "allgather",
     "allgatherv",
     "allreduce",
+    "allreduce_rmsnorm",
     "barrier",
     "broadcast",
     "get_backend",

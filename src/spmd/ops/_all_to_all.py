@@ -24,7 +24,7 @@ from ._core import (
     flatten,
     instantiate,
     linear_jvp,
-    register_cpu_lowering,
+    register_lowering,
 )
 from ._groups import GroupRef, resolve
 
@@ -75,7 +75,7 @@ def _abstract_eval(*avals: core.ShapedArray, group: GroupRef) -> list[Any]:
 
 
 all_to_all_p.def_abstract_eval(_abstract_eval)
-register_cpu_lowering(all_to_all_p, "spmd_all_to_all")
+register_lowering(all_to_all_p, "spmd_all_to_all")
 
 
 def _transpose(cts: list[Any], *args: Any, group: GroupRef) -> list[Any]:

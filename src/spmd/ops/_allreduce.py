@@ -19,6 +19,7 @@ from jax._src import core
 from jax._src.ad_util import Zero
 from jax._src.interpreters import ad, batching
 
+from . import _cuda
 from ._core import (
     REDUCE_OPS,
     arg_aval,
@@ -27,7 +28,7 @@ from ._core import (
     collective_primitive,
     flatten,
     instantiate,
-    register_cpu_lowering,
+    register_lowering,
     zero_tangent,
 )
 from ._groups import GroupRef, resolve
@@ -35,7 +36,14 @@ from ._groups import GroupRef, resolve
 allreduce_p = collective_primitive("spmd_allreduce")
 
 
-def allreduce(x: Any, op: str = "sum", *, rank_list: Any = None, group: Any = None) -> Any:
+def allreduce(
+    x: Any,
+    op: str = "sum",
+    *,
+    rank_list: Any = None,
+    group: Any = None,
+    quantize: str | None = None,
+) -> Any:
     """Reduce ``x`` over the ranks of the group; every rank gets the result.
 
     Args:
@@ -46,6 +54,10 @@ def allreduce(x: Any, op: str = "sum", *, rank_list: Any = None, group: Any = No
         rank_list: RAF's grouping, e.g. ``[[0, 1], [2, 3]]``: each rank reduces within its
             list; unlisted ranks form groups of their own. Default: all ranks.
         group: a Communicator, or an axis name of the active mesh (instead of rank_list).
+        quantize: ``"fp8"``, ``"int8"`` or ``"int4"``: on GPU, send block-scaled codes of
+            float leaves large enough to gain (the quantized all-reduce of the backend chain,
+            error bound in docs/gpu.md); ``SPMD_QUANTIZE`` sets a default. Exact paths are
+            used where it does not apply, and always on CPU.
 
     Returns:
         ``x``'s structure, shapes and dtypes, reduced in rank order (identical on every rank).
@@ -53,28 +65,55 @@ def allreduce(x: Any, op: str = "sum", *, rank_list: Any = None, group: Any = No
     ref = resolve(rank_list, group)
     leaves, treedef, _ = flatten(x, "allreduce", ref)
     check_reduce_op(op, "allreduce", ref, leaves)
-    if ref.size == 1:
+    quantize = _cuda.check_quantize(quantize, f"rank {ref.world_rank}: allreduce: ")
+    if ref.size == 1 and not _cuda.self_calls():
         return jax.tree_util.tree_unflatten(treedef, leaves)
-    outs = bind(allreduce_p, *leaves, group=ref, op="sum" if op == "avg" else op)
+    outs = bind(allreduce_p, *leaves, group=ref, op="sum" if op == "avg" else op, quantize=quantize)
     if op == "avg":
         outs = [(y / ref.size).astype(y.dtype) for y in outs]
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 
-def _abstract_eval(*avals: core.ShapedArray, group: GroupRef, op: str) -> list[core.ShapedArray]:
+def _abstract_eval(
+    *avals: core.ShapedArray, group: GroupRef, op: str, quantize: str | None
+) -> list[core.ShapedArray]:
     return [core.ShapedArray(a.shape, a.dtype) for a in avals]
 
 
+def _cuda_attrs(ctx: Any, *, group: GroupRef, op: str, quantize: str | None) -> dict[str, Any]:
+    """The backend chain's choice for each leaf (spmd/ops/_cuda.py), fixed at compile time."""
+    where = f"rank {group.world_rank}: allreduce: "
+    gpu = _cuda.registered(group.gid, where)
+    cfg = _cuda.config()
+    algos = tuple(
+        _cuda.ALGOS[
+            _cuda.select_allreduce(
+                int(np.prod(a.shape)) * a.dtype.itemsize, a.dtype, op, gpu, cfg, quantize
+            )
+        ]
+        for a in ctx.avals_in
+    )
+    codec = _cuda.CODECS.get(quantize or cfg.quantize or "", 0)
+    return {"algos": algos, "codec": np.int32(codec)}
+
+
 allreduce_p.def_abstract_eval(_abstract_eval)
-register_cpu_lowering(allreduce_p, "spmd_allreduce", op=lambda op, **_: np.int32(REDUCE_OPS[op]))
+register_lowering(
+    allreduce_p,
+    "spmd_allreduce",
+    cuda_attrs=_cuda_attrs,
+    op=lambda op, **_: np.int32(REDUCE_OPS[op]),
+)
 
 
-def _sum(values: list[Any], group: GroupRef) -> list[Any]:
-    return list(allreduce_p.bind(*values, group=group, op="sum"))
+def _sum(values: list[Any], group: GroupRef, quantize: str | None = None) -> list[Any]:
+    return list(allreduce_p.bind(*values, group=group, op="sum", quantize=quantize))
 
 
-def _jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, op: str) -> Any:
-    outs = allreduce_p.bind(*primals, group=group, op=op)
+def _jvp(
+    primals: list[Any], tangents: list[Any], *, group: GroupRef, op: str, quantize: str | None
+) -> Any:
+    outs = allreduce_p.bind(*primals, group=group, op=op, quantize=quantize)
     # Which tangents are symbolic zeros is decided by the program, so the same on every rank.
     live = [i for i, t in enumerate(tangents) if not isinstance(t, Zero)]
     t_outs: list[Any] = [zero_tangent(y) for y in outs]
@@ -84,7 +123,7 @@ def _jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, op: str) -
     ts = [tangents[i] for i in live]
     ys = [outs[i] for i in live]
     if op == "sum":
-        res = _sum(ts, group)
+        res = _sum(ts, group, quantize)
     elif op == "prod":
         # d(prod_r x_r) = prod * sum_r t_r / x_r (undefined where some x_r == 0).
         res = [
@@ -106,16 +145,21 @@ def _jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, op: str) -
     return outs, t_outs
 
 
-def _transpose(cts: list[Any], *args: Any, group: GroupRef, op: str) -> list[Any]:
+def _transpose(
+    cts: list[Any], *args: Any, group: GroupRef, op: str, quantize: str | None
+) -> list[Any]:
     # Only op="sum" is linear. Transpose of sum-allreduce is sum-allreduce: dL/dx_r = sum_s ct_s.
     assert op == "sum", op
     avals = [arg_aval(a) for a in args]
-    return _sum([instantiate(ct, aval) for ct, aval in zip(cts, avals, strict=True)], group)
+    cts = [instantiate(ct, aval) for ct, aval in zip(cts, avals, strict=True)]
+    return _sum(cts, group, quantize)
 
 
-def _batch(args: list[Any], dims: list[Any], *, group: GroupRef, op: str) -> Any:
+def _batch(
+    args: list[Any], dims: list[Any], *, group: GroupRef, op: str, quantize: str | None
+) -> Any:
     # Element-wise across ranks: batch dimensions pass through untouched.
-    return allreduce_p.bind(*args, group=group, op=op), list(dims)
+    return allreduce_p.bind(*args, group=group, op=op, quantize=quantize), list(dims)
 
 
 ad.primitive_jvps[allreduce_p] = _jvp

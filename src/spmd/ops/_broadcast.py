@@ -23,7 +23,7 @@ from ._core import (
     flatten,
     instantiate,
     linear_jvp,
-    register_cpu_lowering,
+    register_lowering,
 )
 from ._groups import GroupRef, resolve
 
@@ -49,12 +49,12 @@ def _abstract_eval(*avals: core.ShapedArray, group: GroupRef, root: int) -> list
 
 
 broadcast_p.def_abstract_eval(_abstract_eval)
-register_cpu_lowering(broadcast_p, "spmd_broadcast", root=lambda root, **_: int(root))
+register_lowering(broadcast_p, "spmd_broadcast", root=lambda root, **_: int(root))
 
 
 def _transpose(cts: list[Any], *args: Any, group: GroupRef, root: int) -> list[Any]:
     cts = [instantiate(ct, arg_aval(a)) for ct, a in zip(cts, args, strict=True)]
-    summed = allreduce_p.bind(*cts, group=group, op="sum")
+    summed = allreduce_p.bind(*cts, group=group, op="sum", quantize=None)
     if group.rank == root:
         return list(summed)
     return [jnp.zeros_like(s) for s in summed]

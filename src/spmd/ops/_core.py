@@ -88,6 +88,8 @@ def _attr(value: Any) -> ir.Attribute:
         return ir.DenseI64ArrayAttr.get([int(v) for v in value])
     if isinstance(value, np.int32):
         return ir.IntegerAttr.get(ir.IntegerType.get_signless(32), int(value))
+    if isinstance(value, float):
+        return ir.FloatAttr.get(ir.F32Type.get(), value)
     return ir.IntegerAttr.get(ir.IntegerType.get_signless(64), int(value))
 
 
@@ -96,7 +98,7 @@ def lower_collective(
 ) -> list[Any]:
     """Emit the FFI custom call ``target``, chained after the previous collective of the block.
 
-    Attributes: Python ints become i64, ``np.int32`` i32, tuples i64 arrays.
+    Attributes: Python ints become i64, ``np.int32`` i32, floats f32, tuples i64 arrays.
     """
     # Per-module state: ModuleContext has no room for attributes, so the chains ride in its
     # per-module cache under a key no primitive can produce.
@@ -127,19 +129,42 @@ def lower_collective(
     return list(call.results[1:])
 
 
-def register_cpu_lowering(
-    prim: core.Primitive, target: str, **attr_params: Callable[..., Any]
+def register_lowering(
+    prim: core.Primitive,
+    target: str,
+    cuda_attrs: Callable[..., dict[str, Any]] | None = None,
+    **attr_params: Callable[..., Any],
 ) -> None:
-    """Lower ``prim`` on CPU to ``target``; ``attr_params`` map FFI attribute names to functions
-    of the primitive's parameters."""
+    """Lower ``prim`` to the FFI target ``target`` on CPU and ``spmd_cuda_<op>`` on GPU.
 
-    def rule(ctx: mlir.LoweringRuleContext, *operands: Any, **params: Any) -> list[Any]:
+    ``attr_params`` map FFI attribute names to functions of the primitive's parameters;
+    ``cuda_attrs(ctx, **params)`` adds the GPU handler's own attributes (the all-reduce's
+    backend chain).
+    """
+
+    def cpu_rule(ctx: mlir.LoweringRuleContext, *operands: Any, **params: Any) -> list[Any]:
         group: GroupRef = params["group"]
         attrs = {name: fn(**params) for name, fn in attr_params.items()}
         return lower_collective(ctx, target, operands, group=group.gid, **attrs)
 
+    def cuda_rule(ctx: mlir.LoweringRuleContext, *operands: Any, **params: Any) -> list[Any]:
+        from . import _cuda
+
+        group: GroupRef = params["group"]
+        _cuda.ensure_handlers()
+        attrs = {name: fn(**params) for name, fn in attr_params.items()}
+        op = target.removeprefix("spmd_")
+        if cuda_attrs is not None:
+            attrs.update(cuda_attrs(ctx, **params))
+        else:  # everything but the all-reduce runs on NCCL
+            where = f"rank {group.world_rank}: {op}: "
+            _cuda.registered(group.gid, where).require_nccl(f"{where}the GPU {op}")
+        cuda_target = "spmd_cuda_" + op
+        return lower_collective(ctx, cuda_target, operands, group=group.gid, **attrs)
+
     # Not cacheable: the rule must run in the block it lowers into, where the chain lives.
-    mlir.register_lowering(prim, rule, platform="cpu", cacheable=False)
+    mlir.register_lowering(prim, cpu_rule, platform="cpu", cacheable=False)
+    mlir.register_lowering(prim, cuda_rule, platform="cuda", cacheable=False)
 
 
 # -- calling ------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from ._core import (
     flatten,
     instantiate,
     linear_jvp,
-    register_cpu_lowering,
+    register_lowering,
     zero_tangent,
 )
 from ._groups import GroupRef, resolve
@@ -184,8 +184,8 @@ def _scatter_eval(*avals: core.ShapedArray, group: GroupRef, op: str, sizes: Siz
 
 allgather_p.def_abstract_eval(_gather_eval)
 reduce_scatter_p.def_abstract_eval(_scatter_eval)
-register_cpu_lowering(allgather_p, "spmd_allgather", sizes=lambda sizes, **_: tuple(sizes))
-register_cpu_lowering(
+register_lowering(allgather_p, "spmd_allgather", sizes=lambda sizes, **_: tuple(sizes))
+register_lowering(
     reduce_scatter_p,
     "spmd_reduce_scatter",
     op=lambda op, **_: np.int32(REDUCE_OPS[op]),

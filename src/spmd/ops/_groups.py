@@ -69,6 +69,7 @@ _lock = threading.RLock()
 _ids: dict[tuple[Any, int], int] = {}  # (rank_list groups, group id) -> native id, never reused
 _next_id = itertools.count(1)
 _registered: dict[int, _Registered] = {}
+_gpu_checked: set[int] = set()  # groups whose GPU side was set up (or is not needed)
 _forced: str | None = None
 _handlers_registered = False
 
@@ -235,6 +236,7 @@ def _finalize() -> None:
             for c in reg.mpi_comms:
                 c.Free()
         _registered.clear()
+        _gpu_checked.clear()
 
 
 def group_ref(comm: Communicator) -> GroupRef:
@@ -247,6 +249,14 @@ def group_ref(comm: Communicator) -> GroupRef:
         if comm.size > 1 and gid not in _registered:
             on_finalize(_finalize)
             _registered[gid] = _register(comm, gid)
+        if gid not in _gpu_checked:
+            on_finalize(_finalize)
+            _gpu_checked.add(gid)
+            from . import _cuda
+
+            # A group of one talks to nobody, unless NCCL is forced (to check it on one GPU).
+            if _cuda.gpu_active() and (comm.size > 1 or _cuda.config().backend == "nccl"):
+                _cuda.ensure_group(comm, gid)
         return GroupRef(gid, comm.rank, comm.ranks)
 
 
@@ -282,14 +292,30 @@ def resolve(rank_list: Any = None, group: Any = None) -> GroupRef:
 
 
 def set_backend(name: str) -> None:
-    """Force how collectives move data: ``"shm"``, ``"mpi"``, ``"hier"`` or ``"auto"``.
+    """Force how collectives move data.
 
-    Applies to every group, including those already in use (no recompilation needed); raises
-    :class:`spmd.SpmdError` if a group in use cannot use it. ``SPMD_BACKEND`` sets the default.
+    On CPU: ``"shm"``, ``"mpi"`` or ``"hier"``; applies to every group, including those already
+    in use (no recompilation needed), and raises :class:`spmd.SpmdError` if a group in use
+    cannot use it. ``SPMD_BACKEND`` sets the default.
+
+    On GPU: ``"custom"`` (the CUDA IPC all-reduce wherever it can take the call) or ``"nccl"``;
+    applies to programs compiled afterwards. ``SPMD_GPU_BACKEND`` sets the default.
+
+    ``"auto"`` returns both to the automatic choice.
     """
     global _forced
+    from . import _cuda
+
+    if name in ("custom", "nccl"):
+        _cuda.set_gpu_backend(name)
+        return
     if name not in BACKEND_NAMES:
-        raise SpmdError(f"backend {name!r} is unknown; expected one of {', '.join(BACKEND_NAMES)}")
+        raise SpmdError(
+            f"backend {name!r} is unknown; expected one of {', '.join(BACKEND_NAMES)} (CPU) or "
+            "custom, nccl (GPU)"
+        )
+    if name == "auto":
+        _cuda.set_gpu_backend("auto")
     with _lock:
         previous = _forced
         _forced = name
@@ -304,8 +330,19 @@ def set_backend(name: str) -> None:
 
 
 def get_backend(rank_list: Any = None, group: Any = None) -> str:
-    """The backend the group's collectives use (``"self"`` for a group of one)."""
+    """The backend the group's collectives use (``"self"`` for a group of one).
+
+    On GPU: ``"custom+nccl"`` (the all-reduce chain has the custom all-reduce, the rest is
+    NCCL), ``"nccl"``, or ``"custom"`` (NCCL did not start: only the all-reduce works).
+    """
+    from . import _cuda
+
     ref = resolve(rank_list, group)
+    if _cuda.gpu_active():
+        with _cuda._lock:
+            gpu = _cuda._groups.get(ref.gid)
+        if gpu is not None:
+            return "+".join(n for n, up in (("custom", gpu.custom), ("nccl", gpu.nccl)) if up)
     if ref.size == 1:
         return "self"
     with _lock:

@@ -29,7 +29,7 @@ from ._core import (
     flatten,
     instantiate,
     linear_jvp,
-    register_cpu_lowering,
+    register_lowering,
     zero_tangent,
 )
 from ._groups import GroupRef, resolve
@@ -113,12 +113,10 @@ send_p.def_abstract_eval(lambda x, *, group, dst: [_DONE])
 recv_p.def_abstract_eval(lambda *, group, src, shape, dtype: [core.ShapedArray(shape, dtype)])
 barrier_p.def_abstract_eval(lambda *, group: [_DONE])
 
-register_cpu_lowering(
-    sendrecv_p, "spmd_sendrecv", src=lambda src, **_: src, dst=lambda dst, **_: dst
-)
-register_cpu_lowering(send_p, "spmd_sendrecv", src=lambda **_: -1, dst=lambda dst, **_: dst)
-register_cpu_lowering(recv_p, "spmd_sendrecv", src=lambda src, **_: src, dst=lambda **_: -1)
-register_cpu_lowering(barrier_p, "spmd_barrier")
+register_lowering(sendrecv_p, "spmd_sendrecv", src=lambda src, **_: src, dst=lambda dst, **_: dst)
+register_lowering(send_p, "spmd_sendrecv", src=lambda **_: -1, dst=lambda dst, **_: dst)
+register_lowering(recv_p, "spmd_sendrecv", src=lambda src, **_: src, dst=lambda **_: -1)
+register_lowering(barrier_p, "spmd_barrier")
 
 
 def _sendrecv_transpose(
