@@ -1,0 +1,147 @@
+"""GPU benchmark of the custom all-reduce on one GPU, in simulation mode (n ranks' buffers in one
+process and one launch; see native/cuda/custom_ar.h):
+
+- one-shot and two-shot kernels against the device-to-device copy roofline: the bytes the kernel
+  must move (each rank reads its n inputs and writes its output: (n + 1) x size per rank for
+  one-shot; two-shot reads n slices, writes one, reads n slices, writes the output) over time;
+- the fused all-reduce + RMSNorm against the two separate steps (all-reduce, then the norm);
+- the quantized all-reduce's error against the exact sum, and its time against two-shot.
+
+    python benchmarks/gpu.py [--world 2 4 8] [--iters 50]
+
+Writes benchmarks/results/gpu-<device>.md. Needs a GPU and spmd's GPU module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from spmd.ops._cuda import ALGOS, CODECS, CUSTOM_DTYPE_CODES, native_cuda
+
+SIZES = [256 << 10, 1 << 20, 8 << 20, 32 << 20, 64 << 20]
+
+
+def _bf16(world: int, count: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.standard_normal(count).astype(ml_dtypes.bfloat16) for _ in range(world)]
+
+
+def allreduce_table(mod, worlds, iters) -> list[str]:
+    rows = [
+        "| ranks | size | one-shot | two-shot | copy roofline, one-shot bytes | two-shot bytes "
+        "| one-shot / roofline | two-shot / roofline |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for world in worlds:
+        for size in SIZES:
+            xs = [x.tobytes() for x in _bf16(world, size // 2)]
+            t = {}
+            for algo in ("one_shot", "two_shot"):
+                _, t[algo] = mod.sim_allreduce(world, CUSTOM_DTYPE_CODES["bfloat16"],
+                                               ALGOS[algo], 0, xs, iters)  # fmt: skip
+            # Every simulated rank moves its bytes in the same launch: world x per-rank bytes.
+            one_bytes = world * (world + 1) * size
+            two_bytes = world * (2 * size + 2 * size)  # read n/n, write 1/n, read n/n, write 1
+            copy_one = mod.copy_time(one_bytes // 2, iters)  # a copy reads and writes its size
+            copy_two = mod.copy_time(two_bytes // 2, iters)
+            rows.append(
+                f"| {world} | {size >> 10} KiB | {t['one_shot'] * 1e3:.1f} us | "
+                f"{t['two_shot'] * 1e3:.1f} us | {copy_one * 1e3:.1f} us | "
+                f"{copy_two * 1e3:.1f} us | {copy_one / t['one_shot']:.2f} | "
+                f"{copy_two / t['two_shot']:.2f} |"
+            )
+    return rows
+
+
+def rmsnorm_table(mod, worlds, iters) -> list[str]:
+    rows = ["| ranks | rows x hidden | two steps | fused one-shot | fused two-shot |",
+            "|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for world in worlds:
+        for rows_, hidden in ((8, 4096), (128, 4096), (1024, 8192)):
+            rng = np.random.default_rng(1)
+            xs = [rng.standard_normal((rows_, hidden)).astype(ml_dtypes.bfloat16).tobytes()
+                  for _ in range(world)]  # fmt: skip
+            res = rng.standard_normal((rows_, hidden)).astype(ml_dtypes.bfloat16).tobytes()
+            w = np.ones(hidden, ml_dtypes.bfloat16).tobytes()
+            times = []
+            for mode in (0, 1, 2):
+                *_, ms = mod.sim_allreduce_rmsnorm(world, CUSTOM_DTYPE_CODES["bfloat16"], mode,
+                                                   rows_, hidden, xs, [res] * world, w, 1e-6,
+                                                   iters)  # fmt: skip
+                times.append(f"{ms * 1e3:.1f} us")
+            rows.append(f"| {world} | {rows_} x {hidden} | " + " | ".join(times) + " |")
+    return rows
+
+
+def quantized_table(mod, worlds, iters) -> list[str]:
+    rows = ["| ranks | size | codec | time | vs two-shot | rel. error (L2) | max abs error |",
+            "|---:|---:|---|---:|---:|---:|---:|"]  # fmt: skip
+    size = 32 << 20
+    for world in worlds:
+        xs = _bf16(world, size // 2)
+        raw = [x.tobytes() for x in xs]
+        exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+        _, base = mod.sim_allreduce(world, CUSTOM_DTYPE_CODES["bfloat16"], ALGOS["two_shot"], 0,
+                                    raw, iters)  # fmt: skip
+        for codec in CODECS:
+            outs, ms = mod.sim_allreduce(world, CUSTOM_DTYPE_CODES["bfloat16"],
+                                         ALGOS["quantized"], CODECS[codec], raw, iters)  # fmt: skip
+            got = np.frombuffer(outs[0], ml_dtypes.bfloat16).astype(np.float64)
+            rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
+            rows.append(
+                f"| {world} | {size >> 20} MiB | {codec} | {ms * 1e3:.1f} us | "
+                f"{base / ms:.2f}x | {rel:.2e} | {np.abs(got - exact).max():.3g} |"
+            )
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = parser.parse_args(argv)
+    mod = native_cuda()
+    if mod is None:
+        print("spmd was built without its GPU module", file=sys.stderr)
+        return 1
+    name, _, major, minor, sms = mod.device_info()
+    lines = [
+        f"# Custom all-reduce on {name} (sm_{major}{minor}, {sms} SMs), simulation mode",
+        "",
+        "All ranks run as blocks of one launch on one GPU, so the GPU's memory bandwidth is",
+        "shared by all of them: compare each kernel with the copy roofline of the same bytes.",
+        f"Mean of {args.iters} calls after one warm-up; bfloat16. Command: "
+        f"`python benchmarks/gpu.py --world {' '.join(map(str, args.world))}`.",
+        "",
+        "## All-reduce kernels against the device-to-device copy roofline",
+        "",
+        *allreduce_table(mod, args.world, args.iters),
+        "",
+        "## Fused all-reduce + RMSNorm against the two steps",
+        "",
+        *rmsnorm_table(mod, args.world, args.iters),
+        "",
+        "## Quantized all-reduce: error against the exact sum, speed against two-shot",
+        "",
+        *quantized_table(mod, args.world, args.iters),
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    tag = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    out = Path(args.out) / f"gpu-{tag}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

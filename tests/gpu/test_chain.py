@@ -1,0 +1,170 @@
+"""The GPU all-reduce backend chain (quantized -> custom all-reduce -> NCCL) and its switches:
+pure functions of size, dtype and topology, so they are checked here without a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import spmd
+from spmd.ops import _cuda
+from spmd.ops._cuda import ChainConfig, GpuGroup, select_allreduce, select_rmsnorm
+
+UP = GpuGroup(2, True)
+KB, MB = 1 << 10, 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "dtype", "op", "expected"),
+    [
+        (16, "float32", "sum", "one_shot"),
+        (MB, "bfloat16", "sum", "one_shot"),  # the 2-rank one-shot limit, inclusive
+        (MB + 16, "bfloat16", "sum", "two_shot"),
+        (64 * MB, "float32", "sum", "two_shot"),  # the registered buffer, inclusive
+        (64 * MB + 16, "float32", "sum", "nccl"),
+        (1000, "float32", "sum", "nccl"),  # not a multiple of 16 bytes
+        (4096, "float16", "max", "nccl"),  # the custom kernels only sum
+        (4096, "int32", "sum", "nccl"),
+        (4096, "float64", "sum", "nccl"),
+        (4096, "bool", "sum", "nccl"),
+    ],
+)
+def test_chain_by_size_dtype_and_op(nbytes, dtype, op, expected):
+    assert select_allreduce(nbytes, np.dtype(dtype), op, UP, ChainConfig()) == expected
+
+
+def test_one_shot_limit_depends_on_world_size():
+    cfg = ChainConfig()
+    assert select_allreduce(768 * KB, "float32", "sum", GpuGroup(2, True), cfg) == "one_shot"
+    assert select_allreduce(768 * KB, "float32", "sum", GpuGroup(4, True), cfg) == "two_shot"
+    assert select_allreduce(384 * KB, "float32", "sum", GpuGroup(4, True), cfg) == "one_shot"
+    assert select_allreduce(384 * KB, "float32", "sum", GpuGroup(8, True), cfg) == "two_shot"
+
+
+def test_without_the_custom_all_reduce_everything_is_nccl():
+    down = GpuGroup(3, False, "it takes 2, 4, 6, 8 ranks")
+    for n in (16, MB, 32 * MB):
+        assert select_allreduce(n, "float32", "sum", down, ChainConfig()) == "nccl"
+        assert select_allreduce(n, "float32", "sum", down, ChainConfig(), "int8") == "nccl"
+
+
+def test_quantized_is_opt_in_and_only_in_its_size_range():
+    cfg = ChainConfig()
+    assert select_allreduce(8 * MB, "bfloat16", "sum", UP, cfg) == "two_shot"
+    assert select_allreduce(8 * MB, "bfloat16", "sum", UP, cfg, "fp8") == "quantized"
+    assert select_allreduce(MB - 16, "bfloat16", "sum", UP, cfg, "int4") == "one_shot"  # too small
+    assert select_allreduce(MB, "bfloat16", "sum", UP, cfg, "int4") == "quantized"
+    # ints and other reductions are never quantized
+    assert select_allreduce(8 * MB, "int32", "sum", UP, cfg, "int8") == "nccl"
+    assert select_allreduce(8 * MB, "float32", "max", UP, cfg, "int8") == "nccl"
+    # the default comes from SPMD_QUANTIZE
+    env = ChainConfig.from_env({"SPMD_QUANTIZE": "int8"})
+    assert select_allreduce(8 * MB, "float16", "sum", UP, env) == "quantized"
+    # the codes of a leaf too large for the buffer: exact paths
+    assert select_allreduce(512 * MB, "float32", "sum", UP, cfg, "int8") == "nccl"
+    # larger world sizes need larger tensors to gain
+    assert select_allreduce(2 * MB, "float16", "sum", GpuGroup(8, True), cfg, "fp8") == "two_shot"
+    assert select_allreduce(4 * MB, "float16", "sum", GpuGroup(8, True), cfg, "fp8") == "quantized"
+
+
+def test_forcing_a_path():
+    nccl = ChainConfig.from_env({"SPMD_GPU_BACKEND": "nccl"})
+    assert select_allreduce(4096, "float32", "sum", UP, nccl) == "nccl"
+    assert select_allreduce(8 * MB, "bfloat16", "sum", UP, nccl, "fp8") == "nccl"
+    custom = ChainConfig.from_env({"SPMD_GPU_BACKEND": "custom"})
+    assert select_allreduce(8 * MB, "bfloat16", "sum", UP, custom, "fp8") == "two_shot"
+    assert select_allreduce(4096, "int32", "sum", UP, custom) == "nccl"  # what it cannot take
+    with pytest.raises(spmd.SpmdError, match="not available for this group: spans nodes"):
+        select_allreduce(4096, "float32", "sum", GpuGroup(2, False, "spans nodes"), custom)
+    assert ChainConfig.from_env({}, forced="nccl").backend == "nccl"
+
+
+def test_a_group_without_nccl_names_why():
+    no_nccl = GpuGroup(2, True, "", False, "rank 1: Duplicate GPU detected")
+    assert select_allreduce(4096, "float32", "sum", no_nccl, ChainConfig()) == "one_shot"
+    with pytest.raises(spmd.SpmdError, match=r"int32.*needs NCCL.*Duplicate GPU detected"):
+        select_allreduce(4096, "int32", "sum", no_nccl, ChainConfig())
+
+
+def test_thresholds_from_the_environment():
+    cfg = ChainConfig.from_env(
+        {
+            "SPMD_CUSTOM_AR_MAX_MB": "1",
+            "SPMD_CUSTOM_AR_ONE_SHOT_KB": "4",
+            "SPMD_QUANTIZE_MIN_KB": "8",
+        }
+    )
+    assert (cfg.custom_max_bytes, cfg.one_shot_max(8), cfg.quantize_min(2)) == (MB, 4 * KB, 8 * KB)
+    assert select_allreduce(4 * KB, "float32", "sum", UP, cfg) == "one_shot"
+    assert select_allreduce(4 * KB + 16, "float32", "sum", UP, cfg) == "two_shot"
+    assert select_allreduce(MB + 16, "float32", "sum", UP, cfg) == "nccl"
+    assert select_allreduce(8 * KB, "float32", "sum", UP, cfg, "fp8") == "quantized"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"SPMD_GPU_BACKEND": "gloo"}, "SPMD_GPU_BACKEND='gloo' is not a GPU backend"),
+        ({"SPMD_QUANTIZE": "fp4"}, "quantize='fp4' is not a codec"),
+        ({"SPMD_CUSTOM_AR_MAX_MB": "lots"}, "SPMD_CUSTOM_AR_MAX_MB='lots' is not a number"),
+        ({"SPMD_CUSTOM_AR_ONE_SHOT_KB": "-1"}, "must not be negative"),
+    ],
+)
+def test_bad_settings_are_errors(env, message):
+    with pytest.raises(spmd.SpmdError, match=message):
+        ChainConfig.from_env(env)
+
+
+@pytest.mark.parametrize(
+    ("rows", "hidden", "dtype", "expected"),
+    [
+        (4, 4096, "bfloat16", "one_shot"),  # 32 KiB
+        (128, 4096, "bfloat16", "one_shot"),  # 1 MiB: the 2-rank one-shot limit
+        (1024, 4096, "bfloat16", "two_shot"),  # 8 MiB
+        (4096, 4096, "float32", "nccl"),  # 64 MiB: both planes do not fit the buffer
+        (4, 16384, "float16", "one_shot"),
+        (4, 16385, "float16", "nccl"),  # rows longer than the fused kernel takes
+        (4, 4096, "float64", "nccl"),
+    ],
+)
+def test_fused_rmsnorm_eligibility(rows, hidden, dtype, expected):
+    assert select_rmsnorm(rows, hidden, np.dtype(dtype), UP, ChainConfig()) == expected
+
+
+def test_fused_rmsnorm_needs_the_custom_all_reduce():
+    assert select_rmsnorm(4, 4096, "float32", GpuGroup(6, False, "x"), ChainConfig()) == "nccl"
+    nccl = ChainConfig.from_env({"SPMD_GPU_BACKEND": "nccl"})
+    assert select_rmsnorm(4, 4096, "float32", UP, nccl) == "nccl"
+
+
+def test_nccl_library_lookup(tmp_path, monkeypatch):
+    assert _cuda.nccl_library({"SPMD_NCCL_LIBRARY": "/opt/nccl/libnccl.so.2"}) == (
+        "/opt/nccl/libnccl.so.2"
+    )
+    # The NCCL wheel's layout: nvidia/nccl/lib/libnccl.so.2 in a namespace package.
+    lib = tmp_path / "nvidia" / "nccl" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libnccl.so.2").write_bytes(b"")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in list(__import__("sys").modules) if m.startswith("nvidia")]:
+        monkeypatch.delitem(__import__("sys").modules, name)
+    assert _cuda.nccl_library({}) == str(lib / "libnccl.so.2")
+
+
+def test_quantize_argument_is_checked():
+    with pytest.raises(spmd.SpmdError, match=r"rank 0: allreduce: quantize='fp16' is not a codec"):
+        spmd.allreduce(np.ones(4, np.float32), quantize="fp16")
+
+
+def test_set_backend_takes_the_gpu_names():
+    try:
+        spmd.ops.set_backend("nccl")
+        assert _cuda.config().backend == "nccl"
+        spmd.ops.set_backend("custom")
+        assert _cuda.config().backend == "custom"
+        spmd.ops.set_backend("auto")
+        assert _cuda.config().backend == "auto"
+        with pytest.raises(spmd.SpmdError, match=r"custom, nccl \(GPU\)"):
+            spmd.ops.set_backend("rccl")
+    finally:
+        spmd.ops.set_backend("auto")
