@@ -227,7 +227,7 @@ __device__ void EncodeFrom(Codec c, const T* src, int64_t count, int64_t blk, ch
 
 __device__ __forceinline__ void DecodeAdd(Codec c, const char* region, int64_t blocks, int64_t blk,
                                           int n, float* acc) {
-  uint8_t payload[codec::kBlock];
+  alignas(16) uint8_t payload[codec::kBlock];
   const int pb = codec::PayloadBytes(c);
   const uint4* src = reinterpret_cast<const uint4*>(region + blk * pb);
   for (int k = 0; k < pb / 16; ++k) reinterpret_cast<uint4*>(payload)[k] = __ldcg(src + k);
@@ -528,6 +528,11 @@ Status AllReduce(const Call& call, Algo algo, DType t, const void* const* in, vo
                  size_t count) {
   if (count == 0) return Status::Ok();
   SPMD_RETURN_IF_ERROR(Eligible(*call.peers, algo, Codec::kNone, t, count * DTypeBytes(t)));
+  for (int k = 0; k < Ranks(call); ++k) {  // the kernels store 16 bytes at a time
+    if (reinterpret_cast<uintptr_t>(out[k]) % 16 != 0) {
+      return Status::Error("the custom all-reduce needs a 16-byte aligned output buffer");
+    }
+  }
   switch (t) {
     case DType::kF32:
       return AllReduceT<float>(call, algo, in, out, count);

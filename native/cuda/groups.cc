@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -52,7 +53,9 @@ Status CudaGroupCreate(int64_t id, int rank, int size, std::vector<int> world_ra
   g->size = size;
   g->world_ranks = std::move(world_ranks);
   g->device = device;
-  g->timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+  // A non-positive or infinite timeout means none (the kernels' barriers then wait forever).
+  g->timeout_ns = (timeout_s > 0 && timeout_s < 1e9) ? static_cast<uint64_t>(timeout_s * 1e9)
+                                                      : UINT64_MAX;
   SPMD_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device), "cudaSetDevice(" +
                                                             std::to_string(device) + ")"));
   SPMD_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&g->scratch, 16), "cudaMalloc"));

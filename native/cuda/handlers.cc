@@ -228,6 +228,7 @@ ffi::Error AllgatherFfi(cudaStream_t stream, int64_t group, ffi::Span<const int6
   for (int64_t s : sizes) total += s;
   std::lock_guard<std::mutex> lock(g.mu);
   NcclGroup group_call;
+  if (!group_call.status().ok()) return FromStatus(call, group_call.status());
   for (size_t i = 0; i < call.in.size(); ++i) {
     const Leaf& in = call.in[i];
     const Leaf& out = call.out[i];
@@ -272,6 +273,7 @@ ffi::Error ReduceScatterFfi(cudaStream_t stream, int64_t group, int32_t op,
   for (int64_t s : sizes) total += s;
   std::lock_guard<std::mutex> lock(g.mu);
   NcclGroup group_call;
+  if (!group_call.status().ok()) return FromStatus(call, group_call.status());
   for (size_t i = 0; i < call.in.size(); ++i) {
     const Leaf& in = call.in[i];
     const Leaf& out = call.out[i];
@@ -310,6 +312,7 @@ ffi::Error BroadcastFfi(cudaStream_t stream, int64_t group, int64_t root, ffi::R
   CudaGroup& g = *call.group;
   std::lock_guard<std::mutex> lock(g.mu);
   NcclGroup group_call;
+  if (!group_call.status().ok()) return FromStatus(call, group_call.status());
   for (size_t i = 0; i < call.in.size(); ++i) {
     if (call.out[i].bytes == 0) continue;
     Status s = NcclBroadcast(call.in[i].data, call.out[i].data, call.out[i].bytes, kNcclUint8,
@@ -334,6 +337,7 @@ ffi::Error AllToAllFfi(cudaStream_t stream, int64_t group, ffi::RemainingArgs ar
     if (!s.ok()) return FromStatus(call, s);
   }
   NcclGroup group_call;
+  if (!group_call.status().ok()) return FromStatus(call, group_call.status());
   for (size_t i = 0; i < call.in.size(); ++i) {
     size_t block = call.in[i].bytes / static_cast<size_t>(g.size);
     if (block == 0) continue;
@@ -358,6 +362,7 @@ ffi::Error SendRecvFfi(cudaStream_t stream, int64_t group, int64_t src, int64_t 
   CudaGroup& g = *call.group;
   std::lock_guard<std::mutex> lock(g.mu);
   NcclGroup group_call;
+  if (!group_call.status().ok()) return FromStatus(call, group_call.status());
   if (dst >= 0 && !call.in.empty() && call.in[0].bytes != 0) {
     Status s = NcclSend(call.in[0].data, call.in[0].bytes, kNcclUint8, static_cast<int>(dst),
                         g.nccl, stream);
@@ -398,8 +403,15 @@ ffi::Error AllreduceRmsNormFfi(cudaStream_t stream, int64_t group, float eps, in
   car::DType t;
   if (!CustomDType(call.in[0].dtype, &t)) return Fail(call, "x must be float32, float16 or bfloat16");
   auto wdims = args.get<ffi::AnyBuffer>(3)->dimensions();
-  size_t hidden = wdims.size() ? static_cast<size_t>(wdims[0]) : 0;
+  size_t hidden = wdims.size() == 1 ? static_cast<size_t>(wdims[0]) : 0;
   size_t rows = hidden ? call.in[0].bytes / call.in[0].elem / hidden : 0;
+  size_t plane = rows * hidden * call.in[0].elem;
+  if (hidden == 0 || plane != call.in[0].bytes || call.in[1].bytes != plane ||
+      call.in[2].bytes != hidden * call.in[0].elem || call.out[0].bytes != plane ||
+      call.out[1].bytes != plane) {
+    return Fail(call, "x, residual, normed and residual_out must be [rows, hidden] and weight "
+                      "[hidden], all of x's dtype");
+  }
   std::lock_guard<std::mutex> lock(g.mu);
   const void* x = call.in[0].data;
   const void* residual = call.in[1].data;
