@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "groups.h"
+#include "spmd/ffi_util.h"
 #include "reduce.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -53,26 +54,6 @@ const char* DtypeName(ffi::DataType d) {
       return "float64";
     default:
       return "unsupported";
-  }
-}
-
-size_t ElemBytes(ffi::DataType d) {
-  switch (d) {
-    case ffi::DataType::PRED:
-    case ffi::DataType::S8:
-    case ffi::DataType::U8:
-      return 1;
-    case ffi::DataType::F16:
-    case ffi::DataType::BF16:
-      return 2;
-    case ffi::DataType::S32:
-    case ffi::DataType::F32:
-      return 4;
-    case ffi::DataType::S64:
-    case ffi::DataType::F64:
-      return 8;
-    default:
-      return 0;
   }
 }
 

@@ -2,12 +2,9 @@
 #ifndef SPMD_CPU_HANDLERS_H_
 #define SPMD_CPU_HANDLERS_H_
 
-namespace spmd {
+#include "spmd/ffi_util.h"
 
-struct HandlerEntry {
-  const char* name;  // the custom-call target name
-  void* handler;     // an XLA_FFI_Handler*
-};
+namespace spmd {
 
 // Null-terminated.
 const HandlerEntry* CpuHandlers();

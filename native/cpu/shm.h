@@ -18,18 +18,12 @@
 #include <vector>
 
 #include "reduce.h"
+#include "spmd/ffi_util.h"
 #include "spmd/status.h"
 
 namespace spmd {
 
 // One operand or result of a collective: a host buffer and its element type.
-struct Leaf {
-  char* data;
-  size_t bytes;
-  xla::ffi::DataType dtype;
-  size_t elem;  // bytes per element
-};
-
 class ShmGroup {
  public:
   // Creates (`create`) or attaches to the named POSIX shared-memory segment.

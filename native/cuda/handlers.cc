@@ -10,39 +10,13 @@
 
 #include "custom_ar.h"
 #include "groups.h"
+#include "spmd/ffi_util.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace spmd {
 namespace {
-
-struct Leaf {
-  char* data;
-  size_t bytes;
-  ffi::DataType dtype;
-  size_t elem;
-};
-
-size_t ElemBytes(ffi::DataType d) {
-  switch (d) {
-    case ffi::DataType::PRED:
-    case ffi::DataType::S8:
-    case ffi::DataType::U8:
-      return 1;
-    case ffi::DataType::F16:
-    case ffi::DataType::BF16:
-      return 2;
-    case ffi::DataType::S32:
-    case ffi::DataType::F32:
-      return 4;
-    case ffi::DataType::S64:
-    case ffi::DataType::F64:
-      return 8;
-    default:
-      return 0;
-  }
-}
 
 NcclType NcclTypeOf(ffi::DataType d) {
   switch (d) {
@@ -502,8 +476,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllreduceRmsNorm, AllreduceRmsNormFfi,
                                   .RemainingArgs()
                                   .RemainingRets());
 
-const CudaHandlerEntry* CudaHandlers() {
-  static const CudaHandlerEntry entries[] = {
+const HandlerEntry* CudaHandlers() {
+  static const HandlerEntry entries[] = {
       {"spmd_cuda_allreduce", reinterpret_cast<void*>(kCudaAllreduce)},
       {"spmd_cuda_allgather", reinterpret_cast<void*>(kCudaAllgather)},
       {"spmd_cuda_reduce_scatter", reinterpret_cast<void*>(kCudaReduceScatter)},

@@ -2,15 +2,12 @@
 #ifndef SPMD_CUDA_HANDLERS_H_
 #define SPMD_CUDA_HANDLERS_H_
 
+#include "spmd/ffi_util.h"
+
 namespace spmd {
 
-struct CudaHandlerEntry {
-  const char* name;  // the custom-call target name
-  void* handler;     // an XLA_FFI_Handler*
-};
-
 // Null-terminated.
-const CudaHandlerEntry* CudaHandlers();
+const HandlerEntry* CudaHandlers();
 
 }  // namespace spmd
 

@@ -12,30 +12,13 @@
 #include "../cpu/handlers.h"
 #include "../cpu/mpi.h"
 #include "../cuda/codec.h"
+#include "args.h"
 #include "spmd/common.h"
 
 namespace {
 
-PyObject* Raise(const spmd::Status& s) {
-  PyErr_SetString(PyExc_RuntimeError, s.message().c_str());
-  return nullptr;
-}
-
-bool IntList(PyObject* seq, std::vector<int>* out) {
-  PyObject* fast = PySequence_Fast(seq, "expected a sequence of ints");
-  if (fast == nullptr) return false;
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
-    if (v == -1 && PyErr_Occurred()) {
-      Py_DECREF(fast);
-      return false;
-    }
-    out->push_back(static_cast<int>(v));
-  }
-  Py_DECREF(fast);
-  return true;
-}
+using spmd_python::IntList;
+using spmd_python::Raise;
 
 // abi_version() -> int: SPMD_NATIVE_ABI_VERSION this module was compiled with.
 PyObject* AbiVersion(PyObject*, PyObject*) { return PyLong_FromLong(SPMD_NATIVE_ABI_VERSION); }

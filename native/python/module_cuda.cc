@@ -13,30 +13,13 @@
 #include "../cuda/handlers.h"
 #include "../cuda/nccl.h"
 #include "../cuda/selftest.h"
+#include "args.h"
 #include "spmd/common.h"
 
 namespace {
 
-PyObject* Raise(const spmd::Status& s) {
-  PyErr_SetString(PyExc_RuntimeError, s.message().c_str());
-  return nullptr;
-}
-
-bool IntList(PyObject* seq, std::vector<int>* out) {
-  PyObject* fast = PySequence_Fast(seq, "expected a sequence of ints");
-  if (fast == nullptr) return false;
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
-    if (v == -1 && PyErr_Occurred()) {
-      Py_DECREF(fast);
-      return false;
-    }
-    out->push_back(static_cast<int>(v));
-  }
-  Py_DECREF(fast);
-  return true;
-}
+using spmd_python::IntList;
+using spmd_python::Raise;
 
 bool BytesList(PyObject* seq, std::vector<std::string>* out) {
   PyObject* fast = PySequence_Fast(seq, "expected a sequence of bytes");
@@ -74,7 +57,7 @@ PyObject* AbiVersion(PyObject*, PyObject*) { return PyLong_FromLong(SPMD_NATIVE_
 // cuda_handlers() -> {target name: PyCapsule of its XLA_FFI_Handler}.
 PyObject* CudaHandlers(PyObject*, PyObject*) {
   PyObject* d = PyDict_New();
-  for (const spmd::CudaHandlerEntry* e = spmd::CudaHandlers(); e->name != nullptr; ++e) {
+  for (const spmd::HandlerEntry* e = spmd::CudaHandlers(); e->name != nullptr; ++e) {
     PyObject* cap = PyCapsule_New(e->handler, nullptr, nullptr);
     if (cap == nullptr || PyDict_SetItemString(d, e->name, cap) != 0) {
       Py_XDECREF(cap);

@@ -299,6 +299,15 @@ def registered(gid: int, where: str = "") -> GpuGroup:
     return group
 
 
+def backend_name(gid: int) -> str | None:
+    """``"custom+nccl"``, ``"nccl"`` or ``"custom"`` for a group with a GPU side, else None."""
+    with _lock:
+        group = _groups.get(gid)
+    if group is None:
+        return None
+    return "+".join(name for name, up in (("custom", group.custom), ("nccl", group.nccl)) if up)
+
+
 def _agree(comm: Any, step: Any) -> tuple[Any, str]:
     """Run ``step()`` on every rank; (its result, "") if it worked everywhere, else (None, the
     first failure, naming its rank) on every rank. Nobody is left waiting in a collective."""

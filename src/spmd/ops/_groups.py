@@ -338,11 +338,9 @@ def get_backend(rank_list: Any = None, group: Any = None) -> str:
     from . import _cuda
 
     ref = resolve(rank_list, group)
-    if _cuda.gpu_active():
-        with _cuda._lock:
-            gpu = _cuda._groups.get(ref.gid)
-        if gpu is not None:
-            return "+".join(n for n, up in (("custom", gpu.custom), ("nccl", gpu.nccl)) if up)
+    gpu = _cuda.backend_name(ref.gid) if _cuda.gpu_active() else None
+    if gpu is not None:
+        return gpu
     if ref.size == 1:
         return "self"
     with _lock:
