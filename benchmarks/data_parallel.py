@@ -13,8 +13,10 @@ table quotes the median over rounds. Writes
 against ``@data_parallel`` (results tagged ``-zero``).
 
 Each implementation runs as its own job (this script with ``--worker``): spmd under
-``spmd-run -n N``, one process alone with the machine, torch DDP under ``spmd-run -n N`` with a
-gloo process group.
+``spmd-run -n N`` (which pins each rank to its share of the cores; once more with
+``SPMD_BIND=none``), one process alone with the machine, torch DDP under ``spmd-run -n N`` with a
+gloo process group, and N ranks training with no communication at all: the ceiling that any
+data-parallel implementation meets on this machine.
 """
 
 from __future__ import annotations
@@ -120,6 +122,35 @@ def worker_spmd(args: argparse.Namespace) -> dict[str, Any]:
     return {"step_s": slowest, "ranks": comm.size, "global_batch": args.batch * comm.size}
 
 
+def worker_nocomm(args: argparse.Namespace) -> dict[str, Any]:
+    """N ranks each train on their own batch with no communication at all: the ceiling of any
+    data-parallel implementation on this machine (what N processes cost, before collectives)."""
+    import jax
+    import optax
+
+    import spmd
+
+    comm = spmd.init()
+    params, opt_state, tx, loss_fn = _jax_setup(args.optimizer)
+
+    @jax.jit
+    def step(params: Any, opt_state: Any, batch: Any) -> Any:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    batch = tuple(jax.device_put(a) for a in _data(args.batch, seed=comm.rank))
+    state = [params, opt_state]
+
+    def one() -> None:
+        state[0], state[1], loss = step(state[0], state[1], batch)
+        loss.block_until_ready()
+
+    times = _time(one, args.steps, args.warmup)
+    slowest = max(comm.allgather_object(statistics.median(times)))
+    return {"step_s": slowest, "ranks": comm.size, "global_batch": args.batch * comm.size}
+
+
 def worker_single(args: argparse.Namespace) -> dict[str, Any]:
     import jax
     import optax
@@ -180,9 +211,9 @@ def worker_torch(args: argparse.Namespace) -> dict[str, Any]:
     return {"step_s": slowest, "ranks": comm.size, "global_batch": args.batch * comm.size}
 
 
-WORKERS = {"spmd": worker_spmd, "spmd-bound": worker_spmd, "single": worker_single,
-           "torch": worker_torch, "zero1": worker_spmd, "zero2": worker_spmd,
-           "zero3": worker_spmd}  # fmt: skip
+WORKERS = {"spmd": worker_spmd, "spmd-unpinned": worker_spmd, "single": worker_single,
+           "nocomm": worker_nocomm, "torch": worker_torch, "zero1": worker_spmd,
+           "zero2": worker_spmd, "zero3": worker_spmd}  # fmt: skip
 
 
 # -- driver ---------------------------------------------------------------------------------------
@@ -193,11 +224,12 @@ def _run_worker(name: str, args: argparse.Namespace) -> dict[str, Any] | str:
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
            "--optimizer", args.optimizer, "--bucket-mb", str(args.bucket_mb),
            "--stage", name[4:] if name.startswith("zero") else "0"]  # fmt: skip
+    env = dict(os.environ)
     if name != "single":
-        # spmd-bound: MPICH's launcher pins each rank to its own core (-bind-to core).
-        bind = ["--mpi-arg=-bind-to", "--mpi-arg=core"] if name == "spmd-bound" else []
-        cmd = [sys.executable, "-m", "spmd.cli.run", "-n", str(args.ranks), *bind, *cmd]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        # spmd-run pins each rank to its share of the cores; spmd-unpinned: SPMD_BIND=none.
+        env["SPMD_BIND"] = "none" if name == "spmd-unpinned" else "auto"
+        cmd = [sys.executable, "-m", "spmd.cli.run", "-n", str(args.ranks), *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     if out.returncode != 0:
         return f"exit {out.returncode}: {(out.stderr or out.stdout).strip().splitlines()[-1:]}"
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -228,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     impls = (
         ["single", "spmd", "zero1", "zero2", "zero3"]
         if args.zero
-        else ["single", "spmd", "spmd-bound"]
+        else ["single", "nocomm", "spmd", "spmd-unpinned"]
     )
     skipped = {}
     if package_version("torch") is None:
@@ -250,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     labels = {
         "single": "one process",
         "spmd": f"spmd data_parallel ({args.ranks} ranks)",
-        "spmd-bound": f"spmd data_parallel ({args.ranks} ranks, -bind-to core)",
+        "spmd-unpinned": f"spmd data_parallel ({args.ranks} ranks, SPMD_BIND=none)",
+        "nocomm": f"{args.ranks} ranks, no communication (ceiling)",
         "torch": f"torch DDP gloo ({args.ranks} ranks)",
         **{f"zero{k}": f"spmd zero_shard stage {k} ({args.ranks} ranks)" for k in (1, 2, 3)},
     }

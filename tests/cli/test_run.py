@@ -141,3 +141,81 @@ def test_wrap_command(tmp_path):
     other.write_text("#!/bin/sh\nexit 1\n")
     other.chmod(0o755)
     assert wrap_command([str(other), "t.py"]) == [*exec_, "--exec", str(other), "t.py"]
+
+
+# -- pinning ranks to cores ------------------------------------------------------------------------
+
+AFFINITY = "import os; print(os.environ['PMI_RANK'], sorted(os.sched_getaffinity(0)))"
+
+
+def _masks(out):
+    assert out.returncode == 0, out.stderr
+    masks = {}
+    for line in out.stdout.splitlines():
+        rank, cpus = line.split(" ", 1)
+        masks[int(rank)] = eval(cpus)  # a printed list of ints
+    return masks
+
+
+def test_share_of_the_cores():
+    from spmd.runtime._affinity import share
+
+    assert share([0, 1], 0, 2) == {0}
+    assert share([0, 1], 1, 2) == {1}
+    assert share([4, 5, 6, 7, 8], 1, 2) == {6, 7}  # k = 5 // 2; the odd core stays free
+    assert share([0, 1, 2, 3], 3, 4) == {3}
+    assert share([0, 1], 0, 3) is None  # oversubscribed: no pinning
+    assert share([0, 1], 0, 1) is None  # alone on the node: the whole machine
+
+
+def test_local_rank_from_each_launcher():
+    from spmd.runtime._affinity import local_rank_size
+
+    assert local_rank_size({"MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}) == (1, 2)
+    assert local_rank_size(
+        {"OMPI_COMM_WORLD_LOCAL_RANK": "3", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+    ) == (3, 4)
+    assert local_rank_size({"PMI_RANK": "0"}) is None
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_ranks_are_pinned_to_disjoint_cores():
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    masks = _masks(spmd_run("-n", "2", sys.executable, "-c", AFFINITY)[0])
+    k = len(cpus) // 2
+    assert masks == {0: cpus[:k], 1: cpus[k : 2 * k]}
+    # Threads started later (XLA's pool) inherit the mask.
+    code = (
+        "import os, threading, jax; jax.numpy.ones(2).block_until_ready(); "
+        "print(os.environ['PMI_RANK'], sorted(set().union(*(os.sched_getaffinity(int(t)) "
+        "for t in os.listdir('/proc/self/task')))))"
+    )
+    assert _masks(spmd_run("-n", "2", sys.executable, "-c", code)[0]) == masks
+
+
+def test_pinning_off_oversubscribed_or_chosen_by_the_launcher(monkeypatch):
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    over = len(cpus) + 1
+    masks = _masks(spmd_run("-n", str(over), sys.executable, "-c", AFFINITY)[0])
+    assert masks == dict.fromkeys(range(over), cpus)
+    monkeypatch.setenv("SPMD_BIND", "none")
+    masks = _masks(spmd_run("-n", "2", sys.executable, "-c", AFFINITY)[0])
+    assert masks == {0: cpus, 1: cpus}
+    monkeypatch.setenv("SPMD_BIND", "auto")
+    # The launcher's own binding stands: every rank on the first core.
+    masks = _masks(
+        spmd_run("-n", "2", "--mpi-arg=-bind-to", f"--mpi-arg=user:{cpus[0]},{cpus[0]}",
+                 sys.executable, "-c", AFFINITY)[0]
+    )  # fmt: skip
+    assert masks == {0: [cpus[0]], 1: [cpus[0]]}
+
+
+def test_bad_bind_setting(monkeypatch):
+    monkeypatch.setenv("SPMD_BIND", "cores")
+    out, _ = spmd_run("-n", "2", "true")
+    assert out.returncode == 2
+    assert "SPMD_BIND='cores'; expected one of auto, none" in out.stderr

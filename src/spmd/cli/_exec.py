@@ -15,6 +15,7 @@ import subprocess
 import sys
 from types import TracebackType
 
+from ..runtime._affinity import bind_rank
 from ..runtime._env import mpi_rank_size
 from ..runtime._failure import abort_job, report_exception, report_status
 
@@ -102,6 +103,7 @@ def main() -> int:
     _whole_lines()
     mode, rest = sys.argv[1], sys.argv[2:]
     rank = launch_rank()
+    bind_rank()
     report_status(rank, {"state": "running", "pid": os.getpid()})
     if mode == "--python":
         return _run_python(rank, rest)

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from .._errors import SpmdError
+from ..runtime._affinity import bind_mode, record_cpus
 from ._mpiexec import mpiexec_argv
 
 _PYTHON = re.compile(r"python[0-9.]*$")
@@ -104,6 +105,8 @@ def launch(
     child_env["SPMD_RUN_STATUS_DIR"] = str(status_dir)
     if nodes is not None:
         child_env["SPMD_SIMULATE_NODES"] = str(nodes)
+    bind_mode(child_env)  # a bad SPMD_BIND fails here, once, not on every rank
+    record_cpus(child_env)
     argv = mpiexec_argv(nprocs, wrap_command(command), mpiexec, mpi_args)
     start = time.monotonic()
     proc = subprocess.Popen(argv, env=child_env, start_new_session=True)
