@@ -1,0 +1,162 @@
+"""mpi4py as its users run it, against mpi4py inside a process where spmd tuned malloc, and spmd.
+
+    python benchmarks/mpi4py_malloc.py [--ranks 2] [--mb 64] [--rounds 3]
+
+``spmd.init`` raises glibc's mmap threshold so that large buffers are reused instead of mapped
+afresh on every call (see spmd/runtime/_malloc.py). The tuning is process-wide, so in
+``spmd-bench`` (one job for every implementation) the mpi4py peers profit from it too: MPICH's
+large reductions allocate a temporary buffer on every call. This script measures the large
+collectives three ways, each in its own job, rounds alternating:
+
+- ``mpi4py (plain)``: a process that never imports spmd (what an mpi4py user runs);
+- ``mpi4py (spmd's malloc)``: the same calls after spmd's tuning;
+- ``spmd``: spmd's collectives inside ``jax.jit``.
+
+Time: per call the maximum over ranks, the median over calls, then the median over rounds.
+Writes ``benchmarks/results/mpi4py-malloc-cpu<cores>-n<ranks>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+OPS = ("allreduce in place", "allreduce", "allgather in place", "allgather", "reduce_scatter")
+IMPLS = {"plain": "mpi4py (plain)", "tuned": "mpi4py (spmd's malloc)", "spmd": "spmd (jit)"}
+
+
+def _timed(comm: Any, call: Any, calls: int) -> float:
+    import numpy as np
+
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(calls):
+        comm.Barrier()
+        t = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t)
+    slowest = np.empty(calls)
+    from mpi4py import MPI
+
+    comm.Allreduce(np.asarray(times), slowest, op=MPI.MAX)
+    return float(statistics.median(slowest))
+
+
+def worker(impl: str, nbytes: int, calls: int) -> dict[str, float]:
+    import numpy as np
+
+    if impl != "plain":
+        import spmd
+
+        spmd.init()  # tunes malloc (SPMD_MALLOC_TUNING=1, the default)
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    n, count = comm.size, nbytes // 4
+    x = np.ones(count, np.float32)
+    block = np.ones(count // n, np.float32)
+    out = np.empty(count, np.float32)
+    part = np.empty(count // n, np.float32)
+    buf = np.zeros(count, np.float32)  # in place: zeros stay zeros
+    if impl == "spmd":
+        import jax
+        import jax.numpy as jnp
+
+        import spmd
+
+        xs, bs = jnp.asarray(x), jnp.asarray(block)
+        ar = jax.jit(lambda a: spmd.allreduce(a))
+        ag = jax.jit(lambda a: spmd.allgather(a))
+        rs = jax.jit(lambda a: spmd.reduce_scatter(a))
+        calls_by_op = {
+            "allreduce": lambda: ar(xs).block_until_ready(),
+            "allgather": lambda: ag(bs).block_until_ready(),
+            "reduce_scatter": lambda: rs(xs).block_until_ready(),
+        }
+    else:
+        ip = MPI.IN_PLACE
+        calls_by_op = {
+            "allreduce in place": lambda: comm.Allreduce(ip, buf),
+            "allreduce": lambda: comm.Allreduce(x, out),
+            "allgather in place": lambda: comm.Allgather(ip, buf),
+            "allgather": lambda: comm.Allgather(block, out),
+            "reduce_scatter": lambda: comm.Reduce_scatter_block(x, part),
+        }
+    return {op: _timed(comm, call, calls) for op, call in calls_by_op.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--mb", type=int, default=64, help="size of the full array (MiB)")
+    p.add_argument("--calls", type=int, default=15)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--worker", choices=tuple(IMPLS), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    nbytes = args.mb << 20
+    if args.worker:
+        res = worker(args.worker, nbytes, args.calls)
+        if int(os.environ.get("PMI_RANK", "0")) == 0:
+            print("RESULT " + json.dumps(res), flush=True)
+        return 0
+
+    runs: dict[str, dict[str, list[float]]] = {i: {} for i in IMPLS}
+    for r in range(args.rounds):
+        for impl in IMPLS if r % 2 == 0 else reversed(list(IMPLS)):
+            cmd = [
+                sys.executable, "-m", "spmd.cli.run", "-n", str(args.ranks), sys.executable,
+                __file__, "--worker", impl, "--mb", str(args.mb), "--calls", str(args.calls),
+            ]  # fmt: skip
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+            if out.returncode != 0 or not line:
+                print(out.stderr, file=sys.stderr)
+                return 1
+            for op, t in json.loads(line[0][len("RESULT ") :]).items():
+                runs[impl].setdefault(op, []).append(t)
+            print(f"round {r + 1} {IMPLS[impl]} done", flush=True)
+    med = {
+        i: {op: statistics.median(ts) * 1e3 for op, ts in ops.items()} for i, ops in runs.items()
+    }
+    header = "| op | " + " | ".join(f"{IMPLS[i]} (ms)" for i in IMPLS)
+    header += " | spmd / plain | spmd / spmd's malloc |"
+    md = [
+        f"# mpi4py plain and with spmd's malloc tuning, and spmd: {args.ranks} ranks, "
+        f"{args.mb} MiB float32",
+        "",
+        "Produced by `python benchmarks/mpi4py_malloc.py`; each implementation in its own job, "
+        f"{args.rounds} rounds, {os.cpu_count()} cores, load average "
+        f"{os.getloadavg()[0]:.2f} at the end. The ratios divide spmd's time (inside jit, where "
+        "every result is a new array) by each MPI call's, in-place rows included.",
+        "",
+        header,
+        "|---|" + "---:|" * (len(IMPLS) + 2),
+    ]
+    for op in OPS:
+        cells = [med[i].get(op) for i in IMPLS]
+        base = op.replace(" in place", "")
+        s = med["spmd"].get(base)
+        ratio = [f"{s / c:.2f}" if s and c else "" for c in cells[:2]]
+        md.append(f"| {op} | " + " | ".join(f"{c:.2f}" if c else "" for c in cells)
+                  + f" | {ratio[0]} | {ratio[1]} |")  # fmt: skip
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = f"mpi4py-malloc-cpu{os.cpu_count()}-n{args.ranks}"
+    (out_dir / f"{tag}.json").write_text(json.dumps({"ms": med, "rounds": runs}, indent=2) + "\n")
+    (out_dir / f"{tag}.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md[md.index(header) :]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
