@@ -88,8 +88,38 @@ def _jax_setup(optimizer: str) -> tuple[Any, Any, Any, Any]:
     return params, tx.init(params), tx, loss_fn
 
 
-def worker_spmd(args: argparse.Namespace) -> dict[str, Any]:
+def _time_steps(step: Any, params: Any, opt_state: Any, rows: int, seed: int,
+                args: argparse.Namespace) -> float:  # fmt: skip
+    """Median time of ``step(params, opt_state, batch)`` on a batch of ``rows`` rows."""
     import jax
+
+    batch = tuple(jax.device_put(a) for a in _data(rows, seed=seed))
+    state = [params, opt_state]
+
+    def one() -> None:
+        state[0], state[1], loss = step(state[0], state[1], batch)
+        loss.block_until_ready()
+
+    return statistics.median(_time(one, args.steps, args.warmup))
+
+
+def _local_step(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """A plain ``jax.jit`` step (no collective), with its initial parameters and state."""
+    import jax
+    import optax
+
+    params, opt_state, tx, loss_fn = _jax_setup(args.optimizer)
+
+    @jax.jit
+    def step(params: Any, opt_state: Any, batch: Any) -> Any:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step, params, opt_state
+
+
+def worker_spmd(args: argparse.Namespace) -> dict[str, Any]:
     import optax
 
     import spmd
@@ -109,15 +139,7 @@ def worker_spmd(args: argparse.Namespace) -> dict[str, Any]:
     else:
         step = spmd.data_parallel(train_step, bucket_mb=args.bucket_mb)
 
-    batch = tuple(jax.device_put(a) for a in _data(args.batch, seed=comm.rank))
-    state = [params, opt_state]
-
-    def one() -> None:
-        state[0], state[1], loss = step(state[0], state[1], batch)
-        loss.block_until_ready()
-
-    times = _time(one, args.steps, args.warmup)
-    med = statistics.median(times)
+    med = _time_steps(step, params, opt_state, args.batch, comm.rank, args)
     slowest = max(comm.allgather_object(med))  # the step ends when the slowest rank does
     return {"step_s": slowest, "ranks": comm.size, "global_batch": args.batch * comm.size}
 
@@ -125,54 +147,18 @@ def worker_spmd(args: argparse.Namespace) -> dict[str, Any]:
 def worker_nocomm(args: argparse.Namespace) -> dict[str, Any]:
     """N ranks each train on their own batch with no communication at all: the ceiling of any
     data-parallel implementation on this machine (what N processes cost, before collectives)."""
-    import jax
-    import optax
-
     import spmd
 
     comm = spmd.init()
-    params, opt_state, tx, loss_fn = _jax_setup(args.optimizer)
-
-    @jax.jit
-    def step(params: Any, opt_state: Any, batch: Any) -> Any:
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    batch = tuple(jax.device_put(a) for a in _data(args.batch, seed=comm.rank))
-    state = [params, opt_state]
-
-    def one() -> None:
-        state[0], state[1], loss = step(state[0], state[1], batch)
-        loss.block_until_ready()
-
-    times = _time(one, args.steps, args.warmup)
-    slowest = max(comm.allgather_object(statistics.median(times)))
+    med = _time_steps(*_local_step(args), args.batch, comm.rank, args)
+    slowest = max(comm.allgather_object(med))
     return {"step_s": slowest, "ranks": comm.size, "global_batch": args.batch * comm.size}
 
 
 def worker_single(args: argparse.Namespace) -> dict[str, Any]:
-    import jax
-    import optax
-
-    params, opt_state, tx, loss_fn = _jax_setup(args.optimizer)
-
-    @jax.jit
-    def step(params: Any, opt_state: Any, batch: Any) -> Any:
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
     rows = args.batch * args.ranks
-    batch = tuple(jax.device_put(a) for a in _data(rows, seed=0))
-    state = [params, opt_state]
-
-    def one() -> None:
-        state[0], state[1], loss = step(state[0], state[1], batch)
-        loss.block_until_ready()
-
-    times = _time(one, args.steps, args.warmup)
-    return {"step_s": statistics.median(times), "ranks": 1, "global_batch": rows}
+    med = _time_steps(*_local_step(args), rows, 0, args)
+    return {"step_s": med, "ranks": 1, "global_batch": rows}
 
 
 def worker_torch(args: argparse.Namespace) -> dict[str, Any]:
