@@ -1,5 +1,6 @@
-"""spmd-run under the real mpiexec: output, exit codes, failing and hanging ranks."""
+"""spmd-run under the real mpiexec: output, exit codes, failing and hanging ranks, pinning."""
 
+import ast
 import subprocess
 import sys
 import textwrap
@@ -153,7 +154,7 @@ def _masks(out):
     masks = {}
     for line in out.stdout.splitlines():
         rank, cpus = line.split(" ", 1)
-        masks[int(rank)] = eval(cpus)  # a printed list of ints
+        masks[int(rank)] = ast.literal_eval(cpus)  # a printed list of ints
     return masks
 
 
