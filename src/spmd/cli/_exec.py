@@ -18,6 +18,7 @@ from types import TracebackType
 from ..runtime._affinity import bind_rank
 from ..runtime._env import mpi_rank_size
 from ..runtime._failure import abort_job, report_exception, report_status
+from ..runtime._malloc import tune as tune_malloc
 
 
 def launch_rank() -> int:
@@ -106,6 +107,7 @@ def main() -> int:
     bind_rank()
     report_status(rank, {"state": "running", "pid": os.getpid()})
     if mode == "--python":
+        tune_malloc()  # before the program can start JAX's threads (runtime/_malloc.py)
         return _run_python(rank, rest)
     return _run_program(rank, rest)
 
