@@ -8,9 +8,14 @@ afresh on every call (see spmd/runtime/_malloc.py). The tuning is process-wide, 
 large reductions allocate a temporary buffer on every call. This script measures the large
 collectives three ways, each in its own job, rounds alternating:
 
-- ``mpi4py (plain)``: a process that never imports spmd (what an mpi4py user runs);
+- ``mpi4py (plain)``: a process that never imports spmd and whose malloc nobody tuned (what an
+  mpi4py user runs);
 - ``mpi4py (spmd's malloc)``: the same calls after spmd's tuning;
-- ``spmd``: spmd's collectives inside ``jax.jit``.
+- ``spmd``: spmd's collectives inside ``jax.jit``;
+- ``floor``: no communication at all, only the memory work that the out-of-place call leaves to
+  each rank whatever the algorithm, done by numpy on all ranks at once: allreduce copies the
+  input to the output, allgather copies the rank's own block into the output, reduce_scatter
+  adds the input's blocks into the output. No collective that returns a new array can beat it.
 
 Time: per call the maximum over ranks, the median over calls, then the median over rounds.
 Writes ``benchmarks/results/mpi4py-malloc-cpu<cores>-n<ranks>.{json,md}``.
@@ -30,7 +35,12 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OPS = ("allreduce in place", "allreduce", "allgather in place", "allgather", "reduce_scatter")
-IMPLS = {"plain": "mpi4py (plain)", "tuned": "mpi4py (spmd's malloc)", "spmd": "spmd (jit)"}
+IMPLS = {
+    "plain": "mpi4py (plain)",
+    "tuned": "mpi4py (spmd's malloc)",
+    "spmd": "spmd (jit)",
+    "floor": "local memory work only",
+}
 
 
 def _timed(comm: Any, call: Any, calls: int) -> float:
@@ -54,7 +64,7 @@ def _timed(comm: Any, call: Any, calls: int) -> float:
 def worker(impl: str, nbytes: int, calls: int) -> dict[str, float]:
     import numpy as np
 
-    if impl != "plain":
+    if impl in ("tuned", "spmd"):
         import spmd
 
         spmd.init()  # tunes malloc (SPMD_MALLOC_TUNING=1, the default)
@@ -81,6 +91,19 @@ def worker(impl: str, nbytes: int, calls: int) -> dict[str, float]:
             "allreduce": lambda: ar(xs).block_until_ready(),
             "allgather": lambda: ag(bs).block_until_ready(),
             "reduce_scatter": lambda: rs(xs).block_until_ready(),
+        }
+    elif impl == "floor":
+        me, rows = comm.rank, count // n
+
+        def add_blocks() -> None:
+            np.add(x[:rows], x[rows : 2 * rows], out=part)
+            for r in range(2, n):
+                np.add(part, x[r * rows : (r + 1) * rows], out=part)
+
+        calls_by_op = {
+            "allreduce": lambda: np.copyto(out, x),
+            "allgather": lambda: np.copyto(out[me * rows : (me + 1) * rows], block),
+            "reduce_scatter": add_blocks if n > 1 else lambda: np.copyto(part, x),
         }
     else:
         ip = MPI.IN_PLACE
@@ -117,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
                 sys.executable, "-m", "spmd.cli.run", "-n", str(args.ranks), sys.executable,
                 __file__, "--worker", impl, "--mb", str(args.mb), "--calls", str(args.calls),
             ]  # fmt: skip
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            # spmd-run tunes malloc in every rank unless told not to: plain is a process that
+            # never tunes it, as under a bare mpiexec.
+            env = {**os.environ, "SPMD_MALLOC_TUNING": "0" if impl == "plain" else "1"}
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
             line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
             if out.returncode != 0 or not line:
                 print(out.stderr, file=sys.stderr)
@@ -129,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         i: {op: statistics.median(ts) * 1e3 for op, ts in ops.items()} for i, ops in runs.items()
     }
     header = "| op | " + " | ".join(f"{IMPLS[i]} (ms)" for i in IMPLS)
-    header += " | spmd / plain | spmd / spmd's malloc |"
+    header += " | spmd / plain | spmd / spmd's malloc | spmd / floor |"
     md = [
         f"# mpi4py plain and with spmd's malloc tuning, and spmd: {args.ranks} ranks, "
         f"{args.mb} MiB float32",
@@ -137,18 +163,21 @@ def main(argv: list[str] | None = None) -> int:
         "Produced by `python benchmarks/mpi4py_malloc.py`; each implementation in its own job, "
         f"{args.rounds} rounds, {os.cpu_count()} cores, load average "
         f"{os.getloadavg()[0]:.2f} at the end. The ratios divide spmd's time (inside jit, where "
-        "every result is a new array) by each MPI call's, in-place rows included.",
+        "every result is a new array) by each MPI call's, in-place rows included, and by the "
+        "floor: the memory work that any out-of-place call leaves to each rank (numpy, no "
+        "communication, all ranks at once).",
         "",
         header,
-        "|---|" + "---:|" * (len(IMPLS) + 2),
+        "|---|" + "---:|" * (len(IMPLS) + 3),
     ]
     for op in OPS:
         cells = [med[i].get(op) for i in IMPLS]
         base = op.replace(" in place", "")
         s = med["spmd"].get(base)
-        ratio = [f"{s / c:.2f}" if s and c else "" for c in cells[:2]]
+        floor = None if op != base else med["floor"].get(base)
+        ratio = [f"{s / c:.2f}" if s and c else "" for c in [*cells[:2], floor]]
         md.append(f"| {op} | " + " | ".join(f"{c:.2f}" if c else "" for c in cells)
-                  + f" | {ratio[0]} | {ratio[1]} |")  # fmt: skip
+                  + f" | {' | '.join(ratio)} |")  # fmt: skip
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = f"mpi4py-malloc-cpu{os.cpu_count()}-n{args.ranks}"
