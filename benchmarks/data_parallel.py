@@ -15,8 +15,9 @@ against ``@data_parallel`` (results tagged ``-zero``).
 Each implementation runs as its own job (this script with ``--worker``): spmd under
 ``spmd-run -n N`` (which pins each rank to its share of the cores; once more with
 ``SPMD_BIND=none``), one process alone with the machine, torch DDP under ``spmd-run -n N`` with a
-gloo process group, and N ranks training with no communication at all: the ceiling that any
-data-parallel implementation meets on this machine.
+gloo process group (and torch alone at the global batch, the reference of torch's own scaling),
+and N ranks training with no communication at all: the ceiling that any data-parallel
+implementation meets on this machine.
 """
 
 from __future__ import annotations
@@ -161,6 +162,33 @@ def worker_single(args: argparse.Namespace) -> dict[str, Any]:
     return {"step_s": med, "ranks": 1, "global_batch": rows}
 
 
+def _torch_step(args: argparse.Namespace, rows: int, seed: int, wrap: Any = None) -> Any:
+    """One torch training step on ``rows`` samples (the model wrapped by ``wrap``, e.g. DDP)."""
+    import torch
+
+    torch.manual_seed(0)
+    layers: list[Any] = []
+    for m, n in itertools.pairwise(SIZES):
+        layers += [torch.nn.Linear(m, n), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers[:-1])
+    if wrap is not None:
+        model = wrap(model)
+    opt = (
+        torch.optim.Adam(model.parameters(), 1e-3)
+        if args.optimizer == "adam"
+        else torch.optim.SGD(model.parameters(), 0.01, momentum=0.9)
+    )
+    x, y = (torch.from_numpy(a) for a in _data(rows, seed=seed))
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def one() -> None:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    return one
+
+
 def worker_torch(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -173,32 +201,27 @@ def worker_torch(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getppid() % 1000))
     dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // comm.size))
-    torch.manual_seed(0)
-    layers: list[Any] = []
-    for m, n in itertools.pairwise(SIZES):
-        layers += [torch.nn.Linear(m, n), torch.nn.ReLU()]
-    model = DistributedDataParallel(torch.nn.Sequential(*layers[:-1]))
-    opt = (
-        torch.optim.Adam(model.parameters(), 1e-3)
-        if args.optimizer == "adam"
-        else torch.optim.SGD(model.parameters(), 0.01, momentum=0.9)
-    )
-    x, y = (torch.from_numpy(a) for a in _data(args.batch, seed=comm.rank))
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    def one() -> None:
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-
+    one = _torch_step(args, args.batch, comm.rank, DistributedDataParallel)
     times = _time(one, args.steps, args.warmup)
     slowest = max(comm.allgather_object(statistics.median(times)))
     dist.destroy_process_group()
     return {"step_s": slowest, "ranks": comm.size, "global_batch": args.batch * comm.size}
 
 
+def worker_torch_single(args: argparse.Namespace) -> dict[str, Any]:
+    """torch alone at the global batch, on all cores: what torch DDP is measured against."""
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    rows = args.batch * args.ranks
+    one = _torch_step(args, rows, 0)
+    return {"step_s": statistics.median(_time(one, args.steps, args.warmup)), "ranks": 1,
+            "global_batch": rows}  # fmt: skip
+
+
 WORKERS = {"spmd": worker_spmd, "spmd-unpinned": worker_spmd, "single": worker_single,
-           "nocomm": worker_nocomm, "torch": worker_torch, "zero1": worker_spmd,
+           "nocomm": worker_nocomm, "torch": worker_torch, "torch-single": worker_torch_single,
+           "zero1": worker_spmd,
            "zero2": worker_spmd, "zero3": worker_spmd}  # fmt: skip
 
 
@@ -211,7 +234,7 @@ def _run_worker(name: str, args: argparse.Namespace) -> dict[str, Any] | str:
            "--optimizer", args.optimizer, "--bucket-mb", str(args.bucket_mb),
            "--stage", name[4:] if name.startswith("zero") else "0"]  # fmt: skip
     env = dict(os.environ)
-    if name != "single":
+    if name not in ("single", "torch-single"):
         # spmd-run pins each rank to its share of the cores; spmd-unpinned: SPMD_BIND=none.
         env["SPMD_BIND"] = "none" if name == "spmd-unpinned" else "auto"
         cmd = [sys.executable, "-m", "spmd.cli.run", "-n", str(args.ranks), *cmd]
@@ -239,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.worker:
         result = WORKERS[args.worker](args)
-        if args.worker == "single" or int(os.environ.get("PMI_RANK", "0")) == 0:
+        if args.worker in ("single", "torch-single") or int(os.environ.get("PMI_RANK", "0")) == 0:
             print("RESULT " + json.dumps(result), flush=True)
         return 0
 
@@ -252,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     if package_version("torch") is None:
         skipped["torch DDP"] = "torch is not installed"
     elif not args.zero:
-        impls.append("torch")
+        impls += ["torch", "torch-single"]
     runs: dict[str, list[float]] = {i: [] for i in impls}
     errors: dict[str, str] = {}
     load_start = round(os.getloadavg()[0], 2)
@@ -271,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         "spmd-unpinned": f"spmd data_parallel ({args.ranks} ranks, SPMD_BIND=none)",
         "nocomm": f"{args.ranks} ranks, no communication (ceiling)",
         "torch": f"torch DDP gloo ({args.ranks} ranks)",
+        "torch-single": "torch, one process",
         **{f"zero{k}": f"spmd zero_shard stage {k} ({args.ranks} ranks)" for k in (1, 2, 3)},
     }
     rows = []
