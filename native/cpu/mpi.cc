@@ -95,21 +95,11 @@ bool IsHalf(xla::ffi::DataType d) {
 }
 
 void HalfToFloat32(xla::ffi::DataType d, const void* in, float* out, size_t count) {
-  const uint16_t* h = static_cast<const uint16_t*>(in);
-  if (d == xla::ffi::DataType::F16) {
-    for (size_t i = 0; i < count; ++i) out[i] = HalfToFloat(h[i]);
-  } else {
-    for (size_t i = 0; i < count; ++i) out[i] = Bf16ToFloat(h[i]);
-  }
+  HalfToFloats(d == xla::ffi::DataType::BF16, static_cast<const uint16_t*>(in), out, count);
 }
 
 void Float32ToHalf(xla::ffi::DataType d, const float* in, void* out, size_t count) {
-  uint16_t* h = static_cast<uint16_t*>(out);
-  if (d == xla::ffi::DataType::F16) {
-    for (size_t i = 0; i < count; ++i) h[i] = FloatToHalf(in[i]);
-  } else {
-    for (size_t i = 0; i < count; ++i) h[i] = FloatToBf16(in[i]);
-  }
+  FloatsToHalf(d == xla::ffi::DataType::BF16, in, static_cast<uint16_t*>(out), count);
 }
 
 // Scratch for float16/bfloat16 reductions, kept between calls (grows, never shrinks).

@@ -9,6 +9,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace spmd {
@@ -16,6 +20,11 @@ namespace spmd {
 // Reduction codes, shared with Python (spmd/ops/_core.py, _REDUCE_OPS).
 enum class ReduceOp : int32_t { kSum = 0, kProd = 1, kMax = 2, kMin = 3 };
 
+// float16 <-> float32, as x86's F16C instructions do it (the fast path below uses them, and
+// every rank must get the same bits whichever path it takes): widening is exact and quiets a
+// signalling NaN; narrowing rounds to nearest even, half subnormals included, overflows to
+// infinity, and keeps a NaN's upper payload bits with the quiet bit set. Checked against F16C
+// for all 2^16 halves and all 2^32 floats.
 inline float HalfToFloat(uint16_t h) {
   uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1fu;
@@ -33,7 +42,7 @@ inline float HalfToFloat(uint16_t h) {
       bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (man & 0x3ffu) << 13;
     }
   } else if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | man << 13;
+    bits = sign | 0x7f800000u | man << 13 | (man != 0 ? 0x400000u : 0);
   } else {
     bits = sign | (exp + 127 - 15) << 23 | man << 13;
   }
@@ -42,24 +51,23 @@ inline float HalfToFloat(uint16_t h) {
   return f;
 }
 
-inline uint16_t FloatToHalf(float f) {  // round to nearest even
+inline uint16_t FloatToHalf(float f) {
   uint32_t x;
   std::memcpy(&x, &f, 4);
   uint32_t sign = (x >> 16) & 0x8000u;
   uint32_t absx = x & 0x7fffffffu;
-  if (absx >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (absx > 0x7f800000u ? 0x200u : 0));
-  if (absx >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow to inf
-  if (absx < 0x38800000u) {  // subnormal or zero in half
-    if (absx < 0x33000000u) return static_cast<uint16_t>(sign);
+  if (absx > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | (absx >> 13 & 0x3ffu));
+  if (absx >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // inf, or rounds to it
+  if (absx < 0x38800000u) {  // below half's smallest normal: a subnormal or zero
+    if (absx < 0x33000000u) return static_cast<uint16_t>(sign);  // under half the smallest
+    // The value is man * 2^(e - 150) with the implicit bit in man; in units of half's smallest
+    // subnormal (2^-24) that is man >> (126 - e), e in [102, 112].
     uint32_t man = (absx & 0x7fffffu) | 0x800000u;
-    int shift = 126 - static_cast<int>(absx >> 23);
-    uint32_t r = man >> (shift + 1 - 1 + 13 - 13);
-    // Shift so that the result has 10 fraction bits relative to 2^-24.
-    uint32_t total = static_cast<uint32_t>(shift) + 13 + 1 - 1;
-    r = man >> total;
-    uint32_t rem = man & ((1u << total) - 1);
-    uint32_t half = 1u << (total - 1);
-    if (rem > half || (rem == half && (r & 1u))) ++r;
+    uint32_t shift = 126 - (absx >> 23);
+    uint32_t r = man >> shift;
+    uint32_t rem = man & ((1u << shift) - 1);
+    uint32_t half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (r & 1u))) ++r;  // may carry into the smallest normal
     return static_cast<uint16_t>(sign | r);
   }
   uint32_t r = (absx - 0x38000000u) >> 13;
@@ -75,12 +83,91 @@ inline float Bf16ToFloat(uint16_t h) {
   return f;
 }
 
-inline uint16_t FloatToBf16(float f) {  // round to nearest even, NaN stays NaN
+inline uint16_t FloatToBf16(float f) {  // round to nearest even, NaN stays NaN (branch-free)
   uint32_t x;
   std::memcpy(&x, &f, 4);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
-  x += 0x7fffu + ((x >> 16) & 1u);
-  return static_cast<uint16_t>(x >> 16);
+  uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  uint32_t quiet = (x >> 16) | 0x40u;
+  return static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+}
+
+namespace half_detail {
+
+#if defined(__x86_64__)
+// Eight at a time with F16C; a short tail goes through a padded block so that every element
+// takes the same instructions.
+__attribute__((target("avx,f16c"))) inline void HalfToFloatF16c(const uint16_t* in, float* out,
+                                                               size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
+  }
+  if (i < n) {
+    alignas(32) uint16_t h[8] = {};
+    alignas(32) float f[8];
+    std::memcpy(h, in + i, (n - i) * 2);
+    _mm256_store_ps(f, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h))));
+    std::memcpy(out + i, f, (n - i) * 4);
+  }
+}
+
+__attribute__((target("avx,f16c"))) inline void FloatToHalfF16c(const float* in, uint16_t* out,
+                                                               size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+  }
+  if (i < n) {
+    alignas(32) float f[8] = {};
+    alignas(32) uint16_t h[8];
+    std::memcpy(f, in + i, (n - i) * 4);
+    _mm_store_si128(reinterpret_cast<__m128i*>(h),
+                    _mm256_cvtps_ph(_mm256_load_ps(f), _MM_FROUND_TO_NEAREST_INT));
+    std::memcpy(out + i, h, (n - i) * 2);
+  }
+}
+
+inline bool HasF16c() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  }();
+  return yes;
+}
+#endif
+
+}  // namespace half_detail
+
+#if defined(__GNUC__)
+#define SPMD_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define SPMD_ALWAYS_INLINE inline
+#endif
+
+// Widens `n` float16 (`bf16` false) or bfloat16 values to float32.
+SPMD_ALWAYS_INLINE void HalfToFloats(bool bf16, const uint16_t* in, float* out, size_t n) {
+  if (bf16) {
+    for (size_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(in[i]);
+    return;
+  }
+#if defined(__x86_64__)
+  if (half_detail::HasF16c()) return half_detail::HalfToFloatF16c(in, out, n);
+#endif
+  for (size_t i = 0; i < n; ++i) out[i] = HalfToFloat(in[i]);
+}
+
+// Rounds `n` float32 values to float16 (`bf16` false) or bfloat16.
+SPMD_ALWAYS_INLINE void FloatsToHalf(bool bf16, const float* in, uint16_t* out, size_t n) {
+  if (bf16) {
+    for (size_t i = 0; i < n; ++i) out[i] = FloatToBf16(in[i]);
+    return;
+  }
+#if defined(__x86_64__)
+  if (half_detail::HasF16c()) return half_detail::FloatToHalfF16c(in, out, n);
+#endif
+  for (size_t i = 0; i < n; ++i) out[i] = FloatToHalf(in[i]);
 }
 
 template <typename T>
@@ -124,20 +211,62 @@ void ReduceTyped(ReduceOp op, T* out, const void* const* src, int n, size_t coun
   }
 }
 
-template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
-void ReduceHalf(ReduceOp op, uint16_t* out, const void* const* src, int n, size_t count) {
-  constexpr size_t kBlock = 256;
-  float acc[kBlock];
+// acc[i] = acc[i] (op) x[i], with the op fixed at compile time so that the loop vectorises.
+template <ReduceOp kOp>
+SPMD_ALWAYS_INLINE void Accumulate(float* acc, const float* x, size_t n) {
+  for (size_t i = 0; i < n; ++i) acc[i] = Combine(kOp, acc[i], x[i]);
+}
+
+// float16 and bfloat16: widen each rank's block, combine in float32 in rank order, round once.
+SPMD_ALWAYS_INLINE void ReduceHalfBody(bool bf16, ReduceOp op, uint16_t* out, const void* const* src, int n,
+                       size_t count) {
+  constexpr size_t kBlock = 512;
+  alignas(64) float acc[kBlock];
+  alignas(64) float x[kBlock];
   for (size_t base = 0; base < count; base += kBlock) {
     size_t m = count - base < kBlock ? count - base : kBlock;
-    const uint16_t* s0 = static_cast<const uint16_t*>(src[0]) + base;
-    for (size_t i = 0; i < m; ++i) acc[i] = ToF(s0[i]);
+    HalfToFloats(bf16, static_cast<const uint16_t*>(src[0]) + base, acc, m);
     for (int r = 1; r < n; ++r) {
-      const uint16_t* s = static_cast<const uint16_t*>(src[r]) + base;
-      for (size_t i = 0; i < m; ++i) acc[i] = Combine(op, acc[i], ToF(s[i]));
+      HalfToFloats(bf16, static_cast<const uint16_t*>(src[r]) + base, x, m);
+      switch (op) {
+        case ReduceOp::kSum:
+          Accumulate<ReduceOp::kSum>(acc, x, m);
+          break;
+        case ReduceOp::kProd:
+          Accumulate<ReduceOp::kProd>(acc, x, m);
+          break;
+        case ReduceOp::kMax:
+          Accumulate<ReduceOp::kMax>(acc, x, m);
+          break;
+        case ReduceOp::kMin:
+          Accumulate<ReduceOp::kMin>(acc, x, m);
+          break;
+      }
     }
-    for (size_t i = 0; i < m; ++i) out[base + i] = FromF(acc[i]);
+    FloatsToHalf(bf16, acc, out + base, m);
   }
+}
+
+#if defined(__x86_64__)
+// The same loops compiled for AVX2 (twice SSE2's width), taken where the CPU has it.
+__attribute__((target("avx2,f16c"))) inline void ReduceHalfAvx2(bool bf16, ReduceOp op,
+                                                                uint16_t* out,
+                                                                const void* const* src, int n,
+                                                                size_t count) {
+  ReduceHalfBody(bf16, op, out, src, n, count);
+}
+#endif
+
+inline void ReduceHalf(bool bf16, ReduceOp op, uint16_t* out, const void* const* src, int n,
+                       size_t count) {
+#if defined(__x86_64__)
+  static const bool avx2 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  }();
+  if (avx2) return ReduceHalfAvx2(bf16, op, out, src, n, count);
+#endif
+  ReduceHalfBody(bf16, op, out, src, n, count);
 }
 
 inline void ReduceBool(ReduceOp op, uint8_t* out, const void* const* src, int n, size_t count) {
@@ -179,10 +308,10 @@ inline bool Reduce(xla::ffi::DataType dtype, ReduceOp op, void* out, const void*
       ReduceTyped(op, static_cast<int64_t*>(out), src, n, count);
       return true;
     case DataType::F16:
-      ReduceHalf<HalfToFloat, FloatToHalf>(op, static_cast<uint16_t*>(out), src, n, count);
+      ReduceHalf(false, op, static_cast<uint16_t*>(out), src, n, count);
       return true;
     case DataType::BF16:
-      ReduceHalf<Bf16ToFloat, FloatToBf16>(op, static_cast<uint16_t*>(out), src, n, count);
+      ReduceHalf(true, op, static_cast<uint16_t*>(out), src, n, count);
       return true;
     case DataType::PRED:
       ReduceBool(op, static_cast<uint8_t*>(out), src, n, count);

@@ -192,3 +192,45 @@ def test_large_outputs(comm):
     blk = (1 << 22) + 1
     for j in range(n):
         np.testing.assert_array_equal(a[j], np.arange(r * blk, (r + 1) * blk) + j * 7)
+
+
+def _half_inputs(rank: int, dtype) -> np.ndarray:
+    """Values over a wide range of magnitudes, float16's subnormals included, and round halfway
+    cases: their sums exercise every branch of the rounding back to the half type."""
+    rng = np.random.default_rng(100 + rank)
+    wide = rng.standard_normal(4093) * 2.0 ** rng.integers(-26, 12, 4093)
+    ties = np.array([1.0, 2.0**-11, 2.0**-24, 3 * 2.0**-24, 2.0**-15, 6.0e4, -(2.0**-17), 0.0])
+    return np.concatenate([wide, ties]).astype(dtype)
+
+
+@multirank(nprocs=(2, 3, 4))
+def test_half_precision_sums_round_once_to_nearest_even(comm):
+    """float16/bfloat16 reductions widen to float32, combine in rank order and round once (to
+    nearest even, subnormals kept, overflow to inf): bit for bit what NumPy computes that way.
+    MPI adds the float32 values in an order of its own beyond 2 ranks (the same on every rank):
+    there the result is checked to be identical everywhere and within rounding of it."""
+    r, n = comm.rank, comm.size
+    try:
+        for backend in ("shm", "mpi"):
+            spmd.ops.set_backend(backend)
+            for dtype in (np.float16, jnp.bfloat16):
+                ins = [_half_inputs(k, dtype) for k in range(n)]
+                acc = ins[0].astype(np.float32)
+                for x in ins[1:]:
+                    acc = acc + x.astype(np.float32)
+                want = acc.astype(dtype)
+                got = np.asarray(jax.jit(spmd.allreduce)(jnp.asarray(ins[r])))
+                if backend == "shm" or n == 2:
+                    bad = np.flatnonzero(got.view(np.uint16) != want.view(np.uint16))
+                    assert bad.size == 0, (backend, dtype, bad[:5], got[bad[:5]], want[bad[:5]])
+                else:
+                    assert len(set(comm.allgather_object(got.tobytes()))) == 1
+                    np.testing.assert_allclose(
+                        got.astype(np.float32), want.astype(np.float32), rtol=1e-2, atol=2.0**-24
+                    )
+                most = np.asarray(jax.jit(lambda v: spmd.allreduce(v, "max"))(jnp.asarray(ins[r])))
+                np.testing.assert_array_equal(  # as values: the sign of a zero max may differ
+                    most.astype(np.float32), np.maximum.reduce(ins).astype(np.float32)
+                )
+    finally:
+        spmd.ops.set_backend("auto")
