@@ -16,8 +16,9 @@ Each implementation runs as its own job (this script with ``--worker``): spmd un
 ``spmd-run -n N`` (which pins each rank to its share of the cores; once more with
 ``SPMD_BIND=none``), one process alone with the machine, torch DDP under ``spmd-run -n N`` with a
 gloo process group (and torch alone at the global batch, the reference of torch's own scaling),
-and N ranks training with no communication at all: the ceiling that any data-parallel
-implementation meets on this machine.
+N ranks training with no communication at all (the ceiling that any data-parallel
+implementation meets on this machine), and the same with one 4-byte allreduce per step (what
+making the ranks wait for each other costs, before any gradient moves).
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ def _time_steps(step: Any, params: Any, opt_state: Any, rows: int, seed: int,
     return statistics.median(_time(one, args.steps, args.warmup))
 
 
-def _local_step(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """A plain ``jax.jit`` step (no collective), with its initial parameters and state."""
+def _local_step(args: argparse.Namespace, sync: bool = False) -> tuple[Any, Any, Any]:
+    """A plain ``jax.jit`` step, with its initial parameters and state: no collective, or with
+    ``sync`` one 4-byte allreduce of the loss (the ranks wait for each other every step)."""
     import jax
     import optax
 
@@ -114,6 +116,10 @@ def _local_step(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     @jax.jit
     def step(params: Any, opt_state: Any, batch: Any) -> Any:
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        if sync:
+            import spmd
+
+            loss = spmd.allreduce(loss)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -147,11 +153,12 @@ def worker_spmd(args: argparse.Namespace) -> dict[str, Any]:
 
 def worker_nocomm(args: argparse.Namespace) -> dict[str, Any]:
     """N ranks each train on their own batch with no communication at all: the ceiling of any
-    data-parallel implementation on this machine (what N processes cost, before collectives)."""
+    data-parallel implementation on this machine (what N processes cost, before collectives).
+    As the ``sync`` worker, one 4-byte allreduce per step makes them wait for each other."""
     import spmd
 
     comm = spmd.init()
-    med = _time_steps(*_local_step(args), args.batch, comm.rank, args)
+    med = _time_steps(*_local_step(args, sync=args.worker == "sync"), args.batch, comm.rank, args)
     slowest = max(comm.allgather_object(med))
     return {"step_s": slowest, "ranks": comm.size, "global_batch": args.batch * comm.size}
 
@@ -220,9 +227,9 @@ def worker_torch_single(args: argparse.Namespace) -> dict[str, Any]:
 
 
 WORKERS = {"spmd": worker_spmd, "spmd-unpinned": worker_spmd, "single": worker_single,
-           "nocomm": worker_nocomm, "torch": worker_torch, "torch-single": worker_torch_single,
-           "zero1": worker_spmd,
-           "zero2": worker_spmd, "zero3": worker_spmd}  # fmt: skip
+           "nocomm": worker_nocomm, "sync": worker_nocomm, "torch": worker_torch,
+           "torch-single": worker_torch_single,
+           "zero1": worker_spmd, "zero2": worker_spmd, "zero3": worker_spmd}  # fmt: skip
 
 
 # -- driver ---------------------------------------------------------------------------------------
@@ -269,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     impls = (
         ["single", "spmd", "zero1", "zero2", "zero3"]
         if args.zero
-        else ["single", "nocomm", "spmd", "spmd-unpinned"]
+        else ["single", "nocomm", "sync", "spmd", "spmd-unpinned"]
     )
     skipped = {}
     if package_version("torch") is None:
@@ -293,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         "spmd": f"spmd data_parallel ({args.ranks} ranks)",
         "spmd-unpinned": f"spmd data_parallel ({args.ranks} ranks, SPMD_BIND=none)",
         "nocomm": f"{args.ranks} ranks, no communication (ceiling)",
+        "sync": f"{args.ranks} ranks, only a 4-byte allreduce per step",
         "torch": f"torch DDP gloo ({args.ranks} ranks)",
         "torch-single": "torch, one process",
         **{f"zero{k}": f"spmd zero_shard stage {k} ({args.ranks} ranks)" for k in (1, 2, 3)},
