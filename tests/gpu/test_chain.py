@@ -168,3 +168,20 @@ def test_set_backend_takes_the_gpu_names():
             spmd.ops.set_backend("rccl")
     finally:
         spmd.ops.set_backend("auto")
+
+
+def test_a_join_that_never_returns_is_bounded():
+    # NCCL's communicator set-up blocks until every rank joined: _bounded turns a peer that
+    # failed inside it into an error after the timeout instead of a hang.
+    import threading
+    import time
+
+    release = threading.Event()
+    start = time.monotonic()
+    with pytest.raises(spmd.SpmdError, match=r"rank 3: joining did not finish within 0.2 s"):
+        _cuda._bounded(release.wait, 0.2, "rank 3: joining")
+    assert 0.2 <= time.monotonic() - start < 5
+    release.set()
+    assert _cuda._bounded(lambda: 42, 5, "quick") == 42
+    with pytest.raises(ValueError, match="inside"):
+        _cuda._bounded(lambda: (_ for _ in ()).throw(ValueError("inside")), 5, "failing")

@@ -319,6 +319,33 @@ def _agree(comm: Any, step: Any) -> tuple[Any, str]:
     return (None, errors[0]) if errors else (result, "")
 
 
+def _bounded(step: Any, seconds: float, what: str) -> Any:
+    """``step()`` on a helper thread, waited for at most ``seconds``; its result or its error.
+
+    For calls that block until every rank joins and cannot be interrupted (ncclCommInitRank): a
+    rank whose peer failed inside the call gets an error instead of waiting forever. The helper
+    thread stays blocked; the error stops the job (spmd.init's abort hook)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = step()
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="spmd-bounded", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise SpmdError(
+            f"{what} did not finish within {seconds:g} s (SPMD_TIMEOUT): a rank of the group "
+            "failed inside it or never reached it; see the other ranks' errors"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
 def _device_ordinal(comm: Any) -> int:
     import jax
 
@@ -344,9 +371,14 @@ def ensure_group(comm: Any, gid: int) -> GpuGroup:
         on_finalize(_finalize)
         if not error:
             uid = comm.allgather_object(mod.nccl_unique_id() if comm.rank == 0 else None)[0]
-            # Blocks until every rank joined. NCCL refuses two ranks on one GPU: such a group
-            # keeps the custom all-reduce (the test mode of a single-GPU machine).
-            _, error = _agree(comm, lambda: mod.nccl_init(gid, uid))
+            # Blocks until every rank joined, bounded by SPMD_TIMEOUT so that a rank whose peer
+            # failed inside NCCL's own set-up raises instead of waiting forever. NCCL refuses
+            # two ranks on one GPU: such a group keeps the custom all-reduce (the test mode of a
+            # single-GPU machine).
+            what = f"rank {comm.world_rank}: creating the NCCL communicator of {list(comm.ranks)}"
+            _, error = _agree(
+                comm, lambda: _bounded(lambda: mod.nccl_init(gid, uid), timeout_seconds(), what)
+            )
         reason = _custom_unavailable(comm)
         group = GpuGroup(comm.size, False, reason) if reason else _start_custom(comm, gid, mod)
         if error:
