@@ -598,7 +598,7 @@ def machine_info(env: Env, backend: str) -> dict[str, Any]:
     info: dict[str, Any] = {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
-        "cores_usable": affinity,
+        "cores_per_rank": affinity,  # rank 0's affinity mask (spmd-run pins ranks)
         "memory_GiB": memory_gib(),
         "os": f"{platform.system()} {platform.release()} {platform.machine()}",
         "python": platform.python_version(),
