@@ -218,8 +218,8 @@ SPMD_ALWAYS_INLINE void Accumulate(float* acc, const float* x, size_t n) {
 }
 
 // float16 and bfloat16: widen each rank's block, combine in float32 in rank order, round once.
-SPMD_ALWAYS_INLINE void ReduceHalfBody(bool bf16, ReduceOp op, uint16_t* out, const void* const* src, int n,
-                       size_t count) {
+SPMD_ALWAYS_INLINE void ReduceHalfBody(bool bf16, ReduceOp op, uint16_t* out,
+                                       const void* const* src, int n, size_t count) {
   constexpr size_t kBlock = 512;
   alignas(64) float acc[kBlock];
   alignas(64) float x[kBlock];

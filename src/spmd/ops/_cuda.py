@@ -338,8 +338,8 @@ def _bounded(step: Any, seconds: float, what: str) -> Any:
     thread.join(seconds)
     if thread.is_alive():
         raise SpmdError(
-            f"{what} did not finish within {seconds:g} s (SPMD_TIMEOUT): a rank of the group "
-            "failed inside it or never reached it; see the other ranks' errors"
+            f"{what} did not finish within {seconds:g} s: a rank of the group failed inside it "
+            "or never reached it (see the other ranks' errors; SPMD_TIMEOUT sets the limit)"
         )
     if "error" in box:
         raise box["error"]
@@ -371,14 +371,15 @@ def ensure_group(comm: Any, gid: int) -> GpuGroup:
         on_finalize(_finalize)
         if not error:
             uid = comm.allgather_object(mod.nccl_unique_id() if comm.rank == 0 else None)[0]
-            # Blocks until every rank joined, bounded by SPMD_TIMEOUT so that a rank whose peer
-            # failed inside NCCL's own set-up raises instead of waiting forever. NCCL refuses
-            # two ranks on one GPU: such a group keeps the custom all-reduce (the test mode of a
+            # Blocks until every rank joined, bounded so that a rank whose peer failed inside
+            # NCCL's own set-up raises instead of waiting forever: at 0.8 SPMD_TIMEOUT, so that
+            # it reaches _agree's exchange before the failed peer, waiting there since the
+            # failure, gives up on it (that wait is bounded by SPMD_TIMEOUT). NCCL refuses two
+            # ranks on one GPU: such a group keeps the custom all-reduce (the test mode of a
             # single-GPU machine).
             what = f"rank {comm.world_rank}: creating the NCCL communicator of {list(comm.ranks)}"
-            _, error = _agree(
-                comm, lambda: _bounded(lambda: mod.nccl_init(gid, uid), timeout_seconds(), what)
-            )
+            bound = 0.8 * timeout_seconds()
+            _, error = _agree(comm, lambda: _bounded(lambda: mod.nccl_init(gid, uid), bound, what))
         reason = _custom_unavailable(comm)
         group = GpuGroup(comm.size, False, reason) if reason else _start_custom(comm, gid, mod)
         if error:
