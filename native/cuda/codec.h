@@ -11,6 +11,10 @@
 //   fp8 E4M3:   |v - dec(enc(v))| <= |v| / 16 + amax / (448 * 1024)    (half an ulp, or half the
 //                                                                        smallest subnormal step)
 // (plus float32 rounding of the scale arithmetic, a few ulp of amax).
+// Two kinds of block are special. One holding a NaN or an infinity decodes as NaN throughout
+// (scale NaN), so that an overflow check after the all-reduce still sees it. One whose amax is
+// below kFlush = 2^-100 decodes as zeros (scale 0): below that, qmax / amax could overflow and
+// amax / qmax lose bits as a subnormal.
 //
 // Arithmetic goes through MulRn/AddRn so that nvcc cannot contract a multiply and an add into one
 // fused operation on the GPU: the host and the device compute bit-identical results.
@@ -34,6 +38,7 @@ namespace codec {
 enum class Codec : int32_t { kNone = 0, kFp8 = 1, kInt8 = 2, kInt4 = 3 };
 
 constexpr int kBlock = 32;
+constexpr float kFlush = 7.88860905e-31f;  // 2^-100
 
 SPMD_HD float MulRn(float a, float b) {
 #if defined(__CUDA_ARCH__)
@@ -129,10 +134,22 @@ SPMD_HD int PayloadBytes(Codec c) { return c == Codec::kInt4 ? kBlock / 2 : kBlo
 // Encodes n <= kBlock values (the rest of the block counts as zeros); returns the scale.
 SPMD_HD float EncodeBlock(Codec c, const float* v, int n, uint8_t* payload) {
   float amax = 0.0f;
-  for (int i = 0; i < n; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  for (int i = 0; i < n; ++i) {
+    float a = fabsf(v[i]);
+    amax = (a > amax || a != a) ? a : amax;  // a NaN sticks (fmaxf would drop it)
+  }
   float qmax = QMax(c);
-  float scale = DivRn(amax, qmax);
-  float inv = amax > 0.0f ? DivRn(qmax, amax) : 0.0f;
+  float scale, inv;
+  if (!(amax <= 3.40282347e38f)) {  // NaN or infinity: the block decodes as NaN
+    scale = FromBits(0x7fc00000u);
+    inv = 0.0f;
+  } else if (amax < kFlush) {  // zeros, or too small to scale: the block decodes as zeros
+    scale = 0.0f;
+    inv = 0.0f;
+  } else {
+    scale = DivRn(amax, qmax);
+    inv = DivRn(qmax, amax);
+  }
   if (c == Codec::kInt4) {
     for (int i = 0; i < kBlock; i += 2) {
       uint8_t pair = 0;

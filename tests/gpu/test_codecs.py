@@ -119,6 +119,39 @@ def test_quantized_allreduce_reference(codec, world):
     assert rel < {"fp8": 0.08, "int8": 0.02, "int4": 0.25}[codec], rel
 
 
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_a_block_with_a_nan_or_an_infinity_decodes_as_nan(codec):
+    """NaN and infinities must survive quantisation (a loss-scaling overflow check looks for
+    them after the all-reduce): the whole block decodes as NaN, the other blocks as usual."""
+    for bad in (np.nan, np.inf, -np.inf):
+        x = np.linspace(-1, 1, 3 * BLOCK, dtype=np.float32)
+        x[BLOCK + 5] = bad
+        y = roundtrip(codec, x)
+        assert np.all(np.isnan(y[BLOCK : 2 * BLOCK])), (bad, y[BLOCK : 2 * BLOCK])
+        rest = np.r_[0:BLOCK, 2 * BLOCK : 3 * BLOCK]
+        assert np.all(np.abs(y[rest] - x[rest]) <= bound(codec, x)[rest])
+    xs = np.ones((2, BLOCK), np.float32)
+    xs[0, 3] = np.nan
+    assert np.all(np.isnan(reference(codec, xs)))
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_tiny_blocks_neither_overflow_nor_lose_the_bound(codec):
+    """amax below 2^-100 decodes as zeros (qmax / amax would overflow near 1e-36); above it the
+    usual bound holds, down to amax = 2^-100 where the scale is still a normal float."""
+    flush = 2.0**-100
+    for amax in (1e-38, 1e-36, 3e-36, 0.99 * flush):
+        x = np.zeros(BLOCK, np.float32)
+        x[0], x[1], x[7] = amax, -amax / 4, amax / 3
+        y = roundtrip(codec, x)
+        np.testing.assert_array_equal(y, np.zeros(BLOCK, np.float32), err_msg=f"amax {amax}")
+    for amax in (flush, 1e-30, 1e-20):
+        x = (np.linspace(-1, 1, BLOCK) * amax).astype(np.float32)
+        y = roundtrip(codec, x)
+        err = np.abs(y.astype(np.float64) - x)
+        assert np.all(err <= bound(codec, x)), (amax, (err - bound(codec, x)).max())
+
+
 def test_bad_codec_code_is_an_error():
     with pytest.raises(ValueError, match="codec code"):
         native().quant_roundtrip(7, np.zeros(4, np.float32).tobytes())
