@@ -70,9 +70,32 @@ Status CudaGroupCreate(int64_t id, int rank, int size, std::vector<int> world_ra
 Status CudaGroupNcclInit(int64_t id, const NcclUniqueId& uid) {
   CudaGroup* g;
   SPMD_RETURN_IF_ERROR(Find(id, &g));
+  int size, rank;
+  {
+    std::lock_guard<std::mutex> lock(g->mu);
+    if (g->nccl != nullptr) return Status::Ok();
+    size = g->size;
+    rank = g->rank;
+  }
+  // Without the group's lock: this blocks until every rank has joined, and a caller that gave
+  // up waiting (spmd/ops/_cuda.py bounds the wait) must still be able to use and destroy the
+  // group meanwhile. The group may be gone when NCCL returns: look it up again.
+  NcclComm comm = nullptr;
+  SPMD_RETURN_IF_ERROR(NcclCommInitRank(&comm, size, uid, rank));
+  std::lock_guard<std::mutex> reg(registry_mu);
+  auto it = Registry().find(id);
+  if (it == Registry().end() || it->second.get() != g) {
+    NcclCommDestroy(comm);
+    return Status::Error("GPU group " + std::to_string(id) +
+                         " was destroyed while its NCCL communicator was being created");
+  }
   std::lock_guard<std::mutex> lock(g->mu);
-  if (g->nccl != nullptr) return Status::Ok();
-  return NcclCommInitRank(&g->nccl, g->size, uid, g->rank);
+  if (g->nccl != nullptr) {
+    NcclCommDestroy(comm);
+  } else {
+    g->nccl = comm;
+  }
+  return Status::Ok();
 }
 
 Status CudaGroupCarAlloc(int64_t id, size_t cap, std::string* handle) {

@@ -137,7 +137,10 @@ PyObject* CarAlloc(PyObject*, PyObject* args) {
   long long id, cap;
   if (!PyArg_ParseTuple(args, "LL", &id, &cap)) return nullptr;
   std::string handle;
-  spmd::Status s = spmd::CudaGroupCarAlloc(id, static_cast<size_t>(cap), &handle);
+  spmd::Status s;
+  Py_BEGIN_ALLOW_THREADS;
+  s = spmd::CudaGroupCarAlloc(id, static_cast<size_t>(cap), &handle);
+  Py_END_ALLOW_THREADS;
   if (!s.ok()) return Raise(s);
   return PyBytes_FromStringAndSize(handle.data(), static_cast<Py_ssize_t>(handle.size()));
 }

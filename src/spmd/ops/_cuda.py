@@ -367,10 +367,22 @@ def ensure_group(comm: Any, gid: int) -> GpuGroup:
 
         _, error = _agree(comm, lambda: mod.nccl_load(nccl_library()))
         device = _device_ordinal(comm)
-        mod.group_create(gid, comm.rank, comm.size, list(comm.ranks), device, timeout_seconds())
+        _, failed = _agree(
+            comm,
+            lambda: mod.group_create(
+                gid, comm.rank, comm.size, list(comm.ranks), device, timeout_seconds()
+            ),
+        )
         on_finalize(_finalize)
+        if failed:
+            raise SpmdError(
+                f"rank {comm.world_rank}: setting up the GPU group of ranks {list(comm.ranks)} "
+                f"failed: {failed}"
+            )
         if not error:
-            uid = comm.allgather_object(mod.nccl_unique_id() if comm.rank == 0 else None)[0]
+            uid, error = _agree(comm, lambda: mod.nccl_unique_id() if comm.rank == 0 else None)
+        if not error:
+            uid = comm.allgather_object(uid)[0]
             # Blocks until every rank joined, bounded so that a rank whose peer failed inside
             # NCCL's own set-up raises instead of waiting forever: at 0.8 SPMD_TIMEOUT, so that
             # it reaches _agree's exchange before the failed peer, waiting there since the
