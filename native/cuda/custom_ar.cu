@@ -343,35 +343,43 @@ __global__ void __launch_bounds__(kThreads) FusedOneShotKernel(Args a) {
   Barrier(a.peers, rank, a.timeout_ns);
 }
 
-// Rows split between the ranks; each owner writes its rows' normed and residual_out into its
-// region B (normed, then residual_out), and every rank gathers them.
+// Rows split between the ranks for the sum: each owner writes its rows of the all-reduced x
+// (rounded to T, as the all-reduce returns it) into its region B. Then every rank adds its own
+// residual to every row and normalises it with its own weight, as the one-shot and unfused paths
+// do (residual and weight need not be the same on every rank).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) FusedTwoShotKernel(Args a) {
   const int rank = RankOf(a);
   const int slot = Slot(a);
   const Peers& p = a.peers;
-  const size_t plane = static_cast<size_t>(a.rows * a.hidden) * sizeof(T);
   Barrier(p, rank, a.timeout_ns);
   const Slice mine = SliceOf(a.rows, p.world, rank);
-  T* normed_b = reinterpret_cast<T*>(p.data[rank] + p.cap);
-  T* res_b = reinterpret_cast<T*>(p.data[rank] + p.cap + plane);
+  T* sum_b = reinterpret_cast<T*>(p.data[rank] + p.cap);
   for (int64_t row = mine.lo + blockIdx.x; row < mine.hi; row += gridDim.x) {
-    NormRow<T>(a, row, static_cast<const T*>(a.residual[slot]), static_cast<const T*>(a.weight[slot]),
-               normed_b, res_b, true);
+    for (int64_t col = threadIdx.x; col < a.hidden; col += blockDim.x) {
+      const int64_t i = row * a.hidden + col;
+      float acc = ToFloat<T>(__ldcg(reinterpret_cast<const T*>(p.data[0]) + i));
+      for (int r = 1; r < p.world; ++r) {
+        acc += ToFloat<T>(__ldcg(reinterpret_cast<const T*>(p.data[r]) + i));
+      }
+      sum_b[i] = FromFloat<T>(acc);
+    }
   }
   Barrier(p, rank, a.timeout_ns);
+  const T* residual = static_cast<const T*>(a.residual[slot]);
+  const T* weight = static_cast<const T*>(a.weight[slot]);
   T* normed = static_cast<T*>(a.out[slot]);
   T* res_out = static_cast<T*>(a.out2[slot]);
   for (int s = 0; s < p.world; ++s) {
     const Slice sl = SliceOf(a.rows, p.world, s);
-    const T* nb = reinterpret_cast<const T*>(p.data[s] + p.cap);
-    const T* rb = reinterpret_cast<const T*>(p.data[s] + p.cap + plane);
+    const T* sb = reinterpret_cast<const T*>(p.data[s] + p.cap);
     for (int64_t row = sl.lo + blockIdx.x; row < sl.hi; row += gridDim.x) {
+      // Each thread copies the columns it then reads back in NormRow: no sync needed.
       for (int64_t col = threadIdx.x; col < a.hidden; col += blockDim.x) {
         const int64_t i = row * a.hidden + col;
-        normed[i] = __ldcg(nb + i);
-        res_out[i] = __ldcg(rb + i);
+        res_out[i] = __ldcg(sb + i);
       }
+      NormRow<T>(a, row, residual, weight, normed, res_out, false);
     }
   }
   Barrier(p, rank, a.timeout_ns);
@@ -520,7 +528,7 @@ bool FusedEligible(const Peers& p, Algo algo, DType t, size_t rows, size_t hidde
   size_t plane = rows * hidden * DTypeBytes(t);
   if (p.world < 2 || p.world > kMaxRanks || hidden == 0 || hidden > 16384) return false;
   if (algo == Algo::kOneShot) return plane <= p.cap;
-  if (algo == Algo::kTwoShot) return 2 * plane <= p.cap;
+  if (algo == Algo::kTwoShot) return plane <= p.cap;  // region B holds the summed rows
   return false;
 }
 

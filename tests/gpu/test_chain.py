@@ -121,7 +121,8 @@ def test_bad_settings_are_errors(env, message):
         (4, 4096, "bfloat16", "one_shot"),  # 32 KiB
         (128, 4096, "bfloat16", "one_shot"),  # 1 MiB: the 2-rank one-shot limit
         (1024, 4096, "bfloat16", "two_shot"),  # 8 MiB
-        (4096, 4096, "float32", "nccl"),  # 64 MiB: both planes do not fit the buffer
+        (4096, 4096, "float32", "two_shot"),  # 64 MiB: the registered buffer, inclusive
+        (4097, 4096, "float32", "nccl"),  # one row more does not fit
         (4, 16384, "float16", "one_shot"),
         (4, 16385, "float16", "nccl"),  # rows longer than the fused kernel takes
         (4, 4096, "float64", "nccl"),

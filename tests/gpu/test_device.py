@@ -92,21 +92,25 @@ def test_fused_allreduce_rmsnorm_agrees_with_the_two_steps(world, dtype, rows, h
     xs = [rng.standard_normal((rows, hidden)).astype(t) for _ in range(world)]
     rs = [rng.standard_normal((rows, hidden)).astype(t) for _ in range(world)]
     w = rng.uniform(0.5, 1.5, hidden).astype(t)
-    out = _sum_in_rank_order(xs).astype(t).astype(np.float32) + rs[0].astype(np.float32)
+    # Each rank adds its own residual (they differ, as with sequence-parallel inputs).
+    summed = _sum_in_rank_order(xs).astype(t).astype(np.float32)
+    outs = [(summed + r.astype(np.float32)).astype(t) for r in rs]
     results = {}
     for mode in (0, 1, 2):  # all-reduce then norm; fused one-shot; fused two-shot
         normed, res_out, _ = native_cuda().sim_allreduce_rmsnorm(
             world, CUSTOM_DTYPE_CODES[dtype], mode, rows, hidden,
-            [x.tobytes() for x in xs], [rs[0].tobytes()] * world, w.tobytes(), 1e-6, 2,
+            [x.tobytes() for x in xs], [r.tobytes() for r in rs], w.tobytes(), 1e-6, 2,
         )  # fmt: skip
         results[mode] = [np.frombuffer(n, t).reshape(rows, hidden) for n in normed]
-        for r in res_out:
-            np.testing.assert_array_equal(np.frombuffer(r, t).reshape(rows, hidden), out.astype(t))
-    r32 = out.astype(t).astype(np.float32)
-    want = r32 / np.sqrt(np.mean(r32 * r32, -1, keepdims=True) + 1e-6) * w.astype(np.float32)
+        for got, out in zip(res_out, outs, strict=True):
+            np.testing.assert_array_equal(np.frombuffer(got, t).reshape(rows, hidden), out)
     tol = 1e-5 if dtype == "float32" else 2e-2
     for mode, normed in results.items():
-        for n in normed:
+        for n, out in zip(normed, outs, strict=True):
+            r32 = out.astype(np.float32)
+            want = (
+                r32 / np.sqrt(np.mean(r32 * r32, -1, keepdims=True) + 1e-6) * w.astype(np.float32)
+            )
             np.testing.assert_allclose(n.astype(np.float32), want, rtol=tol, atol=tol, err_msg=mode)
 
 

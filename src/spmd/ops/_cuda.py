@@ -187,7 +187,7 @@ def select_rmsnorm(rows: int, hidden: int, dtype: Any, group: GpuGroup, cfg: Cha
     if fused and 0 < hidden <= FUSED_MAX_HIDDEN:
         if plane <= min(cfg.one_shot_max(group.size), cfg.custom_max_bytes):
             return "one_shot"
-        if 2 * plane <= cfg.custom_max_bytes:
+        if plane <= cfg.custom_max_bytes:
             return "two_shot"
     group.require_nccl(f"allreduce_rmsnorm of {rows} x {hidden} {name}")
     return "nccl"
