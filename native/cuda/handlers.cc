@@ -200,6 +200,17 @@ ffi::Error AllgatherFfi(cudaStream_t stream, int64_t group, ffi::Span<const int6
   }
   int64_t total = 0;
   for (int64_t s : sizes) total += s;
+  // Checked before the NCCL group opens: leaving it early would launch only part of the group
+  // while the other ranks launch all of it.
+  for (size_t i = 0; i < call.in.size() && sizes.size() != 0; ++i) {
+    const Leaf& in = call.in[i];
+    size_t row = total ? call.out[i].bytes / static_cast<size_t>(total) : 0;
+    size_t bytes = static_cast<size_t>(sizes[g.rank]) * row;
+    if (bytes != in.bytes) {
+      return Fail(call, "this rank passed " + std::to_string(in.bytes / in.elem) +
+                            " elements, sizes says " + std::to_string(bytes / in.elem));
+    }
+  }
   std::lock_guard<std::mutex> lock(g.mu);
   NcclGroup group_call;
   if (!group_call.status().ok()) return FromStatus(call, group_call.status());
@@ -216,10 +227,6 @@ ffi::Error AllgatherFfi(cudaStream_t stream, int64_t group, ffi::Span<const int6
     size_t offset = 0;
     for (int r = 0; r < g.size; ++r) {
       size_t bytes = static_cast<size_t>(sizes[r]) * row;
-      if (r == g.rank && bytes != in.bytes) {
-        return Fail(call, "this rank passed " + std::to_string(in.bytes / in.elem) +
-                              " elements, sizes says " + std::to_string(bytes / in.elem));
-      }
       if (bytes != 0) {
         Status s = NcclBroadcast(in.data, out.data + offset, bytes, kNcclUint8, r, g.nccl, stream);
         if (!s.ok()) return FromStatus(call, s);
@@ -376,6 +383,9 @@ ffi::Error AllreduceRmsNormFfi(cudaStream_t stream, int64_t group, float eps, in
   }
   car::DType t;
   if (!CustomDType(call.in[0].dtype, &t)) return Fail(call, "x must be float32, float16 or bfloat16");
+  if (call.in[0].bytes == 0 && call.out[0].bytes == 0 && call.out[1].bytes == 0) {
+    return ffi::Error::Success();  // no rows or no columns: nothing to do on any rank
+  }
   auto wdims = args.get<ffi::AnyBuffer>(3)->dimensions();
   size_t hidden = wdims.size() == 1 ? static_cast<size_t>(wdims[0]) : 0;
   size_t rows = hidden ? call.in[0].bytes / call.in[0].elem / hidden : 0;
