@@ -186,3 +186,14 @@ def test_a_join_that_never_returns_is_bounded():
     assert _cuda._bounded(lambda: 42, 5, "quick") == 42
     with pytest.raises(ValueError, match="inside"):
         _cuda._bounded(lambda: (_ for _ in ()).throw(ValueError("inside")), 5, "failing")
+
+
+def test_ranks_with_different_settings_are_named():
+    same = [ChainConfig(), ChainConfig()]
+    assert _cuda.settings_differ([0, 1], same) == ""
+    msg = _cuda.settings_differ(
+        [0, 1, 2], [ChainConfig(), ChainConfig(one_shot_max_bytes=4096), ChainConfig()]
+    )
+    assert "different all-reduce settings" in msg
+    assert "rank 1: ChainConfig(backend='auto', quantize=None" in msg
+    assert "one_shot_max_bytes=4096" in msg and msg.count("\n  rank ") == 3

@@ -319,6 +319,20 @@ def _agree(comm: Any, step: Any) -> tuple[Any, str]:
     return (None, errors[0]) if errors else (result, "")
 
 
+def settings_differ(ranks: list[int], settings: list[ChainConfig]) -> str:
+    """Why a group's ranks cannot share the chain ("" if they have the same settings): each rank
+    picks a call's algorithm from its own, and two ranks running different kernels on the same
+    call pass each other's barriers with wrong results rather than failing."""
+    if len(set(settings)) <= 1:
+        return ""
+    lines = "".join(f"\n  rank {r}: {c}" for r, c in zip(ranks, settings, strict=True))
+    return (
+        f"the ranks of the GPU group {ranks} have different all-reduce settings "
+        "(SPMD_GPU_BACKEND, SPMD_QUANTIZE, SPMD_CUSTOM_AR_*, SPMD_QUANTIZE_MIN_KB or "
+        f"spmd.ops.set_backend); every rank must use the same:{lines}"
+    )
+
+
 def _bounded(step: Any, seconds: float, what: str) -> Any:
     """``step()`` on a helper thread, waited for at most ``seconds``; its result or its error.
 
@@ -364,6 +378,12 @@ def ensure_group(comm: Any, gid: int) -> GpuGroup:
 
         mod = require_native_cuda(f"rank {comm.world_rank}: ")
         ensure_handlers()
+        cfg, error = _agree(comm, config)
+        if error:
+            raise SpmdError(error)
+        differ = settings_differ(list(comm.ranks), comm.allgather_object(cfg))
+        if differ:
+            raise SpmdError(f"rank {comm.world_rank}: {differ}")
 
         _, error = _agree(comm, lambda: mod.nccl_load(nccl_library()))
         device = _device_ordinal(comm)
