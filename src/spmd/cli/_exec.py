@@ -15,6 +15,7 @@ import subprocess
 import sys
 from types import TracebackType
 
+from .._errors import SpmdError
 from ..runtime._affinity import bind_rank
 from ..runtime._env import mpi_rank_size
 from ..runtime._failure import abort_job, report_exception, report_status
@@ -107,7 +108,12 @@ def main() -> int:
     bind_rank()
     report_status(rank, {"state": "running", "pid": os.getpid()})
     if mode == "--python":
-        tune_malloc()  # before the program can start JAX's threads (runtime/_malloc.py)
+        try:
+            tune_malloc()  # before the program can start JAX's threads (runtime/_malloc.py)
+        except SpmdError as e:
+            sys.stderr.write(f"[rank {rank}] {e}\n")
+            report_status(rank, {"state": "failed", "exit_code": 2, "error": str(e)})
+            return 2
         return _run_python(rank, rest)
     return _run_program(rank, rest)
 

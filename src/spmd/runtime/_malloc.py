@@ -10,10 +10,12 @@ are reused; the price is that the process keeps that memory until it exits.
 The thresholds only govern the main arena. A thread that is not the main thread allocates from an
 arena of its own, made of heaps of at most 64 MB, and glibc maps anything that does not fit there
 afresh whatever the thresholds say. XLA:CPU allocates from its worker threads, so a jitted
-``v * 2`` on 64 MB still paid 16,385 page faults per call (21 ms against 3.7 ms with the buffer
-reused, one process, 2 cores). :func:`tune` therefore also caps glibc at one arena, which every
-thread then shares. That only applies to threads that have not allocated yet, so it must run
-before JAX starts its CPU client: ``spmd.init`` and the rank wrapper of ``spmd-run`` call it.
+``v * 2`` on 64 MB still pays 16,385 page faults per call (21 ms against 3.7 ms with the buffer
+reused, one process, 2 cores). ``SPMD_MALLOC_TUNING=arena`` therefore also caps glibc at one
+arena, which every thread then shares. It is not the default: on the data-parallel benchmark's
+one-core step (buffers of a few MB) it cost about 3% (5.01 against 4.86 ms, medians of 6 runs
+each). The cap only applies to threads that have not allocated yet, so it must come before JAX
+starts its CPU client: ``spmd.init`` and the rank wrapper of ``spmd-run`` call :func:`tune`.
 
 ``SPMD_MALLOC_TUNING=0`` turns all of it off; other allocators (jemalloc, tcmalloc via
 LD_PRELOAD) are left alone.
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+
+from .._errors import SpmdError
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -36,17 +40,18 @@ def tune(env: dict[str, str] | None = None) -> bool:
     """Apply the tuning once per process; True if glibc accepted it."""
     global _done
     env = dict(os.environ) if env is None else env
-    if _done or env.get("SPMD_MALLOC_TUNING", "1") == "0":
+    mode = env.get("SPMD_MALLOC_TUNING", "1")
+    if mode not in ("0", "1", "arena"):
+        raise SpmdError(f"SPMD_MALLOC_TUNING={mode!r}: expected 0, 1 or arena")
+    if _done or mode == "0":
         return _done
     try:
         libc = ctypes.CDLL(None)
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # not glibc
         return False
-    ok = (
-        bool(mallopt(_M_MMAP_THRESHOLD, _LIMIT))
-        and bool(mallopt(_M_TRIM_THRESHOLD, _LIMIT))
-        and bool(mallopt(_M_ARENA_MAX, 1))
-    )
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, _LIMIT)) and bool(mallopt(_M_TRIM_THRESHOLD, _LIMIT))
+    if mode == "arena":
+        ok = ok and bool(mallopt(_M_ARENA_MAX, 1))
     _done = ok
     return ok
