@@ -225,14 +225,20 @@ __device__ void EncodeFrom(Codec c, const T* src, int64_t count, int64_t blk, ch
   scales[blk] = codec::EncodeBlock(c, v, n, payload);
 }
 
-__device__ __forceinline__ void DecodeAdd(Codec c, const char* region, int64_t blocks, int64_t blk,
-                                          int n, float* acc) {
+// Decodes block blk of a region into acc: added to it (kAdd), or written as is (the gather, so
+// that a -0 stays -0 as in the CPU reference).
+template <bool kAdd>
+__device__ __forceinline__ void DecodeBlock(Codec c, const char* region, int64_t blocks,
+                                            int64_t blk, int n, float* acc) {
   alignas(16) uint8_t payload[codec::kBlock];
   const int pb = codec::PayloadBytes(c);
   const uint4* src = reinterpret_cast<const uint4*>(region + blk * pb);
   for (int k = 0; k < pb / 16; ++k) reinterpret_cast<uint4*>(payload)[k] = __ldcg(src + k);
   const float scale = __ldcg(reinterpret_cast<const float*>(region + ScalesOffset(c, blocks)) + blk);
-  for (int i = 0; i < n; ++i) acc[i] = codec::AddRn(acc[i], codec::DecodeValue(c, payload, scale, i));
+  for (int i = 0; i < n; ++i) {
+    const float v = codec::DecodeValue(c, payload, scale, i);
+    acc[i] = kAdd ? codec::AddRn(acc[i], v) : v;
+  }
 }
 
 template <typename T>
@@ -257,7 +263,7 @@ __global__ void __launch_bounds__(kThreads) QuantizedKernel(Args a, Codec c) {
     const int n = static_cast<int>(min(static_cast<int64_t>(codec::kBlock), a.count - b * codec::kBlock));
     float acc[codec::kBlock];
     for (int i = 0; i < codec::kBlock; ++i) acc[i] = 0.0f;
-    for (int r = 0; r < p.world; ++r) DecodeAdd(c, p.data[r], blocks, b, n, acc);
+    for (int r = 0; r < p.world; ++r) DecodeBlock<true>(c, p.data[r], blocks, b, n, acc);
     char* region = p.data[rank] + p.cap;
     uint8_t* payload = reinterpret_cast<uint8_t*>(region) + b * codec::PayloadBytes(c);
     reinterpret_cast<float*>(region + ScalesOffset(c, blocks))[b] =
@@ -271,8 +277,7 @@ __global__ void __launch_bounds__(kThreads) QuantizedKernel(Args a, Codec c) {
     for (int64_t b = sl.lo + first; b < sl.hi; b += stride) {
       const int n = static_cast<int>(min(static_cast<int64_t>(codec::kBlock), a.count - b * codec::kBlock));
       float v[codec::kBlock];
-      for (int i = 0; i < codec::kBlock; ++i) v[i] = 0.0f;
-      DecodeAdd(c, p.data[s] + p.cap, blocks, b, n, v);
+      DecodeBlock<false>(c, p.data[s] + p.cap, blocks, b, n, v);
       for (int i = 0; i < n; ++i) out[b * codec::kBlock + i] = FromFloat<T>(v[i]);
     }
   }
