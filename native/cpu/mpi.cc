@@ -172,7 +172,8 @@ Status MpiComm::Allreduce(const void* in, void* out, size_t count, xla::ffi::Dat
   void* recv = out;
   H type = Datatype(dtype);
   if (IsHalf(dtype)) {
-    if (scratch_in.size() < count) scratch_in.resize(count), scratch_out.resize(count);
+    if (scratch_in.size() < count) scratch_in.resize(count);
+    if (scratch_out.size() < count) scratch_out.resize(count);
     HalfToFloat32(dtype, in, scratch_in.data(), count);
     send = scratch_in.data();
     recv = scratch_out.data();

@@ -68,6 +68,11 @@ def test_shapes_or_dtypes_that_differ_between_ranks(comm):
     _mismatch(comm, lambda r: spmd.reduce_scatter(jnp.ones((comm.size * (1 + r),))))
     # Different ops at the same point in the program.
     _mismatch(comm, lambda r: spmd.allreduce(jnp.ones(4), "max" if r else "sum"))
+    # Different ops once both have succeeded, so that JAX takes its cached fast path (which
+    # raises another exception type).
+    spmd.allreduce(jnp.ones(3))
+    spmd.allgather(jnp.ones(3))
+    _mismatch(comm, lambda r: spmd.allreduce(jnp.ones(3)) if r else spmd.allgather(jnp.ones(3)))
     # Inside jit the failure surfaces as JAX's runtime error carrying the same message.
     f = jax.jit(lambda v: spmd.allreduce(v))
     with pytest.raises(jax.errors.JaxRuntimeError, match="made different collective calls"):

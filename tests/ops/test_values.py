@@ -234,3 +234,19 @@ def test_half_precision_sums_round_once_to_nearest_even(comm):
                 )
     finally:
         spmd.ops.set_backend("auto")
+
+
+@multirank(nprocs=(2,))
+def test_mpi_half_precision_after_a_larger_reduce_scatter(comm):
+    """Over MPI, float16 goes through float32 scratch buffers kept between calls: an allreduce
+    after a reduce_scatter of a larger total must not outgrow the output one."""
+    n = comm.size
+    try:
+        spmd.ops.set_backend("mpi")
+        big = jnp.full((n << 20,), comm.rank + 1, jnp.float16)
+        part = np.asarray(jax.jit(spmd.reduce_scatter)(big))
+        np.testing.assert_array_equal(part, np.full(1 << 20, n * (n + 1) // 2, np.float16))
+        summed = np.asarray(jax.jit(spmd.allreduce)(big))
+        np.testing.assert_array_equal(summed, np.full(n << 20, n * (n + 1) // 2, np.float16))
+    finally:
+        spmd.ops.set_backend("auto")

@@ -191,7 +191,9 @@ def bind(prim: core.Primitive, *args: Any, **params: Any) -> list[Any]:
     try:
         outs = list(prim.bind(*args, **params))
         jax.block_until_ready(outs)
-    except jax.errors.JaxRuntimeError as e:
+    except (jax.errors.JaxRuntimeError, ValueError) as e:
+        # JaxRuntimeError from a first call; a cached executable's fast path raises ValueError
+        # with the same text. Anything without spmd's marker goes up unchanged.
         raise translate_error(e) from None
     return outs
 
