@@ -135,11 +135,14 @@ Status MpiLoad(const std::string& library, const MpiConstants& constants) {
 
 bool MpiLoaded() { return loaded; }
 
-namespace {
+Status MpiComm::Usable() const {
+  if (!broken) return Status::Ok();
+  return Status::Error("the MPI group " + RankList(world_ranks) +
+                       " is unusable: an earlier collective on it timed out (MPI may still "
+                       "complete that call, so no later call is started)");
+}
 
-// Polls `requests` to completion, or fails after the deadline naming the group.
-Status WaitAll(H* requests, int n, double timeout_s, const std::vector<int>& group,
-               const char* what) {
+Status MpiComm::Wait(H* requests, int n, const char* what) const {
   auto start = std::chrono::steady_clock::now();
   int spins = 0;
   for (int i = 0; i < n; ++i) {
@@ -152,8 +155,10 @@ Status WaitAll(H* requests, int n, double timeout_s, const std::vector<int>& gro
         sched_yield();
         std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
         if (waited.count() > timeout_s) {
-          return Status::Error(std::string(what) + " over MPI on the group " + RankList(group) +
-                               " timed out after " + std::to_string(static_cast<int>(timeout_s)) +
+          broken = true;
+          return Status::Error(std::string(what) + " over MPI on the group " +
+                               RankList(world_ranks) + " timed out after " +
+                               std::to_string(static_cast<int>(timeout_s)) +
                                " s: at least one rank of the group never made the matching "
                                "call. Every rank of a group must make the same collective calls "
                                "in the same order; raise SPMD_TIMEOUT if they are just slow");
@@ -164,10 +169,9 @@ Status WaitAll(H* requests, int n, double timeout_s, const std::vector<int>& gro
   return Status::Ok();
 }
 
-}  // namespace
-
 Status MpiComm::Allreduce(const void* in, void* out, size_t count, xla::ffi::DataType dtype,
                           ReduceOp op) const {
+  SPMD_RETURN_IF_ERROR(Usable());
   const void* send = in;
   void* recv = out;
   H type = Datatype(dtype);
@@ -185,12 +189,13 @@ Status MpiComm::Allreduce(const void* in, void* out, size_t count, xla::ffi::Dat
                                               Op(op, dtype == xla::ffi::DataType::PRED), comm,
                                               &request),
                              "allreduce"));
-  SPMD_RETURN_IF_ERROR(WaitAll(&request, 1, timeout_s, world_ranks, "allreduce"));
+  SPMD_RETURN_IF_ERROR(Wait(&request, 1, "allreduce"));
   if (IsHalf(dtype)) Float32ToHalf(dtype, scratch_out.data(), out, count);
   return Status::Ok();
 }
 
 Status MpiComm::Allgatherv(const void* in, void* out, const std::vector<size_t>& bytes) const {
+  SPMD_RETURN_IF_ERROR(Usable());
   std::vector<Count> counts(size);
   std::vector<Aint> displs(size);
   Aint at = 0;
@@ -203,11 +208,12 @@ Status MpiComm::Allgatherv(const void* in, void* out, const std::vector<size_t>&
   SPMD_RETURN_IF_ERROR(Check(fns.Iallgatherv_c(in, counts[rank], consts.byte, out, counts.data(),
                                                displs.data(), consts.byte, comm, &request),
                              "allgather"));
-  return WaitAll(&request, 1, timeout_s, world_ranks, "allgather");
+  return Wait(&request, 1, "allgather");
 }
 
 Status MpiComm::ReduceScatterv(const void* in, void* out, const std::vector<size_t>& counts,
                                xla::ffi::DataType dtype, ReduceOp op) const {
+  SPMD_RETURN_IF_ERROR(Usable());
   std::vector<Count> c(counts.begin(), counts.end());
   size_t total = 0;
   for (size_t x : counts) total += x;
@@ -228,30 +234,33 @@ Status MpiComm::ReduceScatterv(const void* in, void* out, const std::vector<size
                                                    Op(op, dtype == xla::ffi::DataType::PRED),
                                                    comm, &request),
                              "reduce_scatter"));
-  SPMD_RETURN_IF_ERROR(WaitAll(&request, 1, timeout_s, world_ranks, "reduce_scatter"));
+  SPMD_RETURN_IF_ERROR(Wait(&request, 1, "reduce_scatter"));
   if (IsHalf(dtype)) Float32ToHalf(dtype, scratch_out.data(), out, counts[rank]);
   return Status::Ok();
 }
 
 Status MpiComm::Broadcast(void* buf, size_t bytes, int root) const {
+  SPMD_RETURN_IF_ERROR(Usable());
   H request = 0;
   SPMD_RETURN_IF_ERROR(Check(
       fns.Ibcast_c(buf, static_cast<Count>(bytes), consts.byte, root, comm, &request),
       "broadcast"));
-  return WaitAll(&request, 1, timeout_s, world_ranks, "broadcast");
+  return Wait(&request, 1, "broadcast");
 }
 
 Status MpiComm::AllToAll(const void* in, void* out, size_t block_bytes) const {
+  SPMD_RETURN_IF_ERROR(Usable());
   H request = 0;
   SPMD_RETURN_IF_ERROR(Check(fns.Ialltoall_c(in, static_cast<Count>(block_bytes), consts.byte,
                                              out, static_cast<Count>(block_bytes), consts.byte,
                                              comm, &request),
                              "all_to_all"));
-  return WaitAll(&request, 1, timeout_s, world_ranks, "all_to_all");
+  return Wait(&request, 1, "all_to_all");
 }
 
 Status MpiComm::SendRecv(const void* send, size_t send_bytes, int dst, void* recv,
                          size_t recv_bytes, int src) const {
+  SPMD_RETURN_IF_ERROR(Usable());
   constexpr int kTag = 0x5d1;
   H requests[2] = {0, 0};
   int n = 0;
@@ -265,18 +274,20 @@ Status MpiComm::SendRecv(const void* send, size_t send_bytes, int dst, void* rec
                                            kTag, comm, &requests[n++]),
                                "send"));
   }
-  return WaitAll(requests, n, timeout_s, world_ranks, dst >= 0 && src >= 0 ? "sendrecv"
+  return Wait(requests, n, dst >= 0 && src >= 0 ? "sendrecv"
                                                       : dst >= 0           ? "send"
                                                                            : "recv");
 }
 
 Status MpiComm::Barrier() const {
+  SPMD_RETURN_IF_ERROR(Usable());
   H request = 0;
   SPMD_RETURN_IF_ERROR(Check(fns.Ibarrier(comm, &request), "barrier"));
-  return WaitAll(&request, 1, timeout_s, world_ranks, "barrier");
+  return Wait(&request, 1, "barrier");
 }
 
 Status MpiComm::CheckSame(uint64_t hash, const std::string& mine) const {
+  SPMD_RETURN_IF_ERROR(Usable());
   std::vector<uint64_t> all(size);
   SPMD_RETURN_IF_ERROR(Allgatherv(&hash, all.data(), std::vector<size_t>(size, 8)));
   bool same = true;

@@ -51,6 +51,17 @@ struct MpiComm {
   Status Barrier() const;
   // Signature check (allgather of a hash): used under SPMD_DEBUG=1.
   Status CheckSame(uint64_t hash, const std::string& mine) const;
+
+  // Set when a call timed out. MPI cannot cancel a collective, so the abandoned call may still
+  // complete once the late ranks arrive: the communicator is not used again (every later call
+  // fails at once instead of matching the abandoned one), and the job should stop (spmd.init's
+  // abort hook stops it on an uncaught error).
+  mutable bool broken = false;
+
+ private:
+  Status Usable() const;
+  // Polls `requests` to completion, or fails after the deadline naming the group.
+  Status Wait(MpiHandle* requests, int n, const char* what) const;
 };
 
 }  // namespace spmd

@@ -97,6 +97,22 @@ def test_a_rank_that_never_arrives_is_named_not_a_hang(comm):
         assert "never made the matching call" in text
 
 
+@multirank(nprocs=(2,), env={"SPMD_TIMEOUT": "2", "SPMD_BACKEND": "mpi"}, fresh=True)
+def test_an_mpi_timeout_makes_the_group_unusable(comm):
+    """MPI cannot cancel a collective: after a timeout the abandoned call may still complete
+    with a late rank, so the group refuses every later call instead of mismatching them."""
+    import time
+
+    spmd.barrier()
+    if comm.rank == 0:
+        _raises(lambda: spmd.allreduce(jnp.ones(3)), "[rank 0]", "timed out")
+        start = time.monotonic()
+        _raises(lambda: spmd.allreduce(jnp.ones(3)), "[rank 0]", "unusable", "timed out")
+        assert time.monotonic() - start < 1  # refused at once, not after another timeout
+    else:
+        time.sleep(3)  # never makes the call rank 0 gives up on
+
+
 @multirank(nprocs=(2,))
 def test_more_than_2_to_the_31_elements(comm):
     n = 2**31 + 192
