@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 namespace spmd {
 namespace {
@@ -105,6 +106,79 @@ void Float32ToHalf(xla::ffi::DataType d, const float* in, void* out, size_t coun
 // Scratch for float16/bfloat16 reductions, kept between calls (grows, never shrinks).
 thread_local std::vector<float> scratch_in, scratch_out;
 
+// Floating max/min over MPI. MPI combines the ranks' values in whatever order its algorithm
+// takes, with each rank's own buffer in its own place, and IEEE comparisons leave NaN and the two
+// zeros unordered: ranks could get different results. So the values travel as integer keys that
+// order them totally, as reduce.h's Combine does (NaN above everything for max and below for min,
+// -0 below +0), MPI takes the integer max/min, which no order changes, and the keys go back to
+// floats with NaN made the canonical quiet NaN.
+thread_local std::vector<int64_t> key_in, key_out;
+
+template <typename F, typename I>
+void ToKeys(const F* in, I* out, size_t n, bool max) {
+  using U = std::make_unsigned_t<I>;
+  constexpr U sign = U{1} << (sizeof(U) * 8 - 1);
+  F q = std::numeric_limits<F>::quiet_NaN();
+  U nan;
+  std::memcpy(&nan, &q, sizeof(nan));
+  if (!max) nan |= sign;
+  for (size_t i = 0; i < n; ++i) {
+    U b;
+    std::memcpy(&b, &in[i], sizeof(b));
+    if (in[i] != in[i]) b = nan;
+    out[i] = static_cast<I>((b & sign) ? b ^ (sign - 1) : b);
+  }
+}
+
+template <typename F, typename I>
+void FromKeys(const I* in, F* out, size_t n) {
+  using U = std::make_unsigned_t<I>;
+  constexpr U sign = U{1} << (sizeof(U) * 8 - 1);
+  for (size_t i = 0; i < n; ++i) {
+    U b = static_cast<U>(in[i]);
+    if (b & sign) b ^= sign - 1;
+    std::memcpy(&out[i], &b, sizeof(b));
+    if (out[i] != out[i]) out[i] = std::numeric_limits<F>::quiet_NaN();
+  }
+}
+
+bool IsFloating(xla::ffi::DataType d) {
+  return IsHalf(d) || d == xla::ffi::DataType::F32 || d == xla::ffi::DataType::F64;
+}
+
+// A floating max/min through keys: `in` holds n_in values, `out` gets n_out; `mpi(send, recv,
+// type, op)` runs the MPI call on the keys (type int32, or int64 for float64).
+template <typename Mpi>
+Status KeyedMinMax(xla::ffi::DataType dtype, bool max, const void* in, size_t n_in, void* out,
+                   size_t n_out, Mpi&& mpi) {
+  const bool wide = dtype == xla::ffi::DataType::F64;
+  if (key_in.size() < n_in) key_in.resize(n_in);
+  if (key_out.size() < n_out) key_out.resize(n_out);
+  if (wide) {
+    ToKeys(static_cast<const double*>(in), key_in.data(), n_in, max);
+  } else {
+    const float* f = static_cast<const float*>(in);
+    if (IsHalf(dtype)) {
+      if (scratch_in.size() < n_in) scratch_in.resize(n_in);
+      HalfToFloat32(dtype, in, scratch_in.data(), n_in);
+      f = scratch_in.data();
+    }
+    ToKeys(f, reinterpret_cast<int32_t*>(key_in.data()), n_in, max);
+  }
+  SPMD_RETURN_IF_ERROR(mpi(key_in.data(), key_out.data(), wide ? consts.int64 : consts.int32,
+                           max ? consts.max : consts.min));
+  if (wide) {
+    FromKeys(key_out.data(), static_cast<double*>(out), n_out);
+  } else if (IsHalf(dtype)) {
+    if (scratch_out.size() < n_out) scratch_out.resize(n_out);
+    FromKeys(reinterpret_cast<const int32_t*>(key_out.data()), scratch_out.data(), n_out);
+    Float32ToHalf(dtype, scratch_out.data(), out, n_out);
+  } else {
+    FromKeys(reinterpret_cast<const int32_t*>(key_out.data()), static_cast<float*>(out), n_out);
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status MpiLoad(const std::string& library, const MpiConstants& constants) {
@@ -172,6 +246,17 @@ Status MpiComm::Wait(H* requests, int n, const char* what) const {
 Status MpiComm::Allreduce(const void* in, void* out, size_t count, xla::ffi::DataType dtype,
                           ReduceOp op) const {
   SPMD_RETURN_IF_ERROR(Usable());
+  if ((op == ReduceOp::kMax || op == ReduceOp::kMin) && IsFloating(dtype)) {
+    return KeyedMinMax(dtype, op == ReduceOp::kMax, in, count, out, count,
+                       [&](const void* send, void* recv, H type, H mpi_op) {
+                         H request = 0;
+                         SPMD_RETURN_IF_ERROR(Check(
+                             fns.Iallreduce_c(send, recv, static_cast<Count>(count), type, mpi_op,
+                                              comm, &request),
+                             "allreduce"));
+                         return Wait(&request, 1, "allreduce");
+                       });
+  }
   const void* send = in;
   void* recv = out;
   H type = Datatype(dtype);
@@ -217,6 +302,17 @@ Status MpiComm::ReduceScatterv(const void* in, void* out, const std::vector<size
   std::vector<Count> c(counts.begin(), counts.end());
   size_t total = 0;
   for (size_t x : counts) total += x;
+  if ((op == ReduceOp::kMax || op == ReduceOp::kMin) && IsFloating(dtype)) {
+    return KeyedMinMax(dtype, op == ReduceOp::kMax, in, total, out, counts[rank],
+                       [&](const void* send, void* recv, H type, H mpi_op) {
+                         H request = 0;
+                         SPMD_RETURN_IF_ERROR(Check(fns.Ireduce_scatter_c(send, recv, c.data(),
+                                                                          type, mpi_op, comm,
+                                                                          &request),
+                                                    "reduce_scatter"));
+                         return Wait(&request, 1, "reduce_scatter");
+                       });
+  }
   const void* send = in;
   void* recv = out;
   H type = Datatype(dtype);

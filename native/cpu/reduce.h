@@ -5,9 +5,12 @@
 #ifndef SPMD_CPU_REDUCE_H_
 #define SPMD_CPU_REDUCE_H_
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -170,6 +173,9 @@ SPMD_ALWAYS_INLINE void FloatsToHalf(bool bf16, const float* in, uint16_t* out, 
   for (size_t i = 0; i < n; ++i) out[i] = FloatToHalf(in[i]);
 }
 
+// Max and min of floating values do not depend on the order of the operands, so that every path
+// gives every rank the same result (mpi.cc computes them the same way): NaN if either operand is
+// NaN (the canonical quiet NaN), +0 for the max of -0 and +0 and -0 for their min.
 template <typename T>
 inline T Combine(ReduceOp op, T a, T b) {
   switch (op) {
@@ -178,9 +184,12 @@ inline T Combine(ReduceOp op, T a, T b) {
     case ReduceOp::kProd:
       return static_cast<T>(a * b);
     case ReduceOp::kMax:
-      return a < b ? b : (a == a ? a : a);  // NaN in a propagates
     case ReduceOp::kMin:
-      return b < a ? b : a;
+      if constexpr (std::is_floating_point_v<T>) {
+        if (a != a || b != b) return std::numeric_limits<T>::quiet_NaN();
+        if (a == b) return std::signbit(a) == (op == ReduceOp::kMax) ? b : a;
+      }
+      return (op == ReduceOp::kMax) == (a < b) ? b : a;
   }
   return a;
 }

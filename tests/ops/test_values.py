@@ -250,3 +250,46 @@ def test_mpi_half_precision_after_a_larger_reduce_scatter(comm):
         np.testing.assert_array_equal(summed, np.full(n << 20, n * (n + 1) // 2, np.float16))
     finally:
         spmd.ops.set_backend("auto")
+
+
+def _max_min_specials(comm):
+    """max/min with a NaN on one rank and zeros of both signs: NaN everywhere, +0 for max and -0
+    for min, bit-identical on every rank, whatever the path."""
+    r, n = comm.rank, comm.size
+    for dtype in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
+        x = np.arange(8, dtype=np.float64) + r  # ordinary values: the max is at rank n - 1
+        x[1] = np.nan if r == (n - 1) // 2 else r  # a NaN on one rank only
+        x[2] = -0.0 if r % 2 == 0 else 0.0  # -0 on even ranks, +0 on odd ones
+        x[3] = -0.0  # -0 everywhere
+        x = jnp.asarray(x, dtype)
+        for op in ("max", "min"):
+            got = np.asarray(jax.jit(lambda v, op=op: spmd.allreduce(v, op))(x), np.float64)
+            assert np.isnan(got[1]), (dtype, op, got)
+            assert got[3] == 0 and np.signbit(got[3]), (dtype, op, got)
+            if n > 1:  # both signs present
+                assert got[2] == 0 and np.signbit(got[2]) == (op == "min"), (dtype, op, got)
+            ordinary = np.r_[0, 4:8]
+            want = ordinary + (n - 1 if op == "max" else 0)
+            np.testing.assert_array_equal(got[ordinary], want)
+            same = comm.allgather_object(
+                np.asarray(jax.jit(lambda v, op=op: spmd.allreduce(v, op))(x)).tobytes()
+            )
+            assert len(set(same)) == 1, (dtype, op)
+
+
+@multirank(nprocs=(1, 2, 3, 4))
+def test_float_max_min_with_nan_and_signed_zeros_over_shm_and_mpi(comm):
+    try:
+        with x64():
+            for backend in ("shm", "mpi"):
+                spmd.ops.set_backend(backend)
+                _max_min_specials(comm)
+    finally:
+        spmd.ops.set_backend("auto")
+
+
+@multirank(nprocs=(3, 4), env={"SPMD_SIMULATE_NODES": "2"})
+def test_float_max_min_with_nan_and_signed_zeros_hierarchical(comm):
+    assert spmd.ops.get_backend() == "hier"
+    with x64():
+        _max_min_specials(comm)
