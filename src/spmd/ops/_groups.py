@@ -296,7 +296,10 @@ def set_backend(name: str) -> None:
 
     On CPU: ``"shm"``, ``"mpi"`` or ``"hier"``; applies to every group, including those already
     in use (no recompilation needed), and raises :class:`spmd.SpmdError` if a group in use
-    cannot use it. ``SPMD_BACKEND`` sets the default.
+    cannot use it. ``SPMD_BACKEND`` sets the default. The switch takes effect at once in this
+    process: call it on every rank when no collective is in flight (after blocking on the
+    results of earlier calls, ``jax.block_until_ready``), or a rank whose dispatched work has
+    not reached its collective yet would use the new transport while a peer uses the old one.
 
     On GPU: ``"custom"`` (the CUDA IPC all-reduce wherever it can take the call) or ``"nccl"``;
     applies to programs compiled afterwards. ``SPMD_GPU_BACKEND`` sets the default.
