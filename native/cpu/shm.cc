@@ -152,11 +152,12 @@ Status ShmGroup::Sync() {
   // Oversubscribed (more ranks than cores): yield early so that the ranks we wait for can run.
   static const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   const int spin_limit = static_cast<unsigned>(size_) > cores ? 16 : 4096;
+  // One deadline for the whole barrier (set once the wait gets long), not one per peer.
+  std::chrono::steady_clock::time_point deadline{};
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     std::atomic<uint64_t>& a = ctrl(r)->arrive;
     int spins = 0;
-    std::chrono::steady_clock::time_point deadline{};
     while (a.load(std::memory_order_acquire) < t) {
       if (++spins < spin_limit) {
         SPMD_PAUSE();

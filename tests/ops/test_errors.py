@@ -97,6 +97,23 @@ def test_a_rank_that_never_arrives_is_named_not_a_hang(comm):
         assert "never made the matching call" in text
 
 
+@multirank(nprocs=(3,), env={"SPMD_TIMEOUT": "2"}, fresh=True)
+def test_the_timeout_bounds_the_whole_wait_not_each_peer(comm):
+    """Rank 1 arrives late and rank 2 never: rank 0 gives up SPMD_TIMEOUT after it started
+    waiting, not SPMD_TIMEOUT after rank 1 arrived."""
+    import time
+
+    spmd.barrier()
+    if comm.rank == 2:
+        return
+    if comm.rank == 1:
+        time.sleep(1.5)
+    start = time.monotonic()
+    _raises(lambda: spmd.allreduce(jnp.ones(3)), f"[rank {comm.rank}]", "timed out", "[2]")
+    if comm.rank == 0:
+        assert time.monotonic() - start < 3.2  # 2 s, not 1.5 + 2
+
+
 @multirank(nprocs=(2,), env={"SPMD_TIMEOUT": "2", "SPMD_BACKEND": "mpi"}, fresh=True)
 def test_an_mpi_timeout_makes_the_group_unusable(comm):
     """MPI cannot cancel a collective: after a timeout the abandoned call may still complete
