@@ -6,22 +6,24 @@ namespace spmd {
 namespace {
 
 std::mutex registry_mu;
-std::map<int64_t, std::unique_ptr<Group>>& Registry() {
-  static auto* r = new std::map<int64_t, std::unique_ptr<Group>>();
+// Shared: a handler holds its group for the whole call, so spmd.finalize destroying the group
+// meanwhile only drops the registry's reference.
+std::map<int64_t, std::shared_ptr<Group>>& Registry() {
+  static auto* r = new std::map<int64_t, std::shared_ptr<Group>>();
   return *r;
 }
 
 }  // namespace
 
-Group* GroupFind(int64_t id) {
+std::shared_ptr<Group> GroupFind(int64_t id) {
   std::lock_guard<std::mutex> lock(registry_mu);
   auto it = Registry().find(id);
-  return it == Registry().end() ? nullptr : it->second.get();
+  return it == Registry().end() ? nullptr : it->second;
 }
 
 Status GroupCreate(int64_t id, int rank, int size, std::vector<int> world_ranks, double timeout_s,
                    bool debug, size_t one_shot_max) {
-  auto g = std::make_unique<Group>();
+  auto g = std::make_shared<Group>();
   g->id = id;
   g->rank = rank;
   g->size = size;
@@ -37,7 +39,7 @@ Status GroupCreate(int64_t id, int rank, int size, std::vector<int> world_ranks,
 
 Status GroupAttachShm(int64_t id, int which, const std::string& name, bool create, int rank,
                       int size, std::vector<int> world_ranks, size_t chunk) {
-  Group* g = GroupFind(id);
+  std::shared_ptr<Group> g = GroupFind(id);
   if (g == nullptr) return Status::Error("no group " + std::to_string(id));
   ShmGroup* shm = nullptr;
   SPMD_RETURN_IF_ERROR(
@@ -48,7 +50,7 @@ Status GroupAttachShm(int64_t id, int which, const std::string& name, bool creat
 
 Status GroupAttachMpi(int64_t id, int which, MpiHandle comm, int rank, int size,
                       std::vector<int> world_ranks) {
-  Group* g = GroupFind(id);
+  std::shared_ptr<Group> g = GroupFind(id);
   if (g == nullptr) return Status::Error("no group " + std::to_string(id));
   if (!MpiLoaded()) return Status::Error("MPI is not loaded");
   MpiComm& m = which == 0 ? g->mpi : g->leaders;
@@ -66,7 +68,7 @@ Status GroupAttachMpi(int64_t id, int which, MpiHandle comm, int rank, int size,
 }
 
 Status GroupSetBackend(int64_t id, Backend backend) {
-  Group* g = GroupFind(id);
+  std::shared_ptr<Group> g = GroupFind(id);
   if (g == nullptr) return Status::Error("no group " + std::to_string(id));
   std::lock_guard<std::mutex> lock(g->mu);
   g->backend = backend;
@@ -74,7 +76,7 @@ Status GroupSetBackend(int64_t id, Backend backend) {
 }
 
 void GroupDestroy(int64_t id) {
-  std::unique_ptr<Group> g;
+  std::shared_ptr<Group> g;
   {
     std::lock_guard<std::mutex> lock(registry_mu);
     auto it = Registry().find(id);

@@ -46,7 +46,7 @@ Status GroupAttachMpi(int64_t id, int which, MpiHandle comm, int rank, int size,
 Status GroupSetBackend(int64_t id, Backend backend);
 void GroupDestroy(int64_t id);
 // nullptr if no group has this id (not registered, or destroyed by spmd.finalize).
-Group* GroupFind(int64_t id);
+std::shared_ptr<Group> GroupFind(int64_t id);
 
 }  // namespace spmd
 

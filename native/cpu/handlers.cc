@@ -61,7 +61,7 @@ const char* DtypeName(ffi::DataType d) {
 struct Call {
   explicit Call(Code c) : code(c) {}
   Code code;
-  Group* group = nullptr;
+  std::shared_ptr<Group> group;  // held for the whole call (groups.cc)
   std::vector<Leaf> in, out;
   std::vector<std::vector<int64_t>> dims;  // of the inputs
   // Static parameters, formatted only when ranks disagree (never on the hot path).
