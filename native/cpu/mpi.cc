@@ -95,14 +95,6 @@ bool IsHalf(xla::ffi::DataType d) {
   return d == xla::ffi::DataType::F16 || d == xla::ffi::DataType::BF16;
 }
 
-void HalfToFloat32(xla::ffi::DataType d, const void* in, float* out, size_t count) {
-  HalfToFloats(d == xla::ffi::DataType::BF16, static_cast<const uint16_t*>(in), out, count);
-}
-
-void Float32ToHalf(xla::ffi::DataType d, const float* in, void* out, size_t count) {
-  FloatsToHalf(d == xla::ffi::DataType::BF16, in, static_cast<uint16_t*>(out), count);
-}
-
 // Scratch for float16/bfloat16 reductions, kept between calls (grows, never shrinks).
 thread_local std::vector<float> scratch_in, scratch_out;
 
@@ -146,37 +138,62 @@ bool IsFloating(xla::ffi::DataType d) {
   return IsHalf(d) || d == xla::ffi::DataType::F32 || d == xla::ffi::DataType::F64;
 }
 
-// A floating max/min through keys: `in` holds n_in values, `out` gets n_out; `mpi(send, recv,
-// type, op)` runs the MPI call on the keys (type int32, or int64 for float64).
-template <typename Mpi>
-Status KeyedMinMax(xla::ffi::DataType dtype, bool max, const void* in, size_t n_in, void* out,
-                   size_t n_out, Mpi&& mpi) {
-  const bool wide = dtype == xla::ffi::DataType::F64;
-  if (key_in.size() < n_in) key_in.resize(n_in);
-  if (key_out.size() < n_out) key_out.resize(n_out);
-  if (wide) {
-    ToKeys(static_cast<const double*>(in), key_in.data(), n_in, max);
-  } else {
-    const float* f = static_cast<const float*>(in);
-    if (IsHalf(dtype)) {
-      if (scratch_in.size() < n_in) scratch_in.resize(n_in);
-      HalfToFloat32(dtype, in, scratch_in.data(), n_in);
-      f = scratch_in.data();
-    }
-    ToKeys(f, reinterpret_cast<int32_t*>(key_in.data()), n_in, max);
-  }
-  SPMD_RETURN_IF_ERROR(mpi(key_in.data(), key_out.data(), wide ? consts.int64 : consts.int32,
-                           max ? consts.max : consts.min));
-  if (wide) {
-    FromKeys(key_out.data(), static_cast<double*>(out), n_out);
-  } else if (IsHalf(dtype)) {
+// How a reduction travels over MPI. Most dtypes go as they are. float16/bfloat16 go as float32
+// (scratch), so that they are reduced in float32 and rounded once. Floating max/min go as keys
+// (ToKeys). Stage fills the buffers MPI reads and writes; Finish turns MPI's result into `out`.
+struct Reduction {
+  xla::ffi::DataType dtype;
+  bool keyed, wide;
+  const void* send;
+  void* recv;
+  H type, op;
+};
+
+Reduction Stage(xla::ffi::DataType dtype, ReduceOp op, const void* in, size_t n_in, void* out,
+                size_t n_out) {
+  const bool max = op == ReduceOp::kMax;
+  Reduction r{dtype, (max || op == ReduceOp::kMin) && IsFloating(dtype),
+              dtype == xla::ffi::DataType::F64, in, out, Datatype(dtype),
+              Op(op, dtype == xla::ffi::DataType::PRED)};
+  const float* f = static_cast<const float*>(in);
+  if (IsHalf(dtype)) {
+    if (scratch_in.size() < n_in) scratch_in.resize(n_in);
     if (scratch_out.size() < n_out) scratch_out.resize(n_out);
-    FromKeys(reinterpret_cast<const int32_t*>(key_out.data()), scratch_out.data(), n_out);
-    Float32ToHalf(dtype, scratch_out.data(), out, n_out);
-  } else {
-    FromKeys(reinterpret_cast<const int32_t*>(key_out.data()), static_cast<float*>(out), n_out);
+    HalfToFloats(dtype == xla::ffi::DataType::BF16, static_cast<const uint16_t*>(in),
+                 scratch_in.data(), n_in);
+    f = scratch_in.data();
+    r.send = scratch_in.data();
+    r.recv = scratch_out.data();
+    r.type = consts.float32;
   }
-  return Status::Ok();
+  if (r.keyed) {
+    if (key_in.size() < n_in) key_in.resize(n_in);
+    if (key_out.size() < n_out) key_out.resize(n_out);
+    if (r.wide) {
+      ToKeys(static_cast<const double*>(in), key_in.data(), n_in, max);
+    } else {
+      ToKeys(f, reinterpret_cast<int32_t*>(key_in.data()), n_in, max);
+    }
+    r.send = key_in.data();
+    r.recv = key_out.data();
+    r.type = r.wide ? consts.int64 : consts.int32;
+    r.op = max ? consts.max : consts.min;
+  }
+  return r;
+}
+
+void Finish(const Reduction& r, void* out, size_t n_out) {
+  const bool half = IsHalf(r.dtype);
+  if (r.keyed && r.wide) {
+    FromKeys(key_out.data(), static_cast<double*>(out), n_out);
+  } else if (r.keyed) {
+    FromKeys(reinterpret_cast<const int32_t*>(key_out.data()),
+             half ? scratch_out.data() : static_cast<float*>(out), n_out);
+  }
+  if (half) {
+    FloatsToHalf(r.dtype == xla::ffi::DataType::BF16, scratch_out.data(),
+                 static_cast<uint16_t*>(out), n_out);
+  }
 }
 
 }  // namespace
@@ -246,36 +263,14 @@ Status MpiComm::Wait(H* requests, int n, const char* what) const {
 Status MpiComm::Allreduce(const void* in, void* out, size_t count, xla::ffi::DataType dtype,
                           ReduceOp op) const {
   SPMD_RETURN_IF_ERROR(Usable());
-  if ((op == ReduceOp::kMax || op == ReduceOp::kMin) && IsFloating(dtype)) {
-    return KeyedMinMax(dtype, op == ReduceOp::kMax, in, count, out, count,
-                       [&](const void* send, void* recv, H type, H mpi_op) {
-                         H request = 0;
-                         SPMD_RETURN_IF_ERROR(Check(
-                             fns.Iallreduce_c(send, recv, static_cast<Count>(count), type, mpi_op,
-                                              comm, &request),
-                             "allreduce"));
-                         return Wait(&request, 1, "allreduce");
-                       });
-  }
-  const void* send = in;
-  void* recv = out;
-  H type = Datatype(dtype);
-  if (IsHalf(dtype)) {
-    if (scratch_in.size() < count) scratch_in.resize(count);
-    if (scratch_out.size() < count) scratch_out.resize(count);
-    HalfToFloat32(dtype, in, scratch_in.data(), count);
-    send = scratch_in.data();
-    recv = scratch_out.data();
-    type = consts.float32;
-  }
-  if (type == 0) return Status::Error("allreduce over MPI does not support this dtype");
+  Reduction r = Stage(dtype, op, in, count, out, count);
+  if (r.type == 0) return Status::Error("allreduce over MPI does not support this dtype");
   H request = 0;
-  SPMD_RETURN_IF_ERROR(Check(fns.Iallreduce_c(send, recv, static_cast<Count>(count), type,
-                                              Op(op, dtype == xla::ffi::DataType::PRED), comm,
-                                              &request),
-                             "allreduce"));
+  SPMD_RETURN_IF_ERROR(Check(
+      fns.Iallreduce_c(r.send, r.recv, static_cast<Count>(count), r.type, r.op, comm, &request),
+      "allreduce"));
   SPMD_RETURN_IF_ERROR(Wait(&request, 1, "allreduce"));
-  if (IsHalf(dtype)) Float32ToHalf(dtype, scratch_out.data(), out, count);
+  Finish(r, out, count);
   return Status::Ok();
 }
 
@@ -302,36 +297,14 @@ Status MpiComm::ReduceScatterv(const void* in, void* out, const std::vector<size
   std::vector<Count> c(counts.begin(), counts.end());
   size_t total = 0;
   for (size_t x : counts) total += x;
-  if ((op == ReduceOp::kMax || op == ReduceOp::kMin) && IsFloating(dtype)) {
-    return KeyedMinMax(dtype, op == ReduceOp::kMax, in, total, out, counts[rank],
-                       [&](const void* send, void* recv, H type, H mpi_op) {
-                         H request = 0;
-                         SPMD_RETURN_IF_ERROR(Check(fns.Ireduce_scatter_c(send, recv, c.data(),
-                                                                          type, mpi_op, comm,
-                                                                          &request),
-                                                    "reduce_scatter"));
-                         return Wait(&request, 1, "reduce_scatter");
-                       });
-  }
-  const void* send = in;
-  void* recv = out;
-  H type = Datatype(dtype);
-  if (IsHalf(dtype)) {
-    if (scratch_in.size() < total) scratch_in.resize(total);
-    if (scratch_out.size() < counts[rank]) scratch_out.resize(counts[rank]);
-    HalfToFloat32(dtype, in, scratch_in.data(), total);
-    send = scratch_in.data();
-    recv = scratch_out.data();
-    type = consts.float32;
-  }
-  if (type == 0) return Status::Error("reduce_scatter over MPI does not support this dtype");
+  Reduction r = Stage(dtype, op, in, total, out, counts[rank]);
+  if (r.type == 0) return Status::Error("reduce_scatter over MPI does not support this dtype");
   H request = 0;
-  SPMD_RETURN_IF_ERROR(Check(fns.Ireduce_scatter_c(send, recv, c.data(), type,
-                                                   Op(op, dtype == xla::ffi::DataType::PRED),
-                                                   comm, &request),
-                             "reduce_scatter"));
+  SPMD_RETURN_IF_ERROR(Check(
+      fns.Ireduce_scatter_c(r.send, r.recv, c.data(), r.type, r.op, comm, &request),
+      "reduce_scatter"));
   SPMD_RETURN_IF_ERROR(Wait(&request, 1, "reduce_scatter"));
-  if (IsHalf(dtype)) Float32ToHalf(dtype, scratch_out.data(), out, counts[rank]);
+  Finish(r, out, counts[rank]);
   return Status::Ok();
 }
 
