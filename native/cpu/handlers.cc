@@ -178,6 +178,60 @@ Status AllreduceMpi(const Call& call, const MpiComm& comm, ReduceOp op,
 }
 
 thread_local std::vector<char> hier_scratch;
+thread_local std::vector<float> hier_wide_in, hier_wide_out;
+
+// Hierarchical: reduce inside the node, across node leaders over MPI, then broadcast inside the
+// node, leaf by leaf.
+Status AllreduceHier(const Call& call, Group& g, ReduceOp op, const std::vector<Leaf>& in,
+                     const std::vector<Leaf>& out) {
+  SPMD_RETURN_IF_ERROR(g.local->Allreduce(call.Sig(), op, in, out, g.one_shot_max));
+  for (size_t i = 0; i < out.size(); ++i) {
+    const Leaf& o = out[i];
+    if (hier_scratch.size() < o.bytes) hier_scratch.resize(o.bytes);
+    Leaf tmp{hier_scratch.data(), o.bytes, o.dtype, o.elem};
+    if (g.is_leader) {
+      SPMD_RETURN_IF_ERROR(g.leaders.Allreduce(o.data, tmp.data, o.bytes / o.elem, o.dtype, op));
+    }
+    SPMD_RETURN_IF_ERROR(g.local->Broadcast(call.Sig(), 0, g.is_leader ? tmp : o, o));
+  }
+  return Status::Ok();
+}
+
+bool IsHalf(ffi::DataType d) { return d == ffi::DataType::F16 || d == ffi::DataType::BF16; }
+
+// Hierarchical sums and products of float16/bfloat16 run in float32 from end to end, the leaves
+// widened into one buffer and rounded once at the end, as the flat paths round once (rounding
+// each node's partial result first would round twice). Max and min are exact: they stay narrow.
+Status AllreduceHierWide(const Call& call, Group& g, ReduceOp op, const std::vector<Leaf>& in,
+                         const std::vector<Leaf>& out) {
+  size_t count = 0;
+  for (const Leaf& l : in) count += l.bytes / l.elem;
+  if (hier_wide_in.size() < count) {
+    hier_wide_in.resize(count);
+    hier_wide_out.resize(count);
+  }
+  size_t at = 0;
+  for (const Leaf& l : in) {
+    size_t n = l.bytes / l.elem;
+    HalfToFloats(l.dtype == ffi::DataType::BF16, reinterpret_cast<const uint16_t*>(l.data),
+                 hier_wide_in.data() + at, n);
+    at += n;
+  }
+  const size_t bytes = count * sizeof(float);
+  std::vector<Leaf> win{{reinterpret_cast<char*>(hier_wide_in.data()), bytes,
+                         ffi::DataType::F32, sizeof(float)}};
+  std::vector<Leaf> wout{{reinterpret_cast<char*>(hier_wide_out.data()), bytes,
+                          ffi::DataType::F32, sizeof(float)}};
+  SPMD_RETURN_IF_ERROR(AllreduceHier(call, g, op, win, wout));
+  at = 0;
+  for (const Leaf& l : out) {
+    size_t n = l.bytes / l.elem;
+    FloatsToHalf(l.dtype == ffi::DataType::BF16, hier_wide_out.data() + at,
+                 reinterpret_cast<uint16_t*>(l.data), n);
+    at += n;
+  }
+  return Status::Ok();
+}
 
 Status AllreduceImpl(Call& call, ReduceOp op) {
   Group& g = *call.group;
@@ -186,18 +240,17 @@ Status AllreduceImpl(Call& call, ReduceOp op) {
     return g.shm->Allreduce(call.Sig(), op, call.in, call.out, g.one_shot_max);
   }
   if (b == Backend::kHier && g.local) {
-    // Reduce inside the node, across node leaders over MPI, then broadcast inside the node.
-    SPMD_RETURN_IF_ERROR(g.local->Allreduce(call.Sig(), op, call.in, call.out, g.one_shot_max));
-    for (size_t i = 0; i < call.out.size(); ++i) {
-      const Leaf& o = call.out[i];
-      if (hier_scratch.size() < o.bytes) hier_scratch.resize(o.bytes);
-      Leaf tmp{hier_scratch.data(), o.bytes, o.dtype, o.elem};
-      if (g.is_leader) {
-        SPMD_RETURN_IF_ERROR(
-            g.leaders.Allreduce(o.data, tmp.data, o.bytes / o.elem, o.dtype, op));
-      }
-      SPMD_RETURN_IF_ERROR(g.local->Broadcast(call.Sig(), 0, g.is_leader ? tmp : o, o));
+    if (op != ReduceOp::kSum && op != ReduceOp::kProd) {
+      return AllreduceHier(call, g, op, call.in, call.out);
     }
+    // The half-precision leaves go widened; the others as they are (every rank splits alike).
+    std::vector<Leaf> half_in, half_out, rest_in, rest_out;
+    for (size_t i = 0; i < call.in.size(); ++i) {
+      (IsHalf(call.in[i].dtype) ? half_in : rest_in).push_back(call.in[i]);
+      (IsHalf(call.in[i].dtype) ? half_out : rest_out).push_back(call.out[i]);
+    }
+    if (!half_in.empty()) SPMD_RETURN_IF_ERROR(AllreduceHierWide(call, g, op, half_in, half_out));
+    if (!rest_in.empty()) SPMD_RETURN_IF_ERROR(AllreduceHier(call, g, op, rest_in, rest_out));
     return Status::Ok();
   }
   if (g.has_mpi) {

@@ -47,7 +47,7 @@ def test_auto_is_shm_on_one_node_and_mpi_can_be_forced(comm):
 
 @multirank(nprocs=(3, 4), env={"SPMD_SIMULATE_NODES": "2"})
 def test_hierarchical_across_simulated_nodes(comm):
-    # Nodes of consecutive ranks: 4 ranks -> {0, 1} {2, 3}; 3 ranks -> {0} {1, 2}.
+    # Nodes of consecutive ranks: 4 ranks -> {0, 1} {2, 3}; 3 ranks -> {0, 1} {2}.
     assert spmd.ops.get_backend() == "hier"
     _all_ops_everywhere(comm, "eager")
     _all_ops_everywhere(comm, "jit")

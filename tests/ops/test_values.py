@@ -236,6 +236,35 @@ def test_half_precision_sums_round_once_to_nearest_even(comm):
         spmd.ops.set_backend("auto")
 
 
+@multirank(nprocs=(3, 4), env={"SPMD_SIMULATE_NODES": "2"})
+def test_half_precision_sums_round_once_hierarchical(comm):
+    """Across nodes float16/bfloat16 sums stay in float32 until the end: each node adds its
+    ranks in order, the two node leaders add their partial sums, and the total is rounded once,
+    bit for bit what NumPy computes that way (rounding each node's partial sum to the half type
+    first would round twice). A pytree mixing half and float32 leaves takes both paths."""
+    assert spmd.ops.get_backend() == "hier"
+    r, n = comm.rank, comm.size
+    nodes: list[list[int]] = []  # consecutive ranks; a node starts at each local rank 0
+    for k, local in enumerate(comm.allgather_object(comm.local_rank)):
+        nodes.append([k]) if local == 0 else nodes[-1].append(k)
+    assert len(nodes) == 2, nodes
+    for dtype in (np.float16, jnp.bfloat16):
+        ins = [_half_inputs(k, dtype) for k in range(n)]
+        parts = []
+        for node in nodes:
+            acc = ins[node[0]].astype(np.float32)
+            for k in node[1:]:
+                acc = acc + ins[k].astype(np.float32)
+            parts.append(acc)
+        want = (parts[0] + parts[1]).astype(dtype)
+        other = np.full(5, r + 1, np.float32)
+        got, got_other = jax.jit(spmd.allreduce)((jnp.asarray(ins[r]), jnp.asarray(other)))
+        got = np.asarray(got)
+        bad = np.flatnonzero(got.view(np.uint16) != want.view(np.uint16))
+        assert bad.size == 0, (dtype, bad[:5], got[bad[:5]], want[bad[:5]])
+        np.testing.assert_array_equal(np.asarray(got_other), np.full(5, n * (n + 1) / 2))
+
+
 @multirank(nprocs=(2,))
 def test_mpi_half_precision_after_a_larger_reduce_scatter(comm):
     """Over MPI, float16 goes through float32 scratch buffers kept between calls: an allreduce
