@@ -165,3 +165,81 @@ def test_accumulation_errors_name_the_rank(comm):
         step(params, tx.init(params), (x, y))
     with pytest.raises(spmd.SpmdError, match=f"rank {comm.rank}: .*spmd.no_sync\\(\\) belong"):
         step(params, tx.init(params), (x[:4], y[:4]))
+
+
+@multirank(nprocs=(2, 3))
+def test_unusual_gradients_and_arguments(comm):
+    """Gradients that are constants (an unused scalar: 0; a scalar added to the loss: 1),
+    integer parameters under allow_int (float0 gradients) with accumulate_steps and no_sync,
+    a non-array keyword argument passed through to the loss, and argnums counted from the
+    end: each gives jax's gradient on the global batch, on every rank."""
+    import jax.numpy as jnp
+
+    n, r = comm.size, comm.rank
+    xs = np.random.default_rng(0).standard_normal((4 * n, 3)).astype(np.float32)
+    mine = spmd.data.shard_batch(xs)
+
+    def loss(p, x, mode="train"):
+        scale = 1.0 if mode == "train" else 0.0
+        return scale * jnp.mean(x @ p["w"]) ** 2 + p["bias"] + 0.0 * p["ids"].sum()
+
+    p = {"w": jnp.arange(3.0), "bias": jnp.float32(0.5), "unused": jnp.float32(2.0),
+         "ids": jnp.arange(3)}  # fmt: skip
+
+    def want_w(k):  # the mean of the gradients of the n * k micro-batches (the loss is not linear)
+        rows = len(xs) // (n * k)
+        parts = [jax.grad(loss, allow_int=True)(p, xs[j * rows : (j + 1) * rows])["w"]
+                 for j in range(n * k)]  # fmt: skip
+        return np.mean(parts, axis=0)
+
+    for k, nosync in ((1, False), (2, False), (1, True)):
+
+        @spmd.data_parallel(accumulate_steps=k)
+        def step(p, x):
+            return spmd.grad(loss, allow_int=True)(p, x, mode="train")
+
+        if nosync:
+            with spmd.no_sync():
+                step(p, mine)
+        g = step(p, mine)
+        assert_same_everywhere(comm, {"w": g["w"], "bias": g["bias"], "unused": g["unused"]})
+        assert g["ids"].dtype == jax.dtypes.float0
+        times = 2 if nosync else 1  # no_sync: the sum of the micro-steps' gradients
+        np.testing.assert_allclose(g["w"], times * want_w(k), rtol=1e-5)
+        assert float(g["bias"]) == times and float(g["unused"]) == 0.0
+
+    def last():
+        return spmd.data_parallel(accumulate_steps=2)(
+            lambda x, w: spmd.grad(lambda x, w: jnp.mean((x @ w) ** 2), argnums=-1)(x, w)
+        )
+
+    want = jax.grad(lambda w: jnp.mean((xs @ w) ** 2))(jnp.arange(3.0))
+    np.testing.assert_allclose(last()(mine, jnp.arange(3.0)), want, rtol=1e-5)
+    # The parameter (the last argument) is checked across ranks, not split into micro-batches.
+    with pytest.raises(spmd.SpmdError, match="hold other values"):
+        last()(mine, jnp.arange(3.0) + r)
+
+
+@multirank(nprocs=(2,))
+def test_parameter_check_edge_cases(comm):
+    """-0.0 and 0.0 are equal parameters; ranks holding different numbers of parameter arrays
+    get an SpmdError naming the counts, not a crash."""
+    import jax.numpy as jnp
+
+    r = comm.rank
+
+    def step():  # the check runs on a step's first call: a fresh step for each case
+        return spmd.data_parallel(
+            lambda p, x: spmd.grad(lambda p, x: sum(jnp.sum(v * x) for v in jax.tree.leaves(p)))(
+                p, x
+            )
+        )
+
+    zeros = {"w": jnp.array([-0.0 if r == 1 else 0.0, 1.0, 2.0])}
+    np.testing.assert_array_equal(step()(zeros, jnp.ones(3))["w"], np.ones(3))
+    p = {"w": jnp.ones(3)}
+    if r == 1:
+        p["extra"] = jnp.ones(3)
+    with pytest.raises(spmd.SpmdError, match=r"different numbers of parameter arrays \(rank: "
+                       r"count \{0: 1, 1: 2\}\)"):  # fmt: skip
+        step()(p, jnp.ones(3))

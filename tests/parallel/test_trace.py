@@ -37,6 +37,17 @@ def test_grad_outside_transforms_is_jax_grad():
     assert "spmd_mark" not in str(jax.make_jaxpr(spmd.grad(loss_fn))(params, batch))
 
 
+def test_keyword_arguments_are_named_by_their_values():
+    """Keyword arguments flatten in key order, whatever the call order: each name must label
+    its own value."""
+
+    def f(x, *, b, a):
+        return jnp.sum(a) + 2 * jnp.sum(b)
+
+    text = str(spmd.trace(f)(jnp.ones(3), b=jnp.ones(2), a=jnp.ones(5)))
+    assert "%a: Tensor[(5,), float32]" in text and "%b: Tensor[(2,), float32]" in text, text
+
+
 def test_trace_prints_a_readable_op_list_and_runs():
     def f(x, c):
         return jnp.tanh(x @ c) + 1.0

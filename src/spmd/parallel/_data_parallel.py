@@ -191,9 +191,10 @@ def gradient_leaves(program: Program) -> tuple[list[_Leaf], dict[int, int]]:
             for src, dst, path in zip(eqn.invars, eqn.outvars, eqn.params["paths"], strict=True):
                 aval = src.aval
                 nbytes = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+                # A constant gradient (of an unused or linear scalar) is a literal: no producer.
+                made = -1 if isinstance(src, core.Literal) else producer.get(src, -1)
                 leaves.append(
-                    _Leaf(len(leaves), eqn.params["call"], path, src, dst, nbytes,
-                          producer.get(src, -1))
+                    _Leaf(len(leaves), eqn.params["call"], path, src, dst, nbytes, made)
                 )  # fmt: skip
         for v in eqn.outvars:
             producer[v] = i
@@ -281,7 +282,10 @@ def allreduce_gradients(
     def flush(env: Env, bucket: _Bucket, extra: Sequence[Any]) -> None:
         values = [env.read(x.src) for x in bucket.leaves]
         if pending:
-            values = [v + extra[x.k] for v, x in zip(values, bucket.leaves, strict=True)]
+            values = [
+                v + extra[x.k] if _reducible(x) else v  # float0 gradients hold nothing
+                for v, x in zip(values, bucket.leaves, strict=True)
+            ]
         if sync:
             live = [i for i, x in enumerate(bucket.leaves) if _reducible(x)]
             reduced = reduce([values[i] for i in live])
@@ -435,6 +439,14 @@ class DataParallel:
         return jax.tree_util.tree_unflatten(traced.program.out_tree, outs[:n])
 
 
+def _canonical(x: Any) -> np.ndarray:
+    """The bytes the replica check compares: -0.0 counts as 0.0 (equal values, other bits)."""
+    a = np.ascontiguousarray(x)
+    if np.issubdtype(a.dtype, np.inexact) or a.dtype.name == "bfloat16":
+        a = np.where(a == 0, np.zeros((), a.dtype), a)
+    return a
+
+
 def check_replicas(
     comm: Communicator, program: Program, param_inputs: list[int], leaves: list[Any], where: str
 ) -> None:
@@ -442,21 +454,28 @@ def check_replicas(
     ranks of ``comm``, naming the ranks and the first parameter that differs (CRC32 checksums)."""
     if comm.size == 1 or not param_inputs:
         return
-    sums = [zlib.crc32(np.ascontiguousarray(leaves[i]).tobytes()) for i in param_inputs]
+    sums = [zlib.crc32(_canonical(leaves[i]).tobytes()) for i in param_inputs]
     everyone = comm.allgather_object(sums)
     differ = [r for r, s in enumerate(everyone) if s != everyone[0]]
     if not differ:
         return
     names = program.in_names
     first = differ[0]
-    bad = [names[i] for i, a, b in zip(param_inputs, everyone[0], everyone[first], strict=True)
-           if a != b]  # fmt: skip
-    ranks = [comm.ranks[r] for r in differ]
-    detail = (
-        f"ranks {ranks} hold other values than rank {comm.ranks[0]} "
-        f"(first difference: {bad[0]}; {len(bad)} of {len(sums)} parameter arrays differ "
-        f"on rank {comm.ranks[first]})"
-    )
+    if len(everyone[first]) != len(sums) or len(everyone[0]) != len(sums):
+        counts = {comm.ranks[r]: len(s) for r, s in enumerate(everyone)}
+        detail = (
+            f"the ranks hold different numbers of parameter arrays (rank: count {counts}); "
+            "every rank must pass the same parameter structure"
+        )
+    else:
+        bad = [names[i] for i, a, b in zip(param_inputs, everyone[0], everyone[first], strict=True)
+               if a != b]  # fmt: skip
+        ranks = [comm.ranks[r] for r in differ]
+        detail = (
+            f"ranks {ranks} hold other values than rank {comm.ranks[0]} "
+            f"(first difference: {bad[0]}; {len(bad)} of {len(sums)} parameter arrays differ "
+            f"on rank {comm.ranks[first]})"
+        )
     raise SpmdError(
         PARAMS_DIFFER.format(
             where=f"rank {comm.world_rank}: {where}({program.name})", detail=detail

@@ -28,7 +28,7 @@ from jax._src.interpreters import ad, batching, mlir
 from .._errors import SpmdError
 from ..runtime import this_rank
 
-__all__ = ["grad", "mark_p", "marking", "value_and_grad"]
+__all__ = ["grad", "is_float0", "mark_p", "marking", "value_and_grad"]
 
 
 # -- marking context ------------------------------------------------------------------------------
@@ -117,14 +117,15 @@ def value_and_grad(
         call = ctx.calls
         ctx.calls += 1
         for i in nums:
-            if i >= len(args):
+            if not -len(args) <= i < len(args):
                 raise SpmdError(
                     f"{this_rank()}: spmd.value_and_grad: argnums={argnums} but {fun.__name__} "
                     f"was called with {len(args)} positional arguments"
                 )
-        args = tuple(_mark(a, "param", call) if i in nums else a for i, a in enumerate(args))
+        marked = tuple(i % len(args) for i in nums)  # jax's argnums may count from the end
+        args = tuple(_mark(a, "param", call) if i in marked else a for i, a in enumerate(args))
         if ctx.accumulate_steps > 1:
-            value, grads = _accumulate(vg, args, kwargs, nums, has_aux, ctx.accumulate_steps)
+            value, grads = _accumulate(vg, args, kwargs, marked, has_aux, ctx.accumulate_steps)
         else:
             value, grads = vg(*args, **kwargs)
         return value, _mark(grads, "grad", call)
@@ -156,10 +157,21 @@ def grad(
 # -- gradient accumulation ------------------------------------------------------------------------
 
 
+def is_float0(x: Any) -> bool:
+    """The gradient of an integer input under ``allow_int=True``: it holds no values."""
+    return getattr(x, "dtype", None) == jax.dtypes.float0
+
+
+def _add(a: Any, b: Any) -> Any:
+    return a if is_float0(a) else a + b
+
+
 def _split(x: Any, k: int, where: str) -> Any:
-    x = jnp.asarray(x)
-    if x.ndim == 0:
+    """``x`` as k micro-batches along axis 0; None for what is not split: scalars and leaves
+    that are not arrays (a string or a flag passed through to the loss)."""
+    if not getattr(x, "shape", ()):
         return None
+    x = jnp.asarray(x)
     if x.shape[0] % k:
         raise SpmdError(
             f"{this_rank()}: data_parallel(accumulate_steps={k}): {where} has {x.shape[0]} "
@@ -198,10 +210,10 @@ def _accumulate(
 
     def body(carry: Any, i: Any) -> Any:
         v, aux, g = parts(i)
-        return jax.tree_util.tree_map(jnp.add, carry, (v, g)), aux
+        return jax.tree_util.tree_map(_add, carry, (v, g)), aux
 
     (v, g), auxs = jax.lax.scan(body, (v0, g0), jnp.arange(1, k))
-    value, grads = jax.tree_util.tree_map(lambda t: t / k, (v, g))
+    value, grads = jax.tree_util.tree_map(lambda t: t if is_float0(t) else t / k, (v, g))
     if not has_aux:
         return value, grads
     # aux: the mean over micro-batches where it is floating point, else the last micro-batch's.

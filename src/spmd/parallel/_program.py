@@ -152,7 +152,7 @@ def _arg_names(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, An
     for i, a in enumerate(args):
         base = positional[i] if i < len(positional) else f"arg{i}"
         names += [base + _path(p) for p, _ in jax.tree_util.tree_flatten_with_path(a)[0]]
-    for k in kwargs:
+    for k in sorted(kwargs):  # as tree_flatten orders a dict: by key, not by call order
         names += [k + _path(p) for p, _ in jax.tree_util.tree_flatten_with_path(kwargs[k])[0]]
     return names
 
