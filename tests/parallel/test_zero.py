@@ -299,3 +299,65 @@ def test_errors_name_the_op_and_the_rank(comm):
         spmd.zero_shard(no_grad)(p, s, batch)
     with pytest.raises(spmd.SpmdError, match=r"stage=4; expected 1, 2 or 3"):
         spmd.zero_shard(no_grad, stage=4)
+
+
+@multirank(nprocs=(2, 3))
+def test_batch_values_and_scans_at_every_stage(comm):
+    """A parameter times a value of this rank's batch of the same shape (the pass must not take
+    this rank's rows of the batch value as if every rank held it), and a scan over
+    layer-stacked parameters (a loop, not a call: it reads them gathered), at every stage: the
+    same parameters as one process on the global batch."""
+    n = comm.size
+    rng = np.random.default_rng(0)
+    xs = rng.standard_normal((4 * n, 4)).astype(np.float32)
+    params = {
+        "scale": jnp.asarray([1.0, 2.0, 3.0, 4.0]),
+        "layers": jnp.asarray(rng.standard_normal((3, 4, 4)) * 0.3, jnp.float32),
+    }
+
+    def loss(p, x):  # mean over ranks of each rank's loss: the global batch's objective
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["layers"])
+        return jnp.sum((p["scale"] * x.mean(0)) ** 2) + jnp.mean(h**2)
+
+    tx = optax.adam(0.1)
+
+    def step(p, s, x):
+        value, g = spmd.value_and_grad(loss)(p, x)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, value
+
+    def reference(p, s):
+        g = jax.tree.map(
+            lambda *gs: sum(gs) / n,
+            *[jax.grad(loss)(p, xs[k * 4 : (k + 1) * 4]) for k in range(n)],
+        )
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    for stage in (1, 2, 3):
+        z = spmd.zero_shard(step, stage=stage)
+        p, s = z.shard(params, tx.init(params))
+        want_p, want_s = params, tx.init(params)
+        mine = spmd.data.shard_batch(xs)
+        for i in range(3):
+            p, s, value = z(p, s, mine)
+            # The loss is this rank's own, before the update.
+            np.testing.assert_allclose(float(value), float(loss(want_p, mine)), rtol=2e-5)
+            want_p, want_s = reference(want_p, want_s)
+            got = spmd.gather(p) if stage == 3 else p
+            for key in params:
+                np.testing.assert_allclose(
+                    got[key], want_p[key], rtol=2e-5, atol=1e-6, err_msg=f"{stage} {i} {key}"
+                )
+
+
+@multirank(nprocs=(2,))
+def test_stage_3_checks_the_parameters_before_sharding_them(comm):
+    params = {"w": jnp.ones((4, 2)) * (1 + comm.rank)}  # differs on rank 1
+    tx = optax.sgd(0.1)
+    z = spmd.zero_shard(_step(tx), stage=3)
+    with pytest.raises(spmd.SpmdError, match=r"rank \d: zero_shard\(.*\)\.shard: .*ranks \[1\] "
+                       r"hold other values than rank 0 \(first difference: params\.w"):  # fmt: skip
+        z.shard(params, tx.init(params))
+    p, _ = z.shard(spmd.broadcast_params(params), tx.init(params))  # repaired
+    assert isinstance(p["w"], spmd.ShardedArray) and p["w"].shape == (4, 2)

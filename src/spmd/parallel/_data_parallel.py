@@ -45,6 +45,7 @@ __all__ = [
     "allreduce_gradients",
     "broadcast_params",
     "check_replicas",
+    "check_same",
     "data_parallel",
     "no_sync",
 ]
@@ -452,14 +453,20 @@ def check_replicas(
 ) -> None:
     """Raise on every rank if the parameters (flat inputs ``param_inputs``) differ between the
     ranks of ``comm``, naming the ranks and the first parameter that differs (CRC32 checksums)."""
-    if comm.size == 1 or not param_inputs:
+    names = program.in_names
+    check_same(comm, [(names[i], leaves[i]) for i in param_inputs], f"{where}({program.name})")
+
+
+def check_same(comm: Communicator, named: list[tuple[str, Any]], where: str) -> None:
+    """Raise on every rank if the arrays of ``named`` ((name, array) pairs) differ between the
+    ranks of ``comm``, naming the ranks and the first array that differs."""
+    if comm.size == 1 or not named:
         return
-    sums = [zlib.crc32(_canonical(leaves[i]).tobytes()) for i in param_inputs]
+    sums = [zlib.crc32(_canonical(a).tobytes()) for _, a in named]
     everyone = comm.allgather_object(sums)
     differ = [r for r, s in enumerate(everyone) if s != everyone[0]]
     if not differ:
         return
-    names = program.in_names
     first = differ[0]
     if len(everyone[first]) != len(sums) or len(everyone[0]) != len(sums):
         counts = {comm.ranks[r]: len(s) for r, s in enumerate(everyone)}
@@ -468,7 +475,7 @@ def check_replicas(
             "every rank must pass the same parameter structure"
         )
     else:
-        bad = [names[i] for i, a, b in zip(param_inputs, everyone[0], everyone[first], strict=True)
+        bad = [name for (name, _), a, b in zip(named, everyone[0], everyone[first], strict=True)
                if a != b]  # fmt: skip
         ranks = [comm.ranks[r] for r in differ]
         detail = (
@@ -476,8 +483,4 @@ def check_replicas(
             f"(first difference: {bad[0]}; {len(bad)} of {len(sums)} parameter arrays differ "
             f"on rank {comm.ranks[first]})"
         )
-    raise SpmdError(
-        PARAMS_DIFFER.format(
-            where=f"rank {comm.world_rank}: {where}({program.name})", detail=detail
-        )
-    )
+    raise SpmdError(PARAMS_DIFFER.format(where=f"rank {comm.world_rank}: {where}", detail=detail))

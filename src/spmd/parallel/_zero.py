@@ -10,7 +10,9 @@ The step is traced with the global shapes; the pass :func:`partition` then re-ev
 with each value either full (replicated) or sharded (this rank's rows), and:
 
 - elementwise ops on sharded values run on the shards; a full operand of the same shape is sliced
-  locally (no communication), a scalar is used as is;
+  locally (no communication) when it is the same on every rank, a scalar is used as is; a full
+  operand computed from this rank's batch (which differs between ranks) makes the op run on
+  full values, its sharded operands all-gathered;
 - a reduction over axis 0 of a sharded value becomes a partial reduction of the shard (padding
   masked with the reduction's identity) plus an allreduce: a global norm is partitioned this way;
   reductions over other axes stay local;
@@ -19,6 +21,8 @@ with each value either full (replicated) or sharded (this rank's rows), and:
   reduce_scatter, so each rank only ever holds its rows of the averaged gradient;
 - any other op that reads a sharded parameter (stage 3: a matmul in forward or backward) gets the
   parameter all-gathered just before it, at each use, so the full copy lives only in between;
+  calls (jit, remat, custom_jvp/vjp) are inlined, while loops and branches (scan, while, cond)
+  are such ops: a scan over layer-stacked parameters reads them gathered;
 - any other op that reads sharded optimizer state or gradients cannot be partitioned: the pass
   raises an error that names the op (e.g. a reshape inside the optimizer);
 - outputs: sharded values come back as ShardedArrays, except, at stages 1 and 2, the updated
@@ -42,9 +46,9 @@ from jax._src import core
 from .._errors import SpmdError
 from ..runtime import Communicator, this_rank
 from ..sharded import ShardedArray, _spec, is_sharded, pad_dim, shard, slice_dim
-from ._data_parallel import _communicator, check_replicas, gradient_leaves, schedule
+from ._data_parallel import _communicator, check_replicas, check_same, gradient_leaves, schedule
 from ._grad import mark_p, marking
-from ._program import Program, _arg_names, eval_eqn, retrace, trace_program
+from ._program import Program, _arg_names, _path, eval_eqn, retrace, trace_program
 
 __all__ = ["ZeroShard", "partition", "zero_shard"]
 
@@ -120,7 +124,13 @@ _ELEMENTWISE = frozenset({
     "xor",
 })  # fmt: skip
 _REDUCTIONS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min", "reduce_prod": "prod"}
-_INNER_JAXPR = ("jaxpr", "call_jaxpr")  # jit / closed_call / custom_jvp_call / custom_vjp_call
+_INNER_JAXPR = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# Ops that call their inner jaxpr once on their operands, so the pass can run it inline. Loops
+# and branches (scan, while, cond) are not among them: they run on full values (see _gathered).
+_CALLS = frozenset({
+    "pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
+    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin",
+})  # fmt: skip
 
 
 def _identity(op: str, dtype: Any) -> Any:
@@ -179,6 +189,11 @@ class _Partitioner:
     params: set[Any] = field(default_factory=set)  # sharded vars that are parameters (stage 3)
     after_grad: set[Any] = field(default_factory=set)  # vars computed from the gradients...
     param_dep: set[Any] = field(default_factory=set)  # ...and from the parameters
+    # Full values that may differ between ranks: computed from this rank's batch (any input
+    # of rank >= 1 that is neither a parameter nor sharded state; scalar inputs, such as the
+    # optimizer's step count, are taken to be the same on every rank). Never sliced to this
+    # rank's rows.
+    local: set[Any] = field(default_factory=set)
 
     # -- values --
 
@@ -229,14 +244,16 @@ class _Partitioner:
             outs = eval_eqn(eqn, [self.read(v) for v in eqn.invars])
             for o, val in zip(eqn.outvars, outs, strict=True):
                 self.write(o, val)
-        elif name in _ELEMENTWISE:
+        elif name in _ELEMENTWISE and not any(v in self.local and v.aval.shape != () for v in ins):
             self._elementwise(eqn, sharded)
+        elif name in _ELEMENTWISE:  # with this rank's own full values: on full values
+            self._gathered(eqn, sharded, check=False)
         elif name in _REDUCTIONS and 0 in eqn.params["axes"]:
             self._reduce(eqn, _REDUCTIONS[name])
         elif name in _REDUCTIONS:
             out = eval_eqn(eqn, [self.read(eqn.invars[0])])[0]
             self.write(eqn.outvars[0], out, tuple(eqn.outvars[0].aval.shape))
-        elif any(k in eqn.params for k in _INNER_JAXPR):
+        elif name in _CALLS and any(k in eqn.params for k in _INNER_JAXPR):
             self._inline(eqn)
         else:
             self._gathered(eqn, sharded)
@@ -248,6 +265,8 @@ class _Partitioner:
                 self.after_grad.add(o)
             if not grad_mark and any(v in self.param_dep for v in ins):
                 self.param_dep.add(o)
+            if not grad_mark and any(v in self.local for v in ins):
+                self.local.add(o)
 
     def _elementwise(self, eqn: Any, sharded: list[Any]) -> None:
         shape = tuple(eqn.outvars[0].aval.shape)
@@ -283,7 +302,7 @@ class _Partitioner:
         for v, a in zip(jaxpr.invars, eqn.invars, strict=True):
             self.write(v, self.read(a), self.layout(a))
             self.names[v] = self.names.get(a, "")
-            for tags in (self.params, self.after_grad, self.param_dep):
+            for tags in (self.params, self.after_grad, self.param_dep, self.local):
                 if a in tags:
                     tags.add(v)
         self.run(jaxpr.eqns)
@@ -293,13 +312,15 @@ class _Partitioner:
                 continue
             self.write(o, self.values[v], self.sharded.get(v))
             self.names.setdefault(o, self.names.get(v, ""))
-            for tags in (self.params, self.after_grad, self.param_dep):
+            for tags in (self.params, self.after_grad, self.param_dep, self.local):
                 if v in tags:
                     tags.add(o)
 
-    def _gathered(self, eqn: Any, sharded: list[Any]) -> None:
+    def _gathered(self, eqn: Any, sharded: list[Any], check: bool = True) -> None:
+        """``eqn`` on full values: the sharded operands all-gathered just before it (stage 3's
+        parameters; with ``check=False`` any sharded operand)."""
         for v in sharded:
-            if v not in self.params:
+            if check and v not in self.params:
                 what = "the gradient or optimizer state" if v in self.after_grad else "the value"
                 raise SpmdError(
                     CANNOT_PARTITION.format(
@@ -311,7 +332,7 @@ class _Partitioner:
                         stage=self.stage,
                     )
                 )
-        # stage 3: all-gather the parameters this op reads, just before it (one fused call).
+        # All-gather the sharded operands, just before the op (one fused call).
         unique = list(dict.fromkeys(sharded))
         full = dict(
             zip(unique, self.rows.gather([self.values[v] for v in unique],
@@ -403,6 +424,8 @@ def partition(
                 p.param_dep.add(v)
                 if i in sharded_inputs:
                     p.params.add(v)
+            elif i not in sharded_inputs and v.aval.ndim >= 1:
+                p.local.add(v)  # the batch; scalars (a step count) count as replicated
 
         for b in at.get(-1, []):
             reduce(p, b)
@@ -493,7 +516,9 @@ class ZeroShard:
     def shard(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
         """``(params, opt_state)`` as this stage keeps them: every array of rank >= 1 of the
         optimizer state (and at stage 3 of the parameters) becomes a ShardedArray of this rank's
-        rows; scalars and, at stages 1 and 2, the parameters stay replicated."""
+        rows; scalars and, at stages 1 and 2, the parameters stay replicated. At stage 3 (with
+        ``check_params``) the full parameters are first compared between the ranks, as the
+        step's first call does at stages 1 and 2: a collective, call it on every rank."""
         _, where, axis = self._where()
         place = {"group": where} if isinstance(where, Communicator) else {"mesh": where}
 
@@ -505,6 +530,11 @@ class ZeroShard:
 
         sharded_state = jax.tree_util.tree_map(one, opt_state, is_leaf=is_sharded)
         if self.stage == 3:
+            if self.check_params:  # the step's own check sees only shards from here on
+                comm, _, _ = self._where()
+                flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_sharded)[0]
+                named = [("params" + _path(k), x) for k, x in flat if not is_sharded(x)]
+                check_same(comm, named, f"zero_shard({self._name}).shard")
             params = jax.tree_util.tree_map(one, params, is_leaf=is_sharded)
         return params, sharded_state
 
