@@ -236,6 +236,33 @@ def test_half_precision_sums_round_once_to_nearest_even(comm):
         spmd.ops.set_backend("auto")
 
 
+@multirank(nprocs=(2, 3))
+def test_half_precision_averages_divide_before_rounding(comm):
+    """op="avg" of float16/bfloat16: the float32 sum is divided by the group size and rounded
+    once, so an average within range never overflows on the way (40000 + 40000 is beyond
+    float16's 65504) and matches NumPy bit for bit."""
+    r, n = comm.rank, comm.size
+    big = jnp.full((2 * n,), 40000, jnp.float16)
+    np.testing.assert_array_equal(spmd.allreduce(big, "avg"), np.full(2 * n, 40000, np.float16))
+    np.testing.assert_array_equal(spmd.reduce_scatter(big, "avg"), np.full(2, 40000, np.float16))
+    sizes = [1] * (n - 1) + [n + 1]
+    np.testing.assert_array_equal(
+        spmd.reduce_scatterv(big, sizes, "avg"), np.full(sizes[r], 40000, np.float16)
+    )
+    for dtype in (np.float16, jnp.bfloat16):
+        ins = [_half_inputs(k, dtype)[: 1024 * n] for k in range(n)]
+        acc = ins[0].astype(np.float32)
+        for x in ins[1:]:
+            acc = acc + x.astype(np.float32)
+        want = (acc / np.float32(n)).astype(dtype)
+        got = np.asarray(jax.jit(lambda v: spmd.allreduce(v, "avg"))(jnp.asarray(ins[r])))
+        bad = np.flatnonzero(got.view(np.uint16) != want.view(np.uint16))
+        assert bad.size == 0, (dtype, bad[:5], got[bad[:5]], want[bad[:5]])
+        part = np.asarray(spmd.reduce_scatter(jnp.asarray(ins[r]), "avg"))
+        mine = want[r * 1024 : (r + 1) * 1024]
+        assert part.view(np.uint16).tobytes() == mine.view(np.uint16).tobytes(), dtype
+
+
 @multirank(nprocs=(3, 4), env={"SPMD_SIMULATE_NODES": "2"})
 def test_half_precision_sums_round_once_hierarchical(comm):
     """Across nodes float16/bfloat16 sums stay in float32 until the end: each node adds its

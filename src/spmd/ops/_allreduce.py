@@ -27,8 +27,10 @@ from ._core import (
     check_reduce_op,
     collective_primitive,
     flatten,
+    from_sum,
     instantiate,
     register_lowering,
+    to_sum,
     zero_tangent,
 )
 from ._groups import GroupRef, resolve
@@ -68,10 +70,9 @@ def allreduce(
     quantize = _cuda.check_quantize(quantize, f"rank {ref.world_rank}: allreduce: ")
     if ref.size == 1 and not _cuda.self_calls():
         return jax.tree_util.tree_unflatten(treedef, leaves)
-    outs = bind(allreduce_p, *leaves, group=ref, op="sum" if op == "avg" else op, quantize=quantize)
-    if op == "avg":
-        outs = [(y / ref.size).astype(y.dtype) for y in outs]
-    return jax.tree_util.tree_unflatten(treedef, outs)
+    native, sent = to_sum(op, leaves)
+    outs = bind(allreduce_p, *sent, group=ref, op=native, quantize=quantize)
+    return jax.tree_util.tree_unflatten(treedef, from_sum(op, outs, leaves, ref.size))
 
 
 def _abstract_eval(

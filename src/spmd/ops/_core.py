@@ -239,6 +239,25 @@ def check_reduce_op(op: Any, name: str, group: GroupRef, leaves: Sequence[jax.Ar
                 )
 
 
+_HALF = (np.dtype(np.float16), np.dtype(jnp.bfloat16))
+
+
+def to_sum(op: str, leaves: Sequence[Any]) -> tuple[str, list[Any]]:
+    """What the native layer reduces for ``op``: an average is a sum, float16/bfloat16 leaves
+    of it widened to float32 so that the sum cannot overflow (or round) before the division."""
+    if op != "avg":
+        return op, list(leaves)
+    return "sum", [v.astype(jnp.float32) if v.dtype in _HALF else v for v in leaves]
+
+
+def from_sum(op: str, outs: Sequence[Any], like: Sequence[Any], size: int) -> list[Any]:
+    """The results of :func:`to_sum`'s reduction as ``op``'s: averages divided by the group
+    size and rounded once to the dtypes of ``like``."""
+    if op != "avg":
+        return list(outs)
+    return [(y / size).astype(x.dtype) for y, x in zip(outs, like, strict=True)]
+
+
 def check_rank(value: Any, what: str, name: str, group: GroupRef) -> int:
     """``value`` as a rank of ``group`` (its position in the group), or an error naming it."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer):

@@ -29,9 +29,11 @@ from ._core import (
     check_reduce_op,
     collective_primitive,
     flatten,
+    from_sum,
     instantiate,
     linear_jvp,
     register_lowering,
+    to_sum,
     zero_tangent,
 )
 from ._groups import GroupRef, resolve
@@ -110,10 +112,10 @@ def reduce_scatter(
         axes.append(a)
     if ref.size == 1:
         return jax.tree_util.tree_unflatten(treedef, leaves)
-    moved = [jnp.moveaxis(v, a, 0) for v, a in zip(leaves, axes, strict=True)]
-    outs = bind(reduce_scatter_p, *moved, group=ref, op=_native_op(op), sizes=())
-    if op == "avg":
-        outs = [(y / ref.size).astype(y.dtype) for y in outs]
+    native, sent = to_sum(op, [jnp.moveaxis(v, a, 0) for v, a in zip(leaves, axes, strict=True)])
+    outs = from_sum(
+        op, bind(reduce_scatter_p, *sent, group=ref, op=native, sizes=()), leaves, ref.size
+    )
     return jax.tree_util.tree_unflatten(
         treedef, [jnp.moveaxis(y, 0, a) for y, a in zip(outs, axes, strict=True)]
     )
@@ -136,17 +138,12 @@ def reduce_scatterv(
             )
     if ref.size == 1:
         return jax.tree_util.tree_unflatten(treedef, leaves)
-    outs = bind(reduce_scatter_p, *leaves, group=ref, op=_native_op(op), sizes=sz)
-    if op == "avg":
-        outs = [(y / ref.size).astype(y.dtype) for y in outs]
-    return jax.tree_util.tree_unflatten(treedef, outs)
+    native, sent = to_sum(op, leaves)
+    outs = bind(reduce_scatter_p, *sent, group=ref, op=native, sizes=sz)
+    return jax.tree_util.tree_unflatten(treedef, from_sum(op, outs, leaves, ref.size))
 
 
 # -- errors -------------------------------------------------------------------------------------
-
-
-def _native_op(op: str) -> str:
-    return "sum" if op == "avg" else op
 
 
 def _check_sizes(sizes: Any, ref: GroupRef, name: str) -> Sizes:
