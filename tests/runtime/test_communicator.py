@@ -2,6 +2,7 @@
 
 import os
 
+import numpy as np
 import pytest
 
 import spmd
@@ -203,3 +204,24 @@ def test_missing_rank_times_out_with_a_clear_error(launcher):
             "rank 0: allgather_object on the group of ranks [0, 1] "
             "timed out after 1.5 s waiting for ranks [1]"
         )
+
+
+@multirank(nprocs=(4,), launcher="env")
+def test_file_store_communicators_of_the_same_members_keep_apart(comm):
+    """Two communicators holding ranks 0 and 1 (from [[0, 1], [2, 3]] and from [[0, 1]]):
+    over the file store each exchanges through files of its own, so alternating calls never
+    read the other's data."""
+    assert comm.backend == "void"
+    a = spmd.get_communicator([[0, 1], [2, 3]])
+    b = spmd.get_communicator([[0, 1]])
+    r = comm.rank
+    assert list(a.ranks) == ([0, 1] if r < 2 else [2, 3])
+    assert list(b.ranks) == ([0, 1] if r < 2 else [r])
+    for i in range(20):
+        got_a = a.allgather_object(("a", i, comm.rank))
+        got_b = b.allgather_object(("b", i, comm.rank))
+        assert got_a == [("a", i, r) for r in a.ranks], (i, got_a)
+        assert got_b == [("b", i, r) for r in b.ranks], (i, got_b)
+    x = np.float32(r + 1)
+    assert float(spmd.allreduce(x, group=a)) == (3.0 if r < 2 else 7.0)
+    assert float(spmd.allreduce(x, group=b)) == (3.0 if r < 2 else r + 1)

@@ -81,7 +81,7 @@ class _Runtime:
             sub = mpi_create_group(self.mpi_world, self.rank, comm.ranks, self.timeout)
             return MpiTransport(sub, self.rank, comm.ranks, self.timeout)
         assert self.store is not None
-        return FileTransport(self.store, comm.ranks, self.rank)
+        return FileTransport(self.store, comm.ranks, self.rank, key=comm.groups)
 
     def communicator(self, rank_list: Any) -> Communicator:
         groups = resolve_rank_list(rank_list, self.size, self.rank)

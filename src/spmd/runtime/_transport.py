@@ -115,11 +115,16 @@ class FileTransport:
     every member has finished reading k-1, and the rank deletes its own file of k-1.
     """
 
-    def __init__(self, store: FileStore, ranks: Sequence[int], world_rank: int) -> None:
+    def __init__(
+        self, store: FileStore, ranks: Sequence[int], world_rank: int, key: Any = None
+    ) -> None:
         self.store = store
         self.ranks = list(ranks)
         self.world_rank = world_rank
-        self.tag = "g" + hashlib.blake2b(repr(self.ranks).encode(), digest_size=6).hexdigest()
+        # ``key`` tells apart communicators of the same members (rank_list [[0, 1], [2, 3]] and
+        # [[0, 1]] both hold 0 and 1): each needs files of its own.
+        name = repr((self.ranks, key)).encode()
+        self.tag = "g" + hashlib.blake2b(name, digest_size=6).hexdigest()
         self.seq = 0
 
     def _key(self, seq: int, rank: int) -> str:
