@@ -116,3 +116,38 @@ def test_mesh_shapes_and_errors(comm):
             assert spmd.current_mesh() is inner
         assert spmd.current_mesh() is mesh
     assert spmd.current_mesh() is None
+
+
+@multirank(nprocs=(4,))
+def test_jitted_axis_names_follow_the_active_mesh(comm):
+    """A jitted function (and a data_parallel step) whose collectives name a mesh axis resolves
+    it when traced: under a mesh of another shape it is traced again, not run with the first
+    mesh's groups; back under the first shape it reuses that trace."""
+    import jax
+    import jax.numpy as jnp
+
+    r = comm.rank
+    traces = []
+
+    @jax.jit
+    def tp_sum(x):
+        traces.append(1)
+        return spmd.allreduce(x, group="tp")
+
+    x = jnp.float32(r + 1)
+    with spmd.Mesh(dp=2, tp=2):
+        assert float(tp_sum(x)) == (3.0 if r < 2 else 7.0)
+    with spmd.Mesh(tp=4):
+        assert float(tp_sum(x)) == 10.0
+    with spmd.Mesh(dp=2, tp=2):
+        assert float(tp_sum(x)) == (3.0 if r < 2 else 7.0)
+    assert len(traces) == 2
+
+    step = spmd.data_parallel(group="dp", average=False)(
+        lambda w, x: spmd.grad(lambda w, x: jnp.sum(w * x))(w, x)
+    )
+    w = jnp.ones(2)
+    with spmd.Mesh(dp=2, tp=2):  # dp groups [0, 2], [1, 3]
+        np.testing.assert_array_equal(step(w, jnp.full(2, r + 1.0)), [(r % 2) * 2 + 4.0] * 2)
+    with spmd.Mesh(dp=4, tp=1):
+        np.testing.assert_array_equal(step(w, jnp.full(2, r + 1.0)), [10.0] * 2)

@@ -11,6 +11,7 @@ import contextvars
 import math
 from collections.abc import Mapping
 from types import MappingProxyType, TracebackType
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +27,31 @@ _EP_AXES = ("dp", "tp")
 _active: contextvars.ContextVar[tuple[Mesh, ...]] = contextvars.ContextVar(
     "spmd_active_meshes", default=()
 )
+_entered: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
+    "spmd_mesh_jit_keys", default=()
+)
+
+
+def _make_jit_key() -> Any:
+    """A JAX configuration state that is part of jit's cache key: the active mesh's shape goes
+    there, so that a jitted function whose collectives name mesh axes (resolved when it is
+    traced) is traced again under a mesh of another shape instead of reusing the groups of the
+    first. None where this JAX has no such state (then re-jit after changing meshes)."""
+    try:
+        from jax._src import config as jax_config
+
+        return jax_config.string_or_object_state(
+            "spmd_active_mesh",
+            None,
+            "the shape of spmd's active mesh (set by `with spmd.Mesh(...)`)",
+            include_in_jit_key=True,
+            include_in_trace_context=True,
+        )
+    except Exception:  # pragma: no cover - older or newer JAX without this internal API
+        return None
+
+
+_JIT_KEY = _make_jit_key()
 
 
 def layout_rank_lists(shape: Mapping[str, int], axes: tuple[str, ...]) -> list[list[int]]:
@@ -148,6 +174,10 @@ class Mesh:
 
     def __enter__(self) -> Mesh:
         _active.set((*_active.get(), self))
+        if _JIT_KEY is not None:
+            key = _JIT_KEY(mesh_key())
+            key.__enter__()
+            _entered.set((*_entered.get(), key))
         return self
 
     def __exit__(
@@ -157,9 +187,20 @@ class Mesh:
         tb: TracebackType | None,
     ) -> None:
         _active.set(_active.get()[:-1])
+        if _JIT_KEY is not None:
+            *rest, key = _entered.get()
+            _entered.set(tuple(rest))
+            key.__exit__(exc_type, exc, tb)
 
     def __repr__(self) -> str:
         return f"Mesh({_fmt(self._shape)})"
+
+
+def mesh_key() -> Any:
+    """What a cache of traced programs must key on when group names may be mesh axes: the
+    active mesh's shape (its groups follow from it), or None."""
+    mesh = current_mesh()
+    return None if mesh is None else tuple(mesh._shape.items())
 
 
 def current_mesh() -> Mesh | None:

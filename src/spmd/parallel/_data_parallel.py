@@ -36,6 +36,7 @@ import numpy as np
 from jax._src import core
 
 from .._errors import SpmdError
+from ..mesh import mesh_key
 from ..runtime import Communicator, this_rank
 from ._grad import mark_p, marking
 from ._program import Env, Program, eval_eqn, retrace, trace_program
@@ -386,7 +387,7 @@ class DataParallel:
 
     def _traced(self, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any],
                 tree: Any) -> _Traced:  # fmt: skip
-        key = (tree, tuple(core.typeof(x) for x in leaves))
+        key = (tree, tuple(core.typeof(x) for x in leaves), mesh_key())
         hit = self._cache.get(key)
         if hit is None:
             with marking(self.accumulate_steps):

@@ -44,6 +44,7 @@ from jax import lax
 from jax._src import core
 
 from .._errors import SpmdError
+from ..mesh import mesh_key
 from ..runtime import Communicator, this_rank
 from ..sharded import ShardedArray, _spec, is_sharded, pad_dim, shard, slice_dim
 from ._data_parallel import _communicator, check_replicas, check_same, gradient_leaves, schedule
@@ -544,7 +545,7 @@ class ZeroShard:
         # A ShardedArray flattens to its shard, and its global shape, spec and mesh are part of
         # the structure: the cache key tells apart arrays whose shards look alike.
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        key = (tree, tuple(core.typeof(x) for x in leaves))
+        key = (tree, tuple(core.typeof(x) for x in leaves), mesh_key())
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = self._trace(args, kwargs)
