@@ -51,7 +51,13 @@ def _make_jit_key() -> Any:
         return None
 
 
-_JIT_KEY = _make_jit_key()
+_JIT_KEY: list[Any] = []  # made on first use: importing spmd does not import JAX
+
+
+def _jit_key() -> Any:
+    if not _JIT_KEY:
+        _JIT_KEY.append(_make_jit_key())
+    return _JIT_KEY[0]
 
 
 def layout_rank_lists(shape: Mapping[str, int], axes: tuple[str, ...]) -> list[list[int]]:
@@ -174,8 +180,9 @@ class Mesh:
 
     def __enter__(self) -> Mesh:
         _active.set((*_active.get(), self))
-        if _JIT_KEY is not None:
-            key = _JIT_KEY(mesh_key())
+        state = _jit_key()
+        if state is not None:
+            key = state(mesh_key())
             key.__enter__()
             _entered.set((*_entered.get(), key))
         return self
@@ -187,7 +194,7 @@ class Mesh:
         tb: TracebackType | None,
     ) -> None:
         _active.set(_active.get()[:-1])
-        if _JIT_KEY is not None:
+        if _jit_key() is not None:
             *rest, key = _entered.get()
             _entered.set(tuple(rest))
             key.__exit__(exc_type, exc, tb)
