@@ -240,7 +240,9 @@ Status AllreduceImpl(Call& call, ReduceOp op) {
     return g.shm->Allreduce(call.Sig(), op, call.in, call.out, g.one_shot_max);
   }
   if (b == Backend::kHier && g.local) {
-    if (op != ReduceOp::kSum && op != ReduceOp::kProd) {
+    bool half = false;
+    for (const Leaf& l : call.in) half = half || IsHalf(l.dtype);
+    if (!half || (op != ReduceOp::kSum && op != ReduceOp::kProd)) {
       return AllreduceHier(call, g, op, call.in, call.out);
     }
     // The half-precision leaves go widened; the others as they are (every rank splits alike).

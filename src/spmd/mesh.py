@@ -24,11 +24,9 @@ Axis = str | tuple[str, ...]
 # is DP x TP inside one PP stage).
 _EP_AXES = ("dp", "tp")
 
-_active: contextvars.ContextVar[tuple[Mesh, ...]] = contextvars.ContextVar(
+# The entered meshes, innermost last, each with the jit-key context it entered (or None).
+_active: contextvars.ContextVar[tuple[tuple[Mesh, Any], ...]] = contextvars.ContextVar(
     "spmd_active_meshes", default=()
-)
-_entered: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
-    "spmd_mesh_jit_keys", default=()
 )
 
 
@@ -179,12 +177,11 @@ class Mesh:
     # -- the active mesh ------------------------------------------------------------------------
 
     def __enter__(self) -> Mesh:
-        _active.set((*_active.get(), self))
         state = _jit_key()
-        if state is not None:
-            key = state(mesh_key())
+        key = None if state is None else state(self._key())
+        if key is not None:
             key.__enter__()
-            _entered.set((*_entered.get(), key))
+        _active.set((*_active.get(), (self, key)))
         return self
 
     def __exit__(
@@ -193,27 +190,30 @@ class Mesh:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        _active.set(_active.get()[:-1])
-        if _jit_key() is not None:
-            *rest, key = _entered.get()
-            _entered.set(tuple(rest))
+        *rest, (_, key) = _active.get()
+        _active.set(tuple(rest))
+        if key is not None:
             key.__exit__(exc_type, exc, tb)
 
     def __repr__(self) -> str:
         return f"Mesh({_fmt(self._shape)})"
+
+    def _key(self) -> tuple[tuple[str, int], ...]:
+        """The mesh's shape, which its groups follow from: what caches of traces key on."""
+        return tuple(self._shape.items())
 
 
 def mesh_key() -> Any:
     """What a cache of traced programs must key on when group names may be mesh axes: the
     active mesh's shape (its groups follow from it), or None."""
     mesh = current_mesh()
-    return None if mesh is None else tuple(mesh._shape.items())
+    return None if mesh is None else mesh._key()
 
 
 def current_mesh() -> Mesh | None:
     """The innermost mesh entered with ``with mesh:``, or None."""
     stack = _active.get()
-    return stack[-1] if stack else None
+    return stack[-1][0] if stack else None
 
 
 def _fmt(axes: Mapping[str, int]) -> str:

@@ -28,7 +28,7 @@ from jax._src.interpreters import ad, batching, mlir
 from .._errors import SpmdError
 from ..runtime import this_rank
 
-__all__ = ["grad", "is_float0", "mark_p", "marking", "value_and_grad"]
+__all__ = ["grad", "mark_p", "marking", "value_and_grad"]
 
 
 # -- marking context ------------------------------------------------------------------------------
@@ -157,13 +157,13 @@ def grad(
 # -- gradient accumulation ------------------------------------------------------------------------
 
 
-def is_float0(x: Any) -> bool:
+def _is_float0(x: Any) -> bool:
     """The gradient of an integer input under ``allow_int=True``: it holds no values."""
     return getattr(x, "dtype", None) == jax.dtypes.float0
 
 
 def _add(a: Any, b: Any) -> Any:
-    return a if is_float0(a) else a + b
+    return a if _is_float0(a) else a + b
 
 
 def _split(x: Any, k: int, where: str) -> Any:
@@ -213,7 +213,7 @@ def _accumulate(
         return jax.tree_util.tree_map(_add, carry, (v, g)), aux
 
     (v, g), auxs = jax.lax.scan(body, (v0, g0), jnp.arange(1, k))
-    value, grads = jax.tree_util.tree_map(lambda t: t if is_float0(t) else t / k, (v, g))
+    value, grads = jax.tree_util.tree_map(lambda t: t if _is_float0(t) else t / k, (v, g))
     if not has_aux:
         return value, grads
     # aux: the mean over micro-batches where it is floating point, else the last micro-batch's.

@@ -520,7 +520,7 @@ class ZeroShard:
         rows; scalars and, at stages 1 and 2, the parameters stay replicated. At stage 3 (with
         ``check_params``) the full parameters are first compared between the ranks, as the
         step's first call does at stages 1 and 2: a collective, call it on every rank."""
-        _, where, axis = self._where()
+        comm, where, axis = self._where()
         place = {"group": where} if isinstance(where, Communicator) else {"mesh": where}
 
         def one(x: Any) -> Any:
@@ -532,7 +532,6 @@ class ZeroShard:
         sharded_state = jax.tree_util.tree_map(one, opt_state, is_leaf=is_sharded)
         if self.stage == 3:
             if self.check_params:  # the step's own check sees only shards from here on
-                comm, _, _ = self._where()
                 flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_sharded)[0]
                 named = [("params" + _path(k), x) for k, x in flat if not is_sharded(x)]
                 check_same(comm, named, f"zero_shard({self._name}).shard")
