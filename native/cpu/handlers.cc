@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "groups.h"
+#include "messages.h"
+#include "spmd/common.h"
 #include "spmd/ffi_util.h"
 #include "reduce.h"
 #include "xla/ffi/api/ffi.h"
@@ -67,6 +69,7 @@ struct Call {
   // Static parameters, formatted only when ranks disagree (never on the hot path).
   int32_t op = -1;
   int64_t root = -1;
+  int role = kRoleForward;
   ffi::Span<const int64_t> sizes;
   bool has_sizes = false;
 
@@ -99,6 +102,8 @@ struct Call {
       }
       s += "]";
     }
+    if (role == kRoleJvp) s += " [JVP]";
+    if (role == kRoleBackward) s += kBackwardTag;
     return s;
   }
   ShmGroup::Signature Sig() const {
@@ -116,7 +121,8 @@ ffi::Error Fail(const Call& call, const std::string& message) {
 // `vary_rows`: the inputs' first dimension may differ between ranks (allgatherv).
 ffi::Error Decode(Call& call, int64_t group_id, ffi::RemainingArgs args, ffi::RemainingRets rets,
                   bool vary_rows) {
-  call.group = GroupFind(group_id);
+  call.role = RoleOf(group_id);
+  call.group = GroupFind(GroupIdOf(group_id));
   if (call.group == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       std::string("spmd.SpmdError: ") + kNames[call.code] +
@@ -124,6 +130,7 @@ ffi::Error Decode(Call& call, int64_t group_id, ffi::RemainingArgs args, ffi::Re
                           "program was compiled in another process); call spmd.init() first");
   }
   call.Mix(call.code);
+  call.Mix(static_cast<uint64_t>(call.role));
   for (size_t i = 1; i < args.size(); ++i) {
     auto b = args.get<ffi::AnyBuffer>(i);
     if (!b.has_value()) return b.error();

@@ -9,6 +9,8 @@
 #include <limits>
 #include <type_traits>
 
+#include "messages.h"
+
 namespace spmd {
 namespace {
 
@@ -34,12 +36,6 @@ struct Fns {
 Fns fns;
 MpiConstants consts;
 bool loaded = false;
-
-std::string RankList(const std::vector<int>& ranks) {
-  std::string s = "[";
-  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
-  return s + "]";
-}
 
 template <typename F>
 bool Resolve(void* lib, const char* name, F* fn) {
@@ -366,14 +362,9 @@ Status MpiComm::CheckSame(uint64_t hash, const std::string& mine) const {
   std::vector<char> text(kDesc * size, 0), own(kDesc, 0);
   std::strncpy(own.data(), mine.c_str(), kDesc - 1);
   SPMD_RETURN_IF_ERROR(Allgatherv(own.data(), text.data(), std::vector<size_t>(size, kDesc)));
-  std::string msg = "the ranks of the group " + RankList(world_ranks) +
-                    " made different collective calls:";
-  for (int r = 0; r < size; ++r) {
-    msg += "\n  rank " + std::to_string(world_ranks[r]) + ": " + std::string(&text[r * kDesc]);
-  }
-  msg += "\nEvery rank of a group must call the same collectives in the same order with the "
-         "same shapes and dtypes (allgatherv/reduce_scatterv: the same sizes).";
-  return Status::Error(msg);
+  std::vector<std::string> descs;
+  for (int r = 0; r < size; ++r) descs.emplace_back(&text[r * kDesc]);
+  return Status::Error(MismatchMessage(world_ranks, descs));
 }
 
 }  // namespace spmd

@@ -13,6 +13,8 @@
 #include <cstring>
 #include <thread>
 
+#include "messages.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define SPMD_PAUSE() _mm_pause()
@@ -24,12 +26,6 @@
 
 namespace spmd {
 namespace {
-
-std::string RankList(const std::vector<int>& ranks) {
-  std::string s = "[";
-  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
-  return s + "]";
-}
 
 constexpr size_t kAlign = 64;
 size_t RoundUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -198,13 +194,9 @@ Status ShmGroup::Mismatch(const Signature& sig) {
   std::strncpy(ctrl(rank_)->desc, mine.c_str(), sizeof(Ctrl::desc) - 1);
   ctrl(rank_)->desc[sizeof(Ctrl::desc) - 1] = 0;
   SPMD_RETURN_IF_ERROR(Sync());
-  std::string msg = "the ranks of the group " + RankList(world_ranks_) +
-                    " made different collective calls:";
-  for (int r = 0; r < size_; ++r) {
-    msg += "\n  rank " + std::to_string(world_ranks_[r]) + ": " + std::string(ctrl(r)->desc);
-  }
-  msg += "\nEvery rank of a group must call the same collectives in the same order with the "
-         "same shapes and dtypes (allgatherv/reduce_scatterv: the same sizes).";
+  std::vector<std::string> descs;
+  for (int r = 0; r < size_; ++r) descs.emplace_back(ctrl(r)->desc);
+  std::string msg = MismatchMessage(world_ranks_, descs);
   SPMD_RETURN_IF_ERROR(Sync());  // nobody rewrites a description before all have read them
   return Status::Error(msg);
 }

@@ -10,6 +10,7 @@
 
 #include "custom_ar.h"
 #include "groups.h"
+#include "spmd/common.h"
 #include "spmd/ffi_util.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -86,7 +87,8 @@ ffi::Error FromStatus(const Call& call, const Status& s) {
 ffi::Error Decode(Call& call, cudaStream_t stream, int64_t group_id, ffi::RemainingArgs args,
                   ffi::RemainingRets rets) {
   call.stream = stream;
-  call.group = CudaGroupFind(group_id);
+  // NCCL compares no signatures, so the role bits only need masking off here.
+  call.group = CudaGroupFind(GroupIdOf(group_id));
   if (call.group == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       std::string("spmd.SpmdError: ") + call.op +

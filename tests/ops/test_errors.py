@@ -89,6 +89,49 @@ def test_mismatch_detected_over_mpi_under_debug(comm):
     assert float(spmd.allreduce(jnp.float32(1))) == comm.size
 
 
+@multirank(nprocs=(2, 3), env={"SPMD_TIMEOUT": "10"})
+def test_a_backward_collective_never_pairs_with_a_forward_one(comm):
+    """The programs docs/collectives.md warns of: JAX runs a collective's backward on some ranks
+    only. The rank in the backward pass meets the others' next forward collective of the same
+    signature; that is a mismatch naming the backward pass on every rank, not a wrong sum (and,
+    one collective later, a timeout)."""
+    r, n = comm.rank, comm.size
+    hint = "did not differentiate"
+
+    def constant_off_root(v):  # the non-roots broadcast a constant: no backward there
+        x = v if r == 0 else jnp.zeros(3)
+        return jnp.sum(spmd.broadcast(x, root=0) ** 2)
+
+    def unused_off_root(v):  # the allreduce reaches the objective on rank 0 only
+        y = spmd.allreduce(v)
+        return jnp.sum(v**2) + (jnp.sum(y**2) if r == 0 else 0.0)
+
+    for loss in (constant_off_root, unused_off_root):
+
+        def step(v, loss=loss):
+            return jax.grad(loss)(v), spmd.allreduce(jnp.ones(3))
+
+        text = _mismatch(comm, lambda _: step(jnp.arange(3.0)))
+        assert "rank 0: allreduce(op=sum) of float32[3] [backward pass]" in text, text
+        assert "rank 1: allreduce(op=sum) of float32[3]\n" in text and hint in text, text
+        with pytest.raises(jax.errors.JaxRuntimeError, match="backward pass"):
+            jax.block_until_ready(jax.jit(step)(jnp.arange(3.0)))
+        assert float(spmd.allreduce(jnp.float32(1))) == n
+    # Differentiated alike, backward and forward collectives run side by side as before.
+    g = jax.grad(lambda v: jnp.sum(spmd.allreduce(v * (r + 1)) ** 2))(jnp.ones(2))
+    # dL/dv_r = (r + 1) * sum over ranks of the cotangent 2 * y, with y = 1 + 2 + ... + n.
+    np.testing.assert_allclose(g, (r + 1) * n * 2 * sum(range(1, n + 1)) * np.ones(2))
+
+
+@multirank(nprocs=(2,), env={"SPMD_DEBUG": "1", "SPMD_BACKEND": "mpi"})
+def test_a_backward_collective_is_named_over_mpi_under_debug(comm):
+    def loss(v):
+        return jnp.sum(spmd.broadcast(v if comm.rank == 0 else jnp.zeros(3), root=0) ** 2)
+
+    text = _mismatch(comm, lambda _: (jax.grad(loss)(jnp.ones(3)), spmd.allreduce(jnp.ones(3))))
+    assert "[backward pass]" in text and "did not differentiate" in text
+
+
 @multirank(nprocs=(2,), env={"SPMD_TIMEOUT": "2"}, fresh=True)
 def test_a_rank_that_never_arrives_is_named_not_a_hang(comm):
     spmd.barrier()  # register the group while everyone is here

@@ -7,6 +7,20 @@
 
 // Bumped whenever the contract between spmd/ (Python) and the native handlers changes; the Python
 // side refuses a native module built for another version instead of calling into it blindly.
-#define SPMD_NATIVE_ABI_VERSION 2
+#define SPMD_NATIVE_ABI_VERSION 3
+
+#include <cstdint>
+
+namespace spmd {
+
+// A collective's "group" attribute: the group's id in the low 56 bits and, in the top byte, the
+// role of the call in differentiation (spmd/ops/_groups.py, GroupRef.role). The role joins the
+// signature that ranks compare, so a backward collective never pairs with a forward one.
+enum Role : int { kRoleForward = 0, kRoleJvp = 1, kRoleBackward = 2 };
+constexpr int kRoleShift = 56;
+inline int64_t GroupIdOf(int64_t attr) { return attr & ((int64_t{1} << kRoleShift) - 1); }
+inline int RoleOf(int64_t attr) { return static_cast<int>((attr >> kRoleShift) & 0xff); }
+
+}  // namespace spmd
 
 #endif  // SPMD_COMMON_H_

@@ -80,7 +80,7 @@ register_lowering(all_to_all_p, "spmd_all_to_all")
 
 def _transpose(cts: list[Any], *args: Any, group: GroupRef) -> list[Any]:
     cts = [instantiate(ct, arg_aval(a)) for ct, a in zip(cts, args, strict=True)]
-    return list(all_to_all_p.bind(*cts, group=group))
+    return list(all_to_all_p.bind(*cts, group=group.backward()))
 
 
 def _batch(args: list[Any], dims: list[Any], *, group: GroupRef) -> Any:

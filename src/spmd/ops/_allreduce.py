@@ -62,7 +62,8 @@ def allreduce(
             used where it does not apply, and always on CPU.
 
     Returns:
-        ``x``'s structure, shapes and dtypes, reduced in rank order (identical on every rank).
+        ``x``'s structure, shapes and dtypes, identical on every rank: reduced in rank order
+        on shared memory, in MPI's order or node by node otherwise (docs/collectives.md).
     """
     ref = resolve(rank_list, group)
     leaves, treedef, _ = flatten(x, "allreduce", ref)
@@ -115,6 +116,7 @@ def _jvp(
     primals: list[Any], tangents: list[Any], *, group: GroupRef, op: str, quantize: str | None
 ) -> Any:
     outs = allreduce_p.bind(*primals, group=group, op=op, quantize=quantize)
+    group = group.jvp()  # the collectives below work on tangents
     # Which tangents are symbolic zeros is decided by the program, so the same on every rank.
     live = [i for i, t in enumerate(tangents) if not isinstance(t, Zero)]
     t_outs: list[Any] = [zero_tangent(y) for y in outs]
@@ -153,7 +155,7 @@ def _transpose(
     assert op == "sum", op
     avals = [arg_aval(a) for a in args]
     cts = [instantiate(ct, aval) for ct, aval in zip(cts, avals, strict=True)]
-    return _sum(cts, group, quantize)
+    return _sum(cts, group.backward(), quantize)
 
 
 def _batch(

@@ -62,9 +62,22 @@ def collective_primitive(name: str) -> core.Primitive:
     """
     p = core.Primitive(name)
     p.multiple_results = True
-    p.def_impl(functools.partial(dispatch.apply_primitive, p))
+    p.def_impl(functools.partial(_run_eagerly, p))
     pe.dce_rules[p] = _keep
     return p
+
+
+def _run_eagerly(prim: core.Primitive, *args: Any, **params: Any) -> Any:
+    """An eager call (also one a JVP or transpose rule makes under eager ``jax.grad``): waits
+    for the result so that a failure is raised here, on every rank, as :class:`spmd.SpmdError`."""
+    try:
+        outs = dispatch.apply_primitive(prim, *args, **params)
+        jax.block_until_ready(outs)
+    except (jax.errors.JaxRuntimeError, ValueError) as e:
+        # JaxRuntimeError from a first call; a cached executable's fast path raises ValueError
+        # with the same text. Anything without spmd's marker goes up unchanged.
+        raise translate_error(e) from None
+    return outs
 
 
 # -- lowering -----------------------------------------------------------------------------------
@@ -145,7 +158,7 @@ def register_lowering(
     def cpu_rule(ctx: mlir.LoweringRuleContext, *operands: Any, **params: Any) -> list[Any]:
         group: GroupRef = params["group"]
         attrs = {name: fn(**params) for name, fn in attr_params.items()}
-        return lower_collective(ctx, target, operands, group=group.gid, **attrs)
+        return lower_collective(ctx, target, operands, group=group.attr, **attrs)
 
     def cuda_rule(ctx: mlir.LoweringRuleContext, *operands: Any, **params: Any) -> list[Any]:
         from . import _cuda
@@ -160,7 +173,7 @@ def register_lowering(
             where = f"rank {group.world_rank}: {op}: "
             _cuda.registered(group.gid, where).require_nccl(f"{where}the GPU {op}")
         cuda_target = "spmd_cuda_" + op
-        return lower_collective(ctx, cuda_target, operands, group=group.gid, **attrs)
+        return lower_collective(ctx, cuda_target, operands, group=group.attr, **attrs)
 
     # Not cacheable: the rule must run in the block it lowers into, where the chain lives.
     mlir.register_lowering(prim, cpu_rule, platform="cpu", cacheable=False)
@@ -168,10 +181,6 @@ def register_lowering(
 
 
 # -- calling ------------------------------------------------------------------------------------
-
-
-def is_eager() -> bool:
-    return isinstance(core.trace_ctx.trace, core.EvalTrace)
 
 
 def translate_error(e: Exception) -> Exception:
@@ -184,18 +193,8 @@ def translate_error(e: Exception) -> Exception:
 
 
 def bind(prim: core.Primitive, *args: Any, **params: Any) -> list[Any]:
-    """Bind ``prim``; eagerly, wait for the result so that a failure is raised here, on every
-    rank, as :class:`spmd.SpmdError`."""
-    if not is_eager():
-        return list(prim.bind(*args, **params))
-    try:
-        outs = list(prim.bind(*args, **params))
-        jax.block_until_ready(outs)
-    except (jax.errors.JaxRuntimeError, ValueError) as e:
-        # JaxRuntimeError from a first call; a cached executable's fast path raises ValueError
-        # with the same text. Anything without spmd's marker goes up unchanged.
-        raise translate_error(e) from None
-    return outs
+    """Bind ``prim``: its results as a list (eagerly, once they are ready)."""
+    return list(prim.bind(*args, **params))
 
 
 def flatten(x: Any, op: str, group: GroupRef) -> tuple[list[jax.Array], Any, list[str]]:
@@ -324,7 +323,8 @@ def linear_jvp(prim: core.Primitive) -> Callable[..., Any]:
         t_outs: list[Any] = [zero_tangent(y) for y in outs]
         live = [i for i, t in enumerate(tangents) if not isinstance(t, Zero)]
         if live:
-            for i, r in zip(live, prim.bind(*[tangents[i] for i in live], **params), strict=True):
+            t_params = {**params, "group": params["group"].jvp()}
+            for i, r in zip(live, prim.bind(*[tangents[i] for i in live], **t_params), strict=True):
                 t_outs[i] = r
         return outs, t_outs
 

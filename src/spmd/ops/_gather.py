@@ -218,13 +218,14 @@ def _gather_transpose(cts: list[Any], *args: Any, group: GroupRef, sizes: Sizes)
     # Rank r's rows reach every rank; dL/dx_r sums those rows' cotangents over ranks.
     out_avals = _gather_eval(*[arg_aval(a) for a in args], group=group, sizes=sizes)
     cts = [instantiate(ct, aval) for ct, aval in zip(cts, out_avals, strict=True)]
-    return list(reduce_scatter_p.bind(*cts, group=group, op="sum", sizes=sizes))
+    return list(reduce_scatter_p.bind(*cts, group=group.backward(), op="sum", sizes=sizes))
 
 
 def _scatter_jvp(
     primals: list[Any], tangents: list[Any], *, group: GroupRef, op: str, sizes: Sizes
 ) -> Any:
     outs = reduce_scatter_p.bind(*primals, group=group, op=op, sizes=sizes)
+    group = group.jvp()  # the collectives below work on tangents
     t_outs: list[Any] = [zero_tangent(y) for y in outs]
     live = _live(tangents)
     if not live:
@@ -264,7 +265,7 @@ def _scatter_transpose(
     assert op == "sum", op
     out_avals = _scatter_eval(*[arg_aval(a) for a in args], group=group, op=op, sizes=sizes)
     cts = [instantiate(ct, aval) for ct, aval in zip(cts, out_avals, strict=True)]
-    return list(allgather_p.bind(*cts, group=group, sizes=sizes))
+    return list(allgather_p.bind(*cts, group=group.backward(), sizes=sizes))
 
 
 ad.primitive_jvps[allgather_p] = linear_jvp(allgather_p)

@@ -20,7 +20,7 @@ import itertools
 import os
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .._errors import SpmdError
@@ -37,13 +37,27 @@ SHM_CHUNK = 1 << 20
 ONE_SHOT_MAX = 64 << 10
 
 
+# Roles of a collective in differentiation (GroupRef.role); equal to native/include/spmd/common.h.
+FORWARD, JVP, BACKWARD = 0, 1, 2
+ROLE_NAMES = ("", "jvp", "backward")
+_ROLE_SHIFT = 56
+
+
 @dataclass(frozen=True)
 class GroupRef:
-    """A group as a primitive sees it: its native id, this rank's rank and the world ranks."""
+    """A group as a primitive sees it: its native id, this rank's rank and the world ranks.
+
+    ``role`` says where the collective comes from: called as written (``FORWARD``), emitted by a
+    JVP rule on tangents (``JVP``), or by a transpose rule (``BACKWARD``). It travels to the
+    native layer with the group id and joins the signature the ranks compare, so that a rank in
+    the backward pass of a collective the others did not differentiate gets a mismatch error
+    instead of pairing its backward collective with another rank's next forward one.
+    """
 
     gid: int
     rank: int
     ranks: tuple[int, ...]
+    role: int = FORWARD
 
     @property
     def size(self) -> int:
@@ -53,8 +67,22 @@ class GroupRef:
     def world_rank(self) -> int:
         return self.ranks[self.rank]
 
+    @property
+    def attr(self) -> int:
+        """The custom call's ``group`` attribute: the id, and the role in the top byte."""
+        return self.gid | (self.role << _ROLE_SHIFT)
+
+    def jvp(self) -> GroupRef:
+        """This group for a collective a JVP rule emits."""
+        return replace(self, role=JVP)
+
+    def backward(self) -> GroupRef:
+        """This group for a collective a transpose rule emits."""
+        return replace(self, role=BACKWARD)
+
     def __repr__(self) -> str:
-        return f"ranks={list(self.ranks)}"
+        role = f", {ROLE_NAMES[self.role]}" if self.role else ""
+        return f"ranks={list(self.ranks)}{role}"
 
 
 @dataclass

@@ -124,7 +124,9 @@ def _sendrecv_transpose(
 ) -> list[Any]:
     # y_r = x_src(r): the cotangent of y_r belongs to x on rank src, so send it back to src.
     (ct,) = cts
-    return list(sendrecv_p.bind(instantiate(ct, arg_aval(x)), group=group, src=dst, dst=src))
+    return list(
+        sendrecv_p.bind(instantiate(ct, arg_aval(x)), group=group.backward(), src=dst, dst=src)
+    )
 
 
 def _send_jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, dst: int) -> Any:

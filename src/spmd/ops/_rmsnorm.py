@@ -118,7 +118,7 @@ def _cuda_rule(
         ctx,
         "spmd_cuda_allreduce_rmsnorm",
         [x, residual, weight],
-        group=group.gid,
+        group=group.attr,
         eps=eps,
         algo=np.int32(_cuda.ALGOS[path]),
     )

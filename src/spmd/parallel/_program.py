@@ -30,6 +30,7 @@ import numpy as np
 from jax._src import core
 
 from .._errors import SpmdError
+from ..ops._groups import FORWARD, ROLE_NAMES
 
 __all__ = ["Env", "Op", "Program", "eval_eqn", "retrace", "trace"]
 
@@ -252,7 +253,10 @@ def _attrs(eqn: core.JaxprEqn) -> list[str]:
     if "op" in p:
         attrs.append(f"op={p['op']}")
     if "group" in p:
-        attrs.append(f"group={list(getattr(p['group'], 'ranks', [p['group']]))}")
+        group = p["group"]
+        attrs.append(f"group={list(getattr(group, 'ranks', [group]))}")
+        if getattr(group, "role", FORWARD) != FORWARD:
+            attrs.append(f"role={ROLE_NAMES[group.role]}")
     if "name" in p and isinstance(p["name"], str):
         return [f"name={p['name']}", *attrs]
     for k, v in p.items():
