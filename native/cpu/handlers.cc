@@ -194,12 +194,14 @@ Status AllreduceHier(const Call& call, Group& g, ReduceOp op, const std::vector<
   SPMD_RETURN_IF_ERROR(g.local->Allreduce(call.Sig(), op, in, out, g.one_shot_max));
   for (size_t i = 0; i < out.size(); ++i) {
     const Leaf& o = out[i];
+    if (!g.is_leader) {  // only the leader's value is read; no scratch here
+      SPMD_RETURN_IF_ERROR(g.local->Broadcast(call.Sig(), 0, o, o));
+      continue;
+    }
     if (hier_scratch.size() < o.bytes) hier_scratch.resize(o.bytes);
     Leaf tmp{hier_scratch.data(), o.bytes, o.dtype, o.elem};
-    if (g.is_leader) {
-      SPMD_RETURN_IF_ERROR(g.leaders.Allreduce(o.data, tmp.data, o.bytes / o.elem, o.dtype, op));
-    }
-    SPMD_RETURN_IF_ERROR(g.local->Broadcast(call.Sig(), 0, g.is_leader ? tmp : o, o));
+    SPMD_RETURN_IF_ERROR(g.leaders.Allreduce(o.data, tmp.data, o.bytes / o.elem, o.dtype, op));
+    SPMD_RETURN_IF_ERROR(g.local->Broadcast(call.Sig(), 0, tmp, o));
   }
   return Status::Ok();
 }
