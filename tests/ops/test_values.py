@@ -157,6 +157,91 @@ def test_collectives_run_in_program_order(comm):
         assert out[24 + i].shape == ((1000 + 7 * i) * n,)
 
 
+@multirank(nprocs=(2, 3), env={"SPMD_TIMEOUT": "20"})
+def test_nested_jit_keeps_program_order_in_programs_that_differ_by_rank(comm):
+    """A collective inside a nested ``jax.jit`` runs in its place in the caller's order. Ranks
+    whose programs differ (pipeline stages) depend on it: rank 0 sends from a jitted helper and
+    then all-reduces, rank 1 receives and then all-reduces. Run out of order, rank 0 would wait
+    in the allreduce while rank 1 waits for the message (a timeout); or, when only one rank nests
+    its call, the ranks would pair different collectives (a mismatch)."""
+    r, n = comm.rank, comm.size
+    big = 1 << 20  # 4 MiB: past MPI's eager limit, a send waits for its receive
+    send_helper = jax.jit(lambda y: spmd.send(y, dst=1))
+
+    @jax.jit
+    def stage0(x, w):
+        send_helper(jnp.tanh(x) * 2.0)
+        return spmd.allreduce(w)
+
+    @jax.jit
+    def stage1(w):
+        return spmd.recv(jnp.zeros(big, jnp.float32), src=0), spmd.allreduce(w)
+
+    w = jnp.full(8, float(r + 1))
+    total = n * (n + 1) / 2
+    if r == 0:
+        np.testing.assert_array_equal(stage0(jnp.ones(big), w), np.full(8, total))
+    elif r == 1:
+        y, s = stage1(w)
+        np.testing.assert_allclose(y, np.full(big, np.tanh(1.0) * 2.0), rtol=1e-6)
+        np.testing.assert_array_equal(s, np.full(8, total))
+    else:
+        np.testing.assert_array_equal(jax.jit(spmd.allreduce)(w), np.full(8, total))
+
+    # The same calls in the same order; only rank 0 wraps the second in a jitted helper (and in
+    # a helper of a helper). Big enough that XLA would rather start it first.
+    inner = jax.jit(lambda v: spmd.allreduce(v, op="max"))
+    nested = jax.jit(lambda v: inner(v) * 1.0)
+    a, b = jnp.full(1 << 16, float(r)), jnp.arange(1000.0) + r
+
+    @jax.jit
+    def calls(a, b):
+        first = spmd.allreduce(a)
+        return first, (nested(b) if r == 0 else spmd.allreduce(b, op="max"))
+
+    first, second = calls(a, b)
+    np.testing.assert_array_equal(first, np.full(1 << 16, n * (n - 1) / 2))
+    np.testing.assert_array_equal(second, np.arange(1000.0) + n - 1)
+
+    # A helper's result used on some ranks only: where it is discarded, the call still runs.
+    helper = jax.jit(lambda v: spmd.allreduce(v))
+
+    @jax.jit
+    def discard(v):
+        s = helper(v)
+        t = spmd.allgather(v)
+        return (t, s) if r else (t,)
+
+    out = discard(jnp.float32(r).reshape(1))
+    np.testing.assert_array_equal(out[0], np.arange(n, dtype=np.float32))
+    if r:
+        np.testing.assert_array_equal(out[1], [n * (n - 1) / 2])
+
+
+@multirank(nprocs=(2,))
+def test_loops_and_branches_holding_collectives_are_never_dead_code(comm):
+    """As a collective whose result is unused stays in the program, so does a scan, loop or
+    branch holding one: removed on the ranks that discard its result, it would leave the others
+    waiting."""
+    x = jnp.ones(3)
+
+    def scan(v):
+        jax.lax.scan(lambda c, _: (spmd.allreduce(c), None), v, None, length=2)
+        return v * 2
+
+    def loop(v):
+        jax.lax.fori_loop(0, 2, lambda i, c: spmd.allreduce(c), v)
+        return v * 2
+
+    def branch(v):
+        jax.lax.cond(v[0] > 0, lambda c: spmd.allreduce(c), lambda c: c, v)
+        return v * 2
+
+    for fn in (scan, loop, branch):
+        assert "spmd_allreduce" in jax.jit(fn).lower(x).as_text(), fn.__name__
+        np.testing.assert_array_equal(jax.jit(fn)(x), 2 * np.ones(3))
+
+
 @multirank(nprocs=(2,))
 def test_eager_calls_compile_once(comm):
     from jax._src import dispatch

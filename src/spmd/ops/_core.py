@@ -9,13 +9,15 @@ collective's custom call takes one extra operand, the previous collective's extr
 result in the same computation, and returns its own: a data dependency, so XLA runs the
 collectives of a computation in program order at no cost. Separate executions on one CPU device
 already run in dispatch order. Custom calls are marked ``has_side_effect`` in HLO so XLA never
-removes or merges them; primitives without results (send, barrier) also carry a DCE rule that
-keeps them in the jaxpr.
+removes or merges them; every collective carries a DCE rule that keeps it in the jaxpr, and so
+does every call, loop or branch holding one. A nested ``jax.jit`` holding collectives is lowered
+inline so that they join the caller's chain; loop and branch bodies start chains of their own.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +54,9 @@ def _keep(used_outputs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
     return [True] * len(eqn.invars), eqn
 
 
+_COLLECTIVES: set[core.Primitive] = set()
+
+
 def collective_primitive(name: str) -> core.Primitive:
     """A multiple-results primitive run eagerly through a cached jit of itself (compiled once per
     parameters, never per call).
@@ -64,6 +69,7 @@ def collective_primitive(name: str) -> core.Primitive:
     p.multiple_results = True
     p.def_impl(functools.partial(_run_eagerly, p))
     pe.dce_rules[p] = _keep
+    _COLLECTIVES.add(p)
     return p
 
 
@@ -140,6 +146,103 @@ def lower_collective(
     else:
         chains[at] = (block, call.results[0])
     return list(call.results[1:])
+
+
+# -- nested calls -------------------------------------------------------------------------------
+
+_holds: weakref.WeakKeyDictionary[core.Jaxpr, bool] = weakref.WeakKeyDictionary()
+
+
+def _holds_collective(jaxpr: core.Jaxpr) -> bool:
+    """Whether ``jaxpr`` or any jaxpr nested in it binds one of spmd's collectives."""
+    found = _holds.get(jaxpr)
+    if found is None:
+        found = any(e.primitive in _COLLECTIVES for e in jaxpr.eqns) or any(
+            _holds_collective(sub) for sub in core.subjaxprs(jaxpr)
+        )
+        _holds[jaxpr] = found
+    return found
+
+
+def _inline_calls_holding_collectives() -> None:
+    """Lower a nested ``jax.jit`` (and ``closed_call``) that holds collectives inline, in the
+    caller's block, so that its collectives join the caller's chain and run in their place in
+    program order. JAX lowers a nested jit to a separate function, where the chain would start
+    afresh: XLA could then run its collectives before or after the caller's, and ranks whose
+    programs differ (a pipeline stage sending from a jitted helper) would wait on each other.
+    Calls without collectives keep JAX's own lowering."""
+    from jax._src import pjit
+
+    jit_p = getattr(pjit, "jit_p", None) or getattr(pjit, "pjit_p", None)
+    calls: list[tuple[core.Primitive, str]] = [(core.closed_call_p, "call_jaxpr")]
+    if isinstance(jit_p, core.Primitive):
+        calls.append((jit_p, "jaxpr"))
+    for prim, param in calls:
+        entry = mlir._lowerings.get(prim)
+        if entry is None:  # another JAX: its nested calls start their own chain (documented)
+            continue
+        default = getattr(entry, "rule", entry)
+
+        def rule(
+            ctx: Any, *args: Any, _default: Any = default, _param: str = param, **params: Any
+        ) -> Any:
+            closed = params[_param]
+            if not _holds_collective(closed.jaxpr):
+                return _default(ctx, *args, **params)
+            return mlir.lower_fun(core.jaxpr_as_fun(closed), multiple_results=True)(ctx, *args)
+
+        for platform in ("cpu", "cuda"):
+            mlir.register_lowering(prim, rule, platform=platform, cacheable=False)
+
+
+def _higher_order_primitives() -> list[core.Primitive]:
+    """JAX's primitives that hold jaxprs (calls, control flow, remat, custom derivatives), as
+    this JAX names them."""
+    import importlib
+
+    found = []
+    for module, names in (
+        ("jax._src.pjit", ("jit_p", "pjit_p")),
+        ("jax._src.core", ("closed_call_p",)),
+        ("jax._src.lax.control_flow", ("cond_p", "while_p", "scan_p")),
+        ("jax._src.ad_checkpoint", ("remat_p",)),
+        ("jax._src.custom_derivatives", ("custom_jvp_call_p", "custom_vjp_call_p")),
+    ):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        for name in names:
+            prim = getattr(mod, name, None)
+            if isinstance(prim, core.Primitive) and prim not in found:
+                found.append(prim)
+    return found
+
+
+def _keep_calls_holding_collectives() -> None:
+    """Never remove a call, loop or branch that holds collectives as dead code, as the
+    collectives themselves are never removed (``_keep``). JAX drops such an equation when none
+    of its outputs is used: a jitted helper that only sends, or whose allreduce result is
+    discarded on one rank, would silently skip its collectives and leave the peers waiting."""
+    for prim in _higher_order_primitives():
+        default = pe.dce_rules.get(prim)
+
+        def rule(used_outputs: list[bool], eqn: Any, _default: Any = default) -> Any:
+            if not any(used_outputs) and any(
+                _holds_collective(j) for j in core.jaxprs_in_params(eqn.params)
+            ):
+                return [True] * len(eqn.invars), eqn
+            if _default is not None:
+                return _default(used_outputs, eqn)
+            if not any(used_outputs) and not pe.has_effects(eqn):  # JAX's default rule
+                return [False] * len(eqn.invars), None
+            return [True] * len(eqn.invars), eqn
+
+        pe.dce_rules[prim] = rule
+
+
+_inline_calls_holding_collectives()
+_keep_calls_holding_collectives()
 
 
 def register_lowering(
