@@ -157,6 +157,16 @@ def test_load_falls_back_to_the_previous_checkpoint_between_the_renames(tmp_path
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
+def test_zero_d_shards_and_big_endian_arrays(tmp_path):
+    spmd.init()
+    tree = {"s": spmd.shard(jnp.float32(3.5), P()), "be": np.arange(4, dtype=">f4")}
+    save(tmp_path / "ck", tree)
+    out = load(tmp_path / "ck", like=tree)
+    assert isinstance(out["s"], ShardedArray) and float(out["s"].local) == 3.5
+    assert out["be"].dtype == np.float32 and out["be"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert float(load(tmp_path / "ck")["s"]) == 3.5  # without like: the whole array
+
+
 def test_bad_input_is_refused_before_anything_is_written(tmp_path):
     spmd.init()
     path = tmp_path / "ck"
@@ -441,8 +451,16 @@ def errors_on_every_rank(directory):
         spmd.SpmdError, match=r"rank 2: spmd\.save\(.*metadata\['step'\] is a int64"
     ):
         save(bad, tree, metadata={"step": np.int64(1) if comm.rank == 2 else 1})
+    # a shard whose local array does not have the layout's shape on rank 1 (here the wrong
+    # rows): refused on every rank before anything is written, so "ck" is not replaced
+    rows = tree["rows"]
+    local = jnp.zeros((rows.local_shape[0] + 1, 3)) if comm.rank == 1 else rows.local
+    wrong = {**tree, "rows": ShardedArray(local, rows.shape, rows.spec, rows.mesh)}
+    with pytest.raises(spmd.SpmdError, match=r"\['rows'\] .* local shard has shape"):
+        save(path, wrong)
     comm.barrier()
     assert not os.path.exists(bad) and sorted(os.listdir(directory)) == ["ck"]
+    assert _manifest(path) == m  # the checkpoint in place is untouched
     return msg
 
 

@@ -333,6 +333,12 @@ def _flatten(tree: Any, where: str) -> tuple[list[_Leaf], Any]:
 def _describe(path: str, x: Any, where: str) -> _Leaf:
     if isinstance(x, ShardedArray):
         dtype = _dtype(x.dtype, path, where)
+        if tuple(np.shape(x.local)) != x.local_shape:
+            raise SpmdError(
+                f"{where}: leaf {path} is a ShardedArray of shape {x.shape} and spec {x.spec} "
+                f"whose local shard has shape {tuple(np.shape(x.local))}, but that layout gives "
+                f"this rank a shard of shape {x.local_shape}; nothing was written"
+            )
         index = tuple((s.start, s.stop) for s in x.index())
         return _Leaf(path, "sharded", x.shape, dtype, x, str(x.spec), index)
     if isinstance(x, jax.core.Tracer):
@@ -364,7 +370,7 @@ def _dtype(dtype: Any, path: str, where: str) -> np.dtype[Any]:
             f"{where}: leaf {path} is a typed PRNG key array ({dtype}); save "
             "jax.random.key_data(key) and rebuild it with jax.random.wrap_key_data"
         )
-    d: np.dtype[Any] = np.dtype(dtype)
+    d: np.dtype[Any] = np.dtype(dtype).newbyteorder("=")  # data is written in native order
     try:
         ok = d.kind in "biufcV" and d.names is None and jnp.dtype(d.name) == d
     except TypeError:
@@ -818,7 +824,7 @@ def _into(entry: dict[str, Any], want: Any, reader: _Reader, where: str) -> Any:
             f"{where}: like{path} is a {type(want).__name__}; expected a spmd.ShardedArray, a jax "
             "or numpy array, a jax.ShapeDtypeStruct or a scalar saying how to return the leaf"
         )
-    if shape != saved_shape or dtype != saved_dtype:
+    if shape != saved_shape or np.dtype(dtype).newbyteorder("=") != saved_dtype:
         raise SpmdError(
             f"{where}: leaf {path} was saved with shape {saved_shape} and dtype "
             f"{saved_dtype.name}, but like= expects shape {shape} and dtype {dtype.name}"
@@ -828,7 +834,8 @@ def _into(entry: dict[str, Any], want: Any, reader: _Reader, where: str) -> Any:
         # (zeros in the padding, as spmd.shard makes it), never the whole array.
         local = np.zeros(want.local_shape, saved_dtype)
         region = tuple((s.start, s.stop) for s in want.index())
-        part = local[want.valid()]  # a view: filling it fills local
+        # A view, filling it fills local (a 0-d shard's empty index would give a scalar copy).
+        part = local[want.valid()] if local.ndim else local[...]
         reader.fill(entry, region, part)
         return ShardedArray(jnp.asarray(local), saved_shape, want.spec, want.mesh)
     arr = reader.full(entry)
@@ -876,7 +883,15 @@ def _agree(
         wrapped.__cause__ = own
         own = wrapped
     message = None if own is None else str(own)
-    gathered = comm.allgather_object((message, payload)) if comm.size > 1 else [(message, payload)]
+    try:
+        gathered = (
+            comm.allgather_object((message, payload)) if comm.size > 1 else [(message, payload)]
+        )
+    except SpmdError as e:  # a rank slower than SPMD_TIMEOUT (writing, reading) or gone
+        raise SpmdError(
+            f"{where}: {e} The ranks wait for each other while they read or write their files "
+            "(rank 0 writes every replicated leaf): on slow storage, raise SPMD_TIMEOUT."
+        ) from None
     if own is not None:
         raise own
     first = next((m for m, _ in gathered if m is not None), None)

@@ -112,7 +112,8 @@ class DistributedSampler:
             world = init()
             num_replicas = world.size if num_replicas is None else num_replicas
             rank = world.rank if rank is None else rank
-        me = _who(rank)
+        valid = _is_int(rank) and _is_int(num_replicas) and 0 <= rank < num_replicas
+        me = _who(rank if valid else None)
         _check_int(me, "num_replicas", num_replicas, 1, "a positive number of ranks")
         _check_int(me, "rank", rank, 0, f"a rank with 0 <= rank < num_replicas={num_replicas}")
         if rank >= num_replicas:

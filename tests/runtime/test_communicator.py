@@ -206,6 +206,36 @@ def test_missing_rank_times_out_with_a_clear_error(launcher):
         )
 
 
+def late_rank_exchange():
+    """Rank 1 gives up on an exchange; rank 0 arrives after the deadline (say, still writing a
+    checkpoint). Its exchange pairs with rank 1's abandoned one and must then time out too, not
+    wait forever for a rank that has moved on; after that the group refuses at once."""
+    import time
+
+    comm = spmd.get_communicator()
+    comm.barrier()
+    if comm.rank == 0:
+        time.sleep(2.5)
+    outcome = []
+    for value in ("late", "after"):
+        start = time.monotonic()
+        try:
+            comm.allgather_object(value)
+            outcome.append("completed")
+        except spmd.SpmdError as e:
+            outcome.append(f"{time.monotonic() - start:.1f}s {e}")
+    return outcome
+
+
+def test_a_late_rank_times_out_instead_of_hanging():
+    first, second = run(late_rank_exchange, 2, env={"SPMD_TIMEOUT": "1.5"}, fresh=True, timeout=60)
+    for rank, (late, after) in enumerate((first, second)):
+        assert "allgather_object on the group of ranks [0, 1] timed out after 1.5 s" in late
+        assert float(late.split("s ")[0]) < 3, late
+        assert after.startswith(f"0.0s rank {rank}: allgather_object: the group of ranks [0, 1] is")
+        assert "unusable after an earlier exchange timed out" in after
+
+
 @multirank(nprocs=(4,), launcher="env")
 def test_file_store_communicators_of_the_same_members_keep_apart(comm):
     """Two communicators holding ranks 0 and 1 (from [[0, 1], [2, 3]] and from [[0, 1]]):

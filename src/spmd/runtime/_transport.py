@@ -33,28 +33,52 @@ class SelfTransport:
 
 
 class MpiTransport:
-    """mpi4py's pickle-based collectives, each preceded by a non-blocking barrier polled with a
-    deadline (MPI's blocking calls cannot time out)."""
+    """Pickled objects exchanged with MPI's non-blocking allgathers (the sizes, then the bytes),
+    each polled against a deadline: MPI's blocking calls cannot time out.
+
+    MPI cannot cancel a collective, so a timed-out exchange stays posted: its buffers are kept
+    alive for MPI to finish into, and the transport refuses every later exchange (a late rank
+    would otherwise pair its next call with the abandoned one, then wait forever).
+    """
 
     def __init__(self, comm: Any, world_rank: int, ranks: Sequence[int], timeout: float) -> None:
         self.comm = comm
         self.world_rank = world_rank
         self.ranks = list(ranks)
         self.timeout = timeout
+        self.broken: str | None = None
+        self._abandoned: list[Any] = []
 
-    def _arrive(self, what: str) -> None:
-        request = self.comm.Ibarrier()
-        if not wait_until(request.Test, self.timeout):
-            raise SpmdError(
-                f"rank {self.world_rank}: {what} on the group of ranks {self.ranks} timed out "
-                f"after {self.timeout:g} s: at least one rank of the group never called it. "
-                "Every rank of a group must make the same calls in the same order; raise "
-                "SPMD_TIMEOUT if they are just slow."
-            )
+    def _wait(self, request: Any, buffers: tuple[Any, ...], what: str) -> None:
+        if wait_until(request.Test, self.timeout):
+            return
+        self._abandoned.append((request, buffers))
+        self.broken = (
+            f"rank {self.world_rank}: {what} on the group of ranks {self.ranks} timed out "
+            f"after {self.timeout:g} s: at least one rank of the group never called it. "
+            "Every rank of a group must make the same calls in the same order; raise "
+            "SPMD_TIMEOUT if they are just slow."
+        )
+        raise SpmdError(self.broken)
 
     def allgather(self, obj: Any) -> list[Any]:
-        self._arrive("allgather_object")
-        return list(self.comm.allgather(obj))
+        import numpy as np
+        from mpi4py import MPI
+
+        what = "allgather_object"
+        if self.broken is not None:
+            raise SpmdError(
+                f"rank {self.world_rank}: {what}: the group of ranks {self.ranks} is unusable "
+                f"after an earlier exchange timed out ({self.broken})"
+            )
+        data = np.frombuffer(pickle.dumps(obj), np.uint8)
+        mine, sizes = np.array([data.size], np.int64), np.zeros(len(self.ranks), np.int64)
+        self._wait(self.comm.Iallgather(mine, sizes), (mine, sizes), what)
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        out = np.empty(int(sizes.sum()), np.uint8)
+        spec = [out, (sizes.tolist(), offsets.tolist()), MPI.BYTE]
+        self._wait(self.comm.Iallgatherv(data, spec), (data, out), what)
+        return [pickle.loads(out[o : o + n].tobytes()) for o, n in zip(offsets, sizes, strict=True)]
 
     def close(self) -> None:
         from mpi4py import MPI
