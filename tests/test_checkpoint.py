@@ -141,6 +141,26 @@ def test_save_replaces_atomically_and_cleans_up(tmp_path):
     assert metadata(tmp_path / "empty") == {}
 
 
+def test_a_symlinked_path_is_followed(tmp_path):
+    """Saving to a link replaces the checkpoint it points to; the link stays a link."""
+    spmd.init()
+    (tmp_path / "runs").mkdir()
+    save(tmp_path / "runs" / "step-1", {"a": np.arange(3)})
+    os.symlink(os.path.join("runs", "step-1"), tmp_path / "latest")
+    save(tmp_path / "latest", {"a": np.arange(3) + 5}, metadata={"v": 2})
+    assert os.path.islink(tmp_path / "latest")
+    for where in ("latest", os.path.join("runs", "step-1")):
+        np.testing.assert_array_equal(load(tmp_path / where)["a"], np.arange(3) + 5)
+        assert metadata(tmp_path / where) == {"v": 2}
+    assert sorted(os.listdir(tmp_path)) == ["latest", "runs"]
+    assert os.listdir(tmp_path / "runs") == ["step-1"]
+    # a link to a checkpoint not written yet: written where it points
+    os.symlink(os.path.join("runs", "step-2"), tmp_path / "next")
+    save(tmp_path / "next", {"a": np.arange(2)})
+    assert sorted(os.listdir(tmp_path / "runs")) == ["step-1", "step-2"]
+    np.testing.assert_array_equal(load(tmp_path / "runs" / "step-2")["a"], np.arange(2))
+
+
 def test_load_falls_back_to_the_previous_checkpoint_between_the_renames(tmp_path):
     """A save killed between 'rename path -> path.old-*' and 'rename tmp -> path'."""
     spmd.init()

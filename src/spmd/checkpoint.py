@@ -47,7 +47,8 @@ Guarantees
   there. In the instant between the two renames ``path`` is missing: :func:`load` and
   :func:`metadata` then read the newest complete ``{path}.old-*`` (with a warning). Leftover
   ``{path}.tmp-*`` / ``{path}.old-*`` directories of interrupted saves are removed by the next
-  successful save to the same path. Run one save to a given path at a time.
+  successful save to the same path. Run one save to a given path at a time. A ``path`` that
+  is a symbolic link is followed: the directory it points to is replaced, the link stays.
 - Each distinct piece of data is written once: replicated leaves by rank 0; each distinct shard
   of a ShardedArray by the lowest rank that holds it (ranks whose ``index()`` agree hold the same
   shard, e.g. the dp replicas of a tensor-parallel shard).
@@ -866,7 +867,9 @@ def _target(path: Any) -> Path:
             "os.PathLike naming the checkpoint directory"
         )
     # Absolute, without a trailing slash: the siblings path.tmp-* / path.old-* sit beside it.
-    return Path(os.path.abspath(os.fspath(path)))
+    # Symbolic links are followed (as open() does): saving to a link such as latest -> step-9
+    # replaces step-9 and keeps the link, instead of replacing the link with a directory.
+    return Path(os.path.realpath(os.fspath(path)))
 
 
 def _agree(
