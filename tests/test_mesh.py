@@ -103,12 +103,18 @@ def test_mesh_shapes_and_errors(comm):
         spmd.Mesh(dp=n, tp=2.0)
     with pytest.raises(spmd.SpmdError, match=r"no 'dp' or 'tp' axis"):
         spmd.Mesh(pp=n).rank_lists("ep")
+    assert dict(spmd.Mesh(dp=np.int64(n)).shape) == {"dp": n}
+    with pytest.raises(spmd.SpmdError, match=r"\('dp', 'ep'\) uses a mesh axis twice \('ep' is dp"):
+        mesh.rank_lists(("dp", "ep"))
     if n == 4:
         mesh = spmd.Mesh(dp=2, tp=-1)
         assert dict(mesh.shape) == {"dp": 2, "tp": 2}
         assert mesh.group("tp").ranks == ((0, 1) if comm.rank < 2 else (2, 3))
         with pytest.raises(spmd.SpmdError, match="world size 4 is not divisible by 3"):
             spmd.Mesh(dp=3, tp=-1)
+        # 'ep' inside a tuple of axes means dp and tp as well
+        pp = spmd.Mesh(pp=2, tp=2)
+        assert pp.rank_lists(("pp", "ep")) == pp.rank_lists(("pp", "tp")) == [[0, 1, 2, 3]]
     assert spmd.current_mesh() is None
     with mesh:
         assert spmd.current_mesh() is mesh

@@ -39,6 +39,10 @@ def test_errors_name_the_rank_and_the_spec():
         spmd.shard(jnp.ones(2), "dp")
     with pytest.raises(spmd.SpmdError, match="has no axis 'tp'"):
         spmd.shard(jnp.ones(2), P("tp"), mesh=spmd.Mesh(dp=1))
+    # an integer is not an axis name (it raised a bare TypeError)
+    for entry in (1, ("dp", 2)):
+        with pytest.raises(spmd.SpmdTypeError, match=r"rank 0: .* is not an axis name"):
+            spmd.shard(jnp.ones((2, 2)), P(entry))
 
 
 @multirank(nprocs=(2, 3, 4))
@@ -96,6 +100,34 @@ def test_mesh_specs_combined_axes_and_replication(comm):
         np.testing.assert_array_equal(s.gather(), x)
         for to in (P("dp", "tp"), P(None, ("tp", "dp")), P()):
             np.testing.assert_array_equal(s.reshard(to).gather(), x)
+    # 'ep' is dp and tp combined: naming it beside either uses an axis twice (gather() of
+    # such an array returned wrong values)
+    for spec in (P("dp", "ep"), P("ep", "tp"), P(("ep", "dp"))):
+        with pytest.raises(spmd.SpmdError, match=rf"rank {comm.rank}: .* uses a mesh axis twice"):
+            spmd.shard(x, spec, mesh=mesh)
+    np.testing.assert_array_equal(spmd.shard(x, P("ep"), mesh=mesh).gather(), x)
+    # made by hand with trailing entries left out, as JAX allows: the spec is completed
+    s = spmd.shard(x, P("dp", None), mesh=mesh)
+    short = spmd.ShardedArray(s.local, s.shape, P("dp"), mesh)
+    assert short.spec == P("dp", None)
+    for to in (P("dp"), P("dp", None), P(None, "dp"), P(None, ("dp", "tp"))):
+        np.testing.assert_array_equal(short.reshard(to).gather(), x)
+    # meshes of one shape are equal: one pytree type, one trace
+    traces = []
+
+    @jax.jit
+    def total(a):
+        traces.append(1)
+        return a.gather().sum()
+
+    for _ in range(3):
+        again = spmd.Mesh(dp=2, tp=2)
+        assert again == mesh and hash(again) == hash(mesh) and again != spmd.Mesh(tp=2, dp=2)
+        b = spmd.shard(x, P("dp", "tp"), mesh=again)
+        np.testing.assert_allclose(total(b), np.asarray(x).sum())
+    assert len(traces) == 1
+    both = jax.tree_util.tree_map(jnp.add, b, spmd.shard(x, P("dp", "tp"), mesh=mesh))
+    np.testing.assert_array_equal(both.gather(), 2 * np.asarray(x))
     # ranks that agree on the named axes hold the same shard
     s = spmd.shard(x, P("tp"), mesh=mesh)
     shards = comm.allgather_object(np.asarray(s.local))

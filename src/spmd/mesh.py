@@ -24,6 +24,12 @@ Axis = str | tuple[str, ...]
 # is DP x TP inside one PP stage).
 _EP_AXES = ("dp", "tp")
 
+
+def _ep_axes(shape: Mapping[str, int]) -> tuple[str, ...]:
+    """The axes a mesh of ``shape`` without an 'ep' axis derives 'ep' from, in mesh order."""
+    return tuple(a for a in shape if a in _EP_AXES)
+
+
 # The entered meshes, innermost last, each with the jit-key context it entered (or None).
 _active: contextvars.ContextVar[tuple[tuple[Mesh, Any], ...]] = contextvars.ContextVar(
     "spmd_active_meshes", default=()
@@ -91,14 +97,14 @@ class Mesh:
             raise SpmdError(f"{me}: Mesh() needs at least one axis, e.g. Mesh(dp={world.size})")
         inferred = [name for name, size in axes.items() if size == -1]
         for name, size in axes.items():
-            if isinstance(size, bool) or not isinstance(size, int):
+            if isinstance(size, bool) or not isinstance(size, int | np.integer):
                 raise SpmdTypeError(f"{me}: Mesh axis {name}={size!r} is not an integer size")
             if size < 1 and size != -1:
                 raise SpmdError(f"{me}: Mesh axis {name}={size} must be >= 1 (or -1 to infer it)")
         if len(inferred) > 1:
             raise SpmdError(f"{me}: Mesh({_fmt(axes)}) may infer (-1) at most one axis")
         known = math.prod(size for size in axes.values() if size != -1)
-        shape = dict(axes)
+        shape = {name: int(size) for name, size in axes.items()}
         if inferred:
             if world.size % known:
                 raise SpmdError(
@@ -136,23 +142,37 @@ class Mesh:
                 f"rank {self._world.world_rank}: axis={axis!r} is not an axis name or a tuple of "
                 f"axis names of {self!r}"
             )
-        if names == ("ep",) and "ep" not in self._shape:
-            derived = tuple(a for a in self._shape if a in _EP_AXES)
+        derived = "ep" in names and "ep" not in self._shape
+        out = tuple(a for n in names for a in self._expand(n))
+        if len(set(out)) != len(out):
+            raise SpmdError(
+                f"rank {self._world.world_rank}: axis={axis!r} uses a mesh axis twice"
+                + (f" ('ep' is {' and '.join(_ep_axes(self._shape))} combined)" if derived else "")
+            )
+        return out
+
+    def _expand(self, name: str) -> tuple[str, ...]:
+        """One axis name as the mesh's own axes: 'ep' (when the mesh has no such axis) is its
+        dp and tp axes combined."""
+        if name == "ep" and "ep" not in self._shape:
+            derived = _ep_axes(self._shape)
             if not derived:
                 raise SpmdError(
                     f"rank {self._world.world_rank}: {self!r} has no 'dp' or 'tp' axis, from "
                     "which the 'ep' axis is derived; name an axis 'ep', or pass a tuple of axes"
                 )
             return derived
-        for a in names:
-            if a not in self._shape:
-                raise SpmdError(
-                    f"rank {self._world.world_rank}: {self!r} has no axis {a!r}; its axes are "
-                    f"{', '.join(map(repr, self._shape))} (and 'ep', derived from 'dp' and 'tp')"
+        if name not in self._shape:
+            raise SpmdError(
+                f"rank {self._world.world_rank}: {self!r} has no axis {name!r}; its axes are "
+                f"{', '.join(map(repr, self._shape))}"
+                + (
+                    ""
+                    if "ep" in self._shape or not _ep_axes(self._shape)
+                    else " (and 'ep', derived from its dp and tp axes)"
                 )
-        if len(set(names)) != len(names):
-            raise SpmdError(f"rank {self._world.world_rank}: axis={axis!r} repeats an axis")
-        return names
+            )
+        return (name,)
 
     # -- groups ---------------------------------------------------------------------------------
 
@@ -197,6 +217,16 @@ class Mesh:
 
     def __repr__(self) -> str:
         return f"Mesh({_fmt(self._shape)})"
+
+    # Meshes of one shape over one world have the same groups: they are equal, so that arrays
+    # placed on either are the same pytree type and jit does not trace again for a new mesh.
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Mesh):
+            return NotImplemented
+        return self._key() == other._key() and self._world is other._world
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     def _key(self) -> tuple[tuple[str, int], ...]:
         """The mesh's shape, which its groups follow from: what caches of traces key on."""

@@ -71,11 +71,27 @@ def _normalize(spec: Any, ndim: int, where: Where) -> PartitionSpec:
             f"{this_rank()}: {spec} has {len(spec)} entries for an array of {ndim} dimensions; "
             "give at most one entry per dimension"
         )
-    entries = [(e,) if isinstance(e, str) else (tuple(e) if e else None) for e in spec]
+    entries: list[tuple[Any, ...] | None] = []
+    for e in spec:
+        if e is None or isinstance(e, str):
+            entries.append(None if e is None else (e,))
+        elif isinstance(e, tuple | list) and all(isinstance(a, str) for a in e):
+            entries.append(tuple(e) or None)
+        else:
+            names = e if isinstance(e, tuple | list) else (e,)
+            bad = next(a for a in names if not isinstance(a, str))
+            raise SpmdTypeError(
+                f"{this_rank()}: {spec}: {bad!r} is not an axis name; each entry is None, an "
+                "axis name, or a tuple of axis names"
+            )
     entries += [None] * (ndim - len(entries))
-    used = [a for e in entries if e for a in e]
+    # On a mesh, 'ep' stands for its dp and tp axes: each name is counted as the axes it means.
+    used = [a for e in entries if e for a in (where._axes(e) if isinstance(where, Mesh) else e)]
     if len(set(used)) != len(used):
-        raise SpmdError(f"{this_rank()}: {spec} uses a mesh axis twice; each axis splits one dim")
+        raise SpmdError(
+            f"{this_rank()}: {spec} uses a mesh axis twice (as {', '.join(used)}); each axis "
+            "splits one dimension"
+        )
     if isinstance(where, Communicator) and any(e and len(e) > 1 for e in entries):
         raise SpmdError(
             f"{this_rank()}: {spec} combines several axes but the array is sharded over a "
@@ -85,10 +101,6 @@ def _normalize(spec: Any, ndim: int, where: Where) -> PartitionSpec:
         raise SpmdError(
             f"{this_rank()}: {spec} splits several dimensions over one group; a group has one axis"
         )
-    for e in entries:
-        for a in e or ():
-            if not isinstance(a, str):
-                raise SpmdTypeError(f"{this_rank()}: {spec}: {a!r} is not an axis name")
     return _spec(*(e[0] if e and len(e) == 1 else e for e in entries))
 
 
@@ -151,7 +163,8 @@ class ShardedArray:
     def __init__(self, local: Any, shape: Sequence[int], spec: PartitionSpec, mesh: Where) -> None:
         self.local = local
         self.shape = tuple(int(s) for s in shape)
-        self.spec = spec
+        # One entry per dimension (trailing ones may be left out, as in JAX), checked once here.
+        self.spec = _normalize(spec, len(self.shape), mesh)
         self.mesh = mesh
 
     # pytree: the shard is the leaf; the placement is static.
@@ -160,7 +173,10 @@ class ShardedArray:
 
     @classmethod
     def tree_unflatten(cls, aux: tuple[Any, ...], children: Sequence[Any]) -> ShardedArray:
-        return cls(children[0], *aux)
+        out = cls.__new__(cls)  # the placement was checked when the array was made
+        out.local = children[0]
+        out.shape, out.spec, out.mesh = aux
+        return out
 
     # -- description --
 
