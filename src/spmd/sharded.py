@@ -149,7 +149,7 @@ def _resolve_where(mesh: Any, group: Any) -> Where:
 # -- the array ------------------------------------------------------------------------------------
 
 
-@jax.tree_util.register_pytree_node_class
+@jax.tree_util.register_pytree_with_keys_class
 class ShardedArray:
     """This rank's shard of a global array split over a mesh (or a group).
 
@@ -167,9 +167,13 @@ class ShardedArray:
         self.spec = _normalize(spec, len(self.shape), mesh)
         self.mesh = mesh
 
-    # pytree: the shard is the leaf; the placement is static.
+    # pytree: the shard is the leaf (at .local); the placement is static.
     def tree_flatten(self) -> tuple[tuple[Any], tuple[Any, ...]]:
         return (self.local,), (self.shape, self.spec, self.mesh)
+
+    def tree_flatten_with_keys(self) -> tuple[tuple[Any], tuple[Any, ...]]:
+        key = jax.tree_util.GetAttrKey("local")
+        return ((key, self.local),), (self.shape, self.spec, self.mesh)
 
     @classmethod
     def tree_unflatten(cls, aux: tuple[Any, ...], children: Sequence[Any]) -> ShardedArray:

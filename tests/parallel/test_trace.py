@@ -66,6 +66,29 @@ def test_trace_prints_a_readable_op_list_and_runs():
     np.testing.assert_allclose(program(x, c), f(x, c))
     with pytest.raises(spmd.SpmdError, match="traced for arguments of structure"):
         program(x, c, x)
+    # other shapes or dtypes: refused (jit would run with the traced sizes baked in)
+    mean = spmd.trace(lambda v: v.mean())(jnp.arange(3.0))
+    with pytest.raises(spmd.SpmdError, match=r"%v was traced as Tensor\[\(3,\), float32\]; "
+                       r"called with Tensor\[\(5,\), float32\]"):  # fmt: skip
+        mean(jnp.arange(5.0))
+    with pytest.raises(spmd.SpmdError, match=r"called with Tensor\[\(3,\), int32\]"):
+        mean(jnp.arange(3))
+    assert float(mean(jnp.arange(3.0) + 1)) == 2.0
+
+
+def test_printed_names_are_unique_and_keys_print():
+    text = str(spmd.trace(lambda x_1, x_2: x_1 * x_2 + 1)(jnp.ones(2), jnp.ones(2)))
+    assert "let %x_3 = mul(%x_1, %x_2)" in text and "let %x_4 = add(%x_3, 1.0)" in text, text
+    text = str(spmd.trace(lambda d: d["a.b"] - d["a b"])({"a.b": jnp.ones(2), "a b": jnp.ones(1)}))
+    assert "(%d.a.b: Tensor[(1,), float32], %d.a.b#2: Tensor[(2,), float32])" in text, text
+    key = jax.random.key(0)
+    program = spmd.trace(lambda k, x: x + jax.random.normal(k, x.shape))(key, jnp.ones(3))
+    assert "%k: Tensor[(), key<fry>]" in str(program)
+    np.testing.assert_allclose(
+        program(key, jnp.ones(3)), 1 + jax.random.normal(key, (3,)), rtol=1e-6
+    )
+    s = spmd.shard(jnp.ones(4), spmd.PartitionSpec("dp"))
+    assert "%s.local: Tensor[(4,), float32]" in str(spmd.trace(lambda s: s.gather())(s))
 
 
 def test_trace_names_inputs_by_pytree_path_and_shows_gradient_marks():
@@ -81,6 +104,23 @@ def test_trace_names_inputs_by_pytree_path_and_shows_gradient_marks():
     want_value, want_grads = jax.value_and_grad(loss_fn)(params, batch)
     np.testing.assert_allclose(value, want_value, rtol=1e-6)
     np.testing.assert_allclose(grads["w1"], want_grads["w1"], rtol=1e-5, atol=1e-7)
+
+
+@multirank(nprocs=(2,))
+def test_collectives_inside_a_jitted_helper_are_printed(comm):
+    @jax.jit
+    def helper(x):
+        return spmd.allreduce(x * 2)
+
+    program = spmd.trace(lambda x: helper(x) + 1)(jnp.ones(3))
+    lines = str(program).splitlines()
+    assert lines[1].startswith("  let %x_3 = jit(%x) /* name=helper") and lines[1].endswith("{")
+    assert lines[2].startswith("    let %x_1 = mul(%x, 2.0)")
+    assert lines[3].startswith("    let %x_2 = spmd.allreduce(%x_1) /* op=sum, group=[0, 1]")
+    assert lines[4:6] == ["    %x_2", "  };"]
+    assert lines[6].startswith("  let %x_4 = add(%x_3, 1.0)")
+    assert [op.name for op in program.ops] == ["jit", "add"]  # the top-level ops
+    np.testing.assert_array_equal(program(jnp.ones(3)), np.full(3, 5.0))
 
 
 def _allreduces(program):

@@ -110,6 +110,15 @@ class Program:
                 f"Program {self.name} was traced for arguments of structure {self.in_tree}; "
                 f"called with {tree}. Trace it again for these arguments."
             )
+        for name, v, leaf in zip(self.in_names, self.jaxpr.jaxpr.invars, leaves, strict=True):
+            got = core.typeof(leaf)
+            if (got.shape, got.dtype) != (v.aval.shape, v.aval.dtype):
+                # jit would run the op list at the new shape with sizes the trace baked in
+                # (a mean divided by the traced length): refuse instead.
+                raise SpmdError(
+                    f"Program {self.name}: input %{name} was traced as {_ty(v.aval)}; called "
+                    f"with {_ty(got)}. Trace it again for these arguments."
+                )
         return jax.tree_util.tree_unflatten(self.out_tree, self._compiled(*leaves))
 
     def __str__(self) -> str:
@@ -243,7 +252,7 @@ def _op_name(eqn: core.JaxprEqn) -> str:
 
 def _ty(aval: Any) -> str:
     if isinstance(aval, core.ShapedArray):
-        return f"Tensor[{tuple(aval.shape)}, {np.dtype(aval.dtype).name}]"
+        return f"Tensor[{tuple(aval.shape)}, {getattr(aval.dtype, 'name', aval.dtype)}]"
     return str(aval)
 
 
@@ -278,21 +287,42 @@ def _literal(value: Any) -> str:
 
 
 class _Names:
+    """Printed names: inputs by their argument names, constants %c_i, values %x_i; each name
+    used once (a clash gets a numbered suffix)."""
+
     def __init__(self, program: Program) -> None:
         self.names: dict[core.Var, str] = {}
+        self.used: set[str] = set()
         jaxpr = program.jaxpr.jaxpr
         for v, n in zip(jaxpr.invars, program.in_names, strict=True):
-            self.names[v] = "%" + n
+            self.names[v] = self._fresh("%" + n)
         for i, v in enumerate(jaxpr.constvars):
-            self.names[v] = f"%c_{i}"
+            self.names[v] = self._fresh(f"%c_{i}")
         self.count = 0
+
+    def _fresh(self, name: str) -> str:
+        out, k = name, 1
+        while out in self.used:
+            k += 1
+            out = f"{name}#{k}"
+        self.used.add(out)
+        return out
 
     def define(self, v: Any) -> str:
         if isinstance(v, core.DropVar):
             return "_"
-        self.count += 1
-        self.names[v] = f"%x_{self.count}"
-        return self.names[v]
+        while True:
+            self.count += 1
+            name = f"%x_{self.count}"
+            if name not in self.used:
+                break
+        self.used.add(name)
+        self.names[v] = name
+        return name
+
+    def bind(self, v: Any, name: str) -> None:
+        """``v`` (a nested body's input) names the same value as ``name``."""
+        self.names[v] = name
 
     def ref(self, v: Any) -> str:
         if isinstance(v, core.Literal):
@@ -305,15 +335,53 @@ def _print(program: Program) -> str:
     names = _Names(program)
     args = ", ".join(f"{names.ref(v)}: {_ty(v.aval)}" for v in jaxpr.invars)
     lines = [f"def @{program.name}({args}) {{"]
+    _print_eqns(jaxpr, names, lines, "  ")
+    results = [names.ref(v) for v in jaxpr.outvars]
+    lines.append("  " + (results[0] if len(results) == 1 else "(" + ", ".join(results) + ")"))
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _print_eqns(jaxpr: core.Jaxpr, names: _Names, lines: list[str], indent: str) -> None:
     for eqn in jaxpr.eqns:
         ins = ", ".join(names.ref(v) for v in eqn.invars)
+        body = _called_body(eqn)
+        inner: list[str] = []
+        if body is not None:
+            # A call holding collectives (a jitted helper): its ops, collectives included,
+            # nested under it, with its inputs named as the caller's.
+            for v, outer in zip(body.invars, eqn.invars, strict=True):
+                names.bind(v, names.ref(outer))
+            for c in body.constvars:
+                names.bind(c, "<const>")
+            _print_eqns(body, names, inner, indent + "  ")
+            results = [names.ref(v) for v in body.outvars]
+            inner.append(indent + "  " + (results[0] if len(results) == 1 else
+                                          "(" + ", ".join(results) + ")"))  # fmt: skip
         outs = [names.define(v) for v in eqn.outvars]
         lhs = outs[0] if len(outs) == 1 else "(" + ", ".join(outs) + ")"
         tys = [_ty(v.aval) for v in eqn.outvars]
         ty = tys[0] if len(tys) == 1 else "(" + ", ".join(tys) + ")"
         note = ", ".join([*_attrs(eqn), f"ty={ty}"])
-        lines.append(f"  let {lhs} = {_op_name(eqn)}({ins}) /* {note} */;")
-    results = [names.ref(v) for v in jaxpr.outvars]
-    lines.append("  " + (results[0] if len(results) == 1 else "(" + ", ".join(results) + ")"))
-    lines.append("}")
-    return "\n".join(lines)
+        head = f"{indent}let {lhs} = {_op_name(eqn)}({ins}) /* {note} */"
+        if body is None:
+            lines.append(head + ";")
+        else:
+            lines += [head + " {", *inner, indent + "};"]
+
+
+def _called_body(eqn: core.JaxprEqn) -> core.Jaxpr | None:
+    """The body of a call-like op (jit, closed_call, remat, custom derivatives) that holds
+    collectives and takes the op's operands as its inputs; None for any other op."""
+    from ..ops._core import _holds_collective
+
+    for value in eqn.params.values():
+        body = value.jaxpr if isinstance(value, core.ClosedJaxpr) else value
+        if (
+            isinstance(body, core.Jaxpr)
+            and len(body.invars) == len(eqn.invars)
+            and len(body.outvars) == len(eqn.outvars)
+            and _holds_collective(body)
+        ):
+            return body
+    return None
