@@ -11,6 +11,7 @@ import pytest
 import spmd
 from spmd import PartitionSpec as P
 from spmd.testing import multirank
+from tests import HEAVY
 
 DTYPES = (np.float32, np.float16, jnp.bfloat16, np.int32, np.int8, np.float64, np.bool_)
 
@@ -45,7 +46,7 @@ def test_errors_name_the_rank_and_the_spec():
             spmd.shard(jnp.ones((2, 2)), P(entry))
 
 
-@multirank(nprocs=(2, 3, 4))
+@multirank(nprocs=(2, 3, 4), timeout=HEAVY)
 def test_shard_gather_round_trip_uneven_dtypes(comm):
     n = comm.size
     for dtype in DTYPES:

@@ -10,6 +10,7 @@ import pytest
 
 import spmd
 from spmd.testing import multirank
+from tests import HEAVY
 
 from ._cases import forms, x64
 from .test_values import _check, _run_ops
@@ -45,7 +46,7 @@ def test_auto_is_shm_on_one_node_and_mpi_can_be_forced(comm):
     assert spmd.ops.get_backend() == "shm"
 
 
-@multirank(nprocs=(3, 4), env={"SPMD_SIMULATE_NODES": "2"})
+@multirank(nprocs=(3, 4), env={"SPMD_SIMULATE_NODES": "2"}, timeout=HEAVY)
 def test_hierarchical_across_simulated_nodes(comm):
     # Nodes of consecutive ranks: 4 ranks -> {0, 1} {2, 3}; 3 ranks -> {0, 1} {2}.
     assert spmd.ops.get_backend() == "hier"

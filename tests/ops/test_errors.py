@@ -10,6 +10,7 @@ import pytest
 
 import spmd
 from spmd.testing import multirank
+from tests import HEAVY
 
 
 def _raises(fn, *fragments, exc=spmd.SpmdError):
@@ -173,7 +174,7 @@ def test_an_mpi_timeout_makes_the_group_unusable(comm):
         time.sleep(3)  # never makes the call rank 0 gives up on
 
 
-@multirank(nprocs=(2,))
+@multirank(nprocs=(2,), timeout=HEAVY)
 def test_more_than_2_to_the_31_elements(comm):
     n = 2**31 + 192
     x = jnp.full((n,), comm.rank + 1, jnp.int8)

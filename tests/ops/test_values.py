@@ -9,6 +9,7 @@ import numpy as np
 
 import spmd
 from spmd.testing import multirank
+from tests import HEAVY
 
 from ._cases import DTYPES, FLOATS, close, forms, inputs, reduce_ref, value, x64
 
@@ -81,7 +82,7 @@ def _check(out, form, comm, mode):
             close(out[key][d], expected, f"{mode} {form.name} {key} {d}")
 
 
-@multirank()
+@multirank(timeout=HEAVY)
 def test_every_op_dtype_and_form_eager(comm):
     with x64():
         for form in forms(comm):

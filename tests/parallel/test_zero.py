@@ -14,6 +14,7 @@ import pytest
 
 import spmd
 from spmd.testing import multirank
+from tests import HEAVY
 
 from ._model import (
     ROWS_PER_RANK,
@@ -77,7 +78,7 @@ def test_clipping_is_active_in_the_parity_test():
     assert norm > 2 * CLIP
 
 
-@multirank(nprocs=(2, 3, 4))
+@multirank(nprocs=(2, 3, 4), timeout=HEAVY)
 def test_parity_with_data_parallel(comm):
     batches = global_batches(STEPS, comm.size)
     for name, tx in _optimizers().items():
@@ -301,7 +302,7 @@ def test_errors_name_the_op_and_the_rank(comm):
         spmd.zero_shard(no_grad, stage=4)
 
 
-@multirank(nprocs=(2, 3))
+@multirank(nprocs=(2, 3), timeout=HEAVY)
 def test_batch_values_and_scans_at_every_stage(comm):
     """A parameter times a value of this rank's batch of the same shape (the pass must not take
     this rank's rows of the batch value as if every rank held it), and a scan over
