@@ -1,6 +1,8 @@
 """spmd-run under the real mpiexec: output, exit codes, failing and hanging ranks, pinning."""
 
 import ast
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -106,9 +108,61 @@ def test_script_arguments_module_mode_and_simulated_nodes(tmp_path):
     assert out.returncode == 0 and out.stdout.count("usage:") == 2
 
 
+def test_a_rank_killed_by_a_signal_exits_as_a_shell_would():
+    out, _ = spmd_run("-n", "2", "sh", "-c", 'if [ "$PMI_RANK" = 1 ]; then kill -9 $$; fi')
+    assert out.returncode == 137, out.stderr
+    assert "spmd-run: rank 1 failed: killed by SIGKILL" in out.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_stops_the_whole_job(tmp_path, sig):
+    """spmd-run runs the job in a session of its own: killed without stopping it, it left
+    mpiexec and every rank running."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(
+        "import os, sys, time\n"
+        f"open(os.path.join({str(tmp_path)!r}, 'pid.' + os.environ['PMI_RANK']), 'w')"
+        ".write(str(os.getpid()))\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([*SPMD_RUN, "-n", "2", sys.executable, str(script)],
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid.*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
+    assert len(pids) == 2
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + sig, err
+    assert f"spmd-run: stopped the job on {sig.name}" in err
+    time.sleep(0.5)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_python_c_code_runs_as_main_and_exits_normally(tmp_path):
+    code = (
+        "import atexit, pickle, sys, __main__\n"
+        "class Point: pass\n"
+        "pickle.dumps(Point())\n"
+        "assert __main__.Point is Point\n"
+        f"atexit.register(lambda: open({str(tmp_path / 'atexit')!r}, 'w').write('ran'))\n"
+        f"log = open({str(tmp_path / 'log')!r}, 'w'); log.write('buffered')\n"
+        "sys.exit(3)\n"
+    )
+    out, _ = spmd_run("-n", "1", sys.executable, "-c", code)
+    assert out.returncode == 3, out.stderr
+    # no MPI and no spmd runtime running: the rank exits as Python would, nothing is lost
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "log").read_text() == "buffered"
+
+
 def test_usage_errors():
     out, _ = spmd_run("-n", "0", "true")
-    assert out.returncode == 2 and "need at least one rank" in out.stderr
+    assert out.returncode == 2 and "spmd-run: -n 0: need at least one rank" in out.stderr
+    assert "spmd-run: spmd-run" not in out.stderr
     out, _ = spmd_run("-n", "2")
     assert out.returncode == 2 and "no command given" in out.stderr
 

@@ -1,6 +1,10 @@
 """The multi-rank harness itself: results, failures, hangs, dead ranks, pools."""
 
 import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -103,6 +107,81 @@ def test_local_functions_are_refused():
 
     with pytest.raises(spmd.SpmdError, match="not a module-level function"):
         run(local, 1)
+
+
+def slow(tag):
+    time.sleep(1.5)
+    return f"slow {tag}"
+
+
+def fast(tag):
+    return f"fast {tag}"
+
+
+class _NeedsTwo(Exception):
+    def __init__(self, a, b):
+        super().__init__(a)
+
+
+def unloadable():
+    return _NeedsTwo("x", "y")  # pickles, but cannot be unpickled
+
+
+def dies_after_replying():
+    if spmd.init().rank == 1:
+        threading.Timer(0.3, lambda: os._exit(9)).start()
+    return "ok"
+
+
+@pytest.mark.parametrize("launcher", ["mpi", "env"])
+def test_a_check_never_gets_an_earlier_checks_results(launcher):
+    """An interrupted check (Ctrl-C, a pytest timeout) left its replies in the pool: the next
+    check returned them. A rank dying between checks left a pool that raised BrokenPipeError
+    for the rest of the session."""
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(KeyboardInterrupt):
+            run(slow, 2, args=("A",), launcher=launcher)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert run(fast, 2, args=("B",), launcher=launcher) == ["fast B", "fast B"]
+    with pytest.raises(MultiRankError, match="the exchange with the ranks failed"):
+        run(unloadable, 2, launcher=launcher)
+    assert run(fast, 2, args=("C",), launcher=launcher) == ["fast C", "fast C"]
+    assert run(dies_after_replying, 2, launcher=launcher) == ["ok", "ok"]
+    time.sleep(1.5)
+    assert run(fast, 2, args=("D",), launcher=launcher) == ["fast D", "fast D"]
+
+
+def test_functions_of_the_main_script_and_methods_are_refused(tmp_path):
+    script = tmp_path / "main.py"
+    script.write_text(
+        "import spmd.testing\n"
+        "def f():\n    return 1\n"
+        "try:\n    spmd.testing.run(f, 2)\n"
+        "except spmd.SpmdError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert "f is defined in the script being run (__main__)" in out.stdout, out.stderr
+    with pytest.raises(spmd.SpmdError, match=r"@multirank: .*\.T\.test_x is not a module-level"):
+
+        class T:
+            @multirank(nprocs=(2,))
+            def test_x(self, comm):
+                pass
+
+
+def test_env_launcher_inside_an_mpi_job():
+    """pytest itself started by mpiexec (or srun): the env launcher's ranks were all rank 0."""
+    env = {"PMI_RANK": "0", "PMI_SIZE": "1", "OMPI_COMM_WORLD_RANK": "0"}
+    got = run(rank_and_pid, 2, args=(1,), launcher="env", env=env, fresh=True)
+    assert [r for r, _, _ in got] == [0, 1]
 
 
 def test_env_reaches_the_ranks():

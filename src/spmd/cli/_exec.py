@@ -8,26 +8,34 @@ every line prefixed by ``[rank N]``, recorded for ``spmd-run``, and the job is s
 
 from __future__ import annotations
 
+import builtins
 import io
 import os
 import runpy
+import signal
 import subprocess
 import sys
+import types
 from types import TracebackType
 
 from .._errors import SpmdError
 from ..runtime._affinity import bind_rank
 from ..runtime._env import mpi_rank_size
-from ..runtime._failure import abort_job, report_exception, report_status
+from ..runtime._failure import abort_job, must_abort, report_exception, report_status
 from ..runtime._malloc import tune as tune_malloc
 
 
 def launch_rank() -> int:
-    """This process's rank as the launcher announced it (before any MPI call)."""
-    found = mpi_rank_size(os.environ)
+    """This process's rank as the launcher announced it (before any MPI call), in the order
+    :func:`spmd.init` decides: a torchrun-style ``RANK``/``WORLD_SIZE`` with a file store
+    first (such ranks may be started from inside an MPI job), then an MPI launcher's."""
+    env = os.environ
+    if env.get("SPMD_FILE_STORE_PATH") and env.get("RANK") and env.get("WORLD_SIZE"):
+        return int(env["RANK"])
+    found = mpi_rank_size(env)
     if found is not None:
         return found[0]
-    return int(os.environ.get("RANK", "0"))
+    return int(env.get("RANK", "0"))
 
 
 def _exit_code(code: object) -> int:
@@ -46,7 +54,12 @@ def _run_python(rank: int, args: list[str]) -> int:
         if args[0] == "-c":
             sys.argv = ["-c", *args[2:]]
             program = compile(args[1], "<string>", "exec")
-            exec(program, {"__name__": "__main__", "__builtins__": __builtins__})
+            # As python -c: the code runs as the module __main__ (pickle, multiprocessing and
+            # `import __main__` find what it defines there).
+            main = types.ModuleType("__main__")
+            main.__dict__["__builtins__"] = builtins
+            sys.modules["__main__"] = main
+            exec(program, main.__dict__)
         elif args[0] == "-m":
             sys.argv = [args[1], *args[2:]]
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
@@ -59,12 +72,16 @@ def _run_python(rank: int, args: list[str]) -> int:
         if code != 0:
             report_status(rank, {"state": "failed", "exit_code": code, "error": f"exit {code}"})
             sys.stderr.write(f"[rank {rank}] exited with code {code}\n")
-            abort_job(code)
+            if must_abort():
+                abort_job(code)
+            return code
         report_status(rank, {"state": "done", "exit_code": 0})
         return 0
     except BaseException as e:
         report_exception(rank, e.with_traceback(_user_frames(e.__traceback__)))
-        abort_job(1)
+        if must_abort():
+            abort_job(1)
+        return 1
     report_status(rank, {"state": "done", "exit_code": 0})
     return 0
 
@@ -85,8 +102,17 @@ def _run_program(rank: int, argv: list[str]) -> int:
     except OSError as e:
         sys.stderr.write(f"[rank {rank}] cannot run {argv[0]!r}: {e}\n")
         code = 127
+    if code < 0:  # killed by a signal: report it as a shell would (128 + N)
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        sys.stderr.write(f"[rank {rank}] {argv[0]} was killed by {name}\n")
+        error, code = f"killed by {name}", 128 - code
+    else:
+        error = f"exit {code}"
     if code != 0:
-        report_status(rank, {"state": "failed", "exit_code": code, "error": f"exit {code}"})
+        report_status(rank, {"state": "failed", "exit_code": code, "error": error})
     else:
         report_status(rank, {"state": "done", "exit_code": 0})
     return code

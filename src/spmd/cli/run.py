@@ -6,7 +6,9 @@ fails.
 Each rank runs under a small wrapper (:mod:`spmd.cli._exec`) that records how it ended. When a
 rank fails, the others get ``--grace`` seconds to finish printing, then the whole job is
 stopped; the summary names the failing rank and its error (its traceback, prefixed with
-``[rank N]``, is printed above). The exit code is the failing rank's, 124 after ``--timeout``.
+``[rank N]``, is printed above). The exit code is the failing rank's (128 + N for a rank
+killed by signal N, as a shell reports it), 124 after ``--timeout``. Ctrl-C, SIGTERM and SIGHUP
+to ``spmd-run`` stop the whole job (exit 130, 143, 129).
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from .._errors import SpmdError
 from ..runtime._affinity import bind_mode, record_cpus
@@ -84,6 +88,36 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
+class _Terminated(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated(signum)
+
+
+_TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _catch_termination() -> dict[int, Any]:
+    """Turn SIGTERM and SIGHUP into :class:`_Terminated` (main thread only; elsewhere the
+    signals keep their handlers)."""
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is not threading.main_thread():
+        return previous
+    for sig in _TERMINATING:
+        previous[sig] = signal.signal(sig, _terminated)
+    return previous
+
+
+def _restore(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
 def launch(
     nprocs: int,
     command: list[str],
@@ -97,9 +131,9 @@ def launch(
 ) -> int:
     """Run ``command`` on ``nprocs`` ranks; returns the job's exit code (see module doc)."""
     if nprocs < 1:
-        raise SpmdError(f"spmd-run: -n {nprocs}: need at least one rank")
+        raise SpmdError(f"-n {nprocs}: need at least one rank")
     if not command:
-        raise SpmdError("spmd-run: no command given; e.g. spmd-run -n 2 python train.py")
+        raise SpmdError("no command given; e.g. spmd-run -n 2 python train.py")
     status_dir = Path(tempfile.mkdtemp(prefix="spmd-run-"))
     child_env = dict(os.environ if env is None else env)
     child_env["SPMD_RUN_STATUS_DIR"] = str(status_dir)
@@ -107,11 +141,19 @@ def launch(
         child_env["SPMD_SIMULATE_NODES"] = str(nodes)
     bind_mode(child_env)  # a bad SPMD_BIND fails here, once, not on every rank
     record_cpus(child_env)
-    argv = mpiexec_argv(nprocs, wrap_command(command), mpiexec, mpi_args)
+    try:
+        argv = mpiexec_argv(nprocs, wrap_command(command), mpiexec, mpi_args)
+        proc = subprocess.Popen(argv, env=child_env, start_new_session=True)
+    except BaseException:
+        shutil.rmtree(status_dir, ignore_errors=True)
+        raise
     start = time.monotonic()
-    proc = subprocess.Popen(argv, env=child_env, start_new_session=True)
     failed_at: float | None = None
     stopped = timed_out = False
+    # The job runs in a session of its own (so that stopping it reaches every rank): a
+    # SIGTERM or SIGHUP to spmd-run (kill, timeout, a batch system, a closed terminal) must
+    # stop the job as Ctrl-C does, not leave it running without us.
+    previous = _catch_termination()
     try:
         while proc.poll() is None:
             time.sleep(0.05)
@@ -129,6 +171,13 @@ def launch(
         _stop(proc)
         shutil.rmtree(status_dir, ignore_errors=True)
         return 130
+    except _Terminated as e:
+        _stop(proc)
+        shutil.rmtree(status_dir, ignore_errors=True)
+        print(f"spmd-run: stopped the job on {e.name}", file=sys.stderr, flush=True)
+        return 128 + e.signum
+    finally:
+        _restore(previous)
     status = _read_status(status_dir)
     shutil.rmtree(status_dir, ignore_errors=True)
     return _summarize(nprocs, status, proc.returncode, stopped, timed_out, timeout)

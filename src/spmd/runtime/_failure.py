@@ -47,6 +47,18 @@ def report_exception(rank: int, exc: BaseException) -> None:
     sys.stderr.flush()
 
 
+def must_abort() -> bool:
+    """Whether a failing rank must stop the job itself: MPI or spmd's runtime is running, so
+    its peers may be waiting on it (and a normal exit could wait on them in finalization).
+    Otherwise it may exit normally, running atexit handlers and flushing open files; the
+    launcher stops the rest."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        return True
+    state = sys.modules.get("spmd.runtime._state")
+    return bool(state is not None and state.is_initialized())
+
+
 def abort_job(code: int) -> None:
     """Stop every rank now: ``MPI_Abort`` when MPI is running, else exit this process (the
     launcher, ``spmd-run`` or a torchrun-style agent, stops the rest)."""
@@ -72,7 +84,8 @@ def install_abort_hook(rank: int) -> None:
 
     def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         report_exception(rank, value.with_traceback(tb))
-        abort_job(1)
+        if must_abort():
+            abort_job(1)
 
     sys.excepthook = hook
 

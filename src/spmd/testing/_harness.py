@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
+import pickle
 import selectors
 import shutil
 import signal
@@ -92,6 +93,8 @@ class _Pool:
                     "SPMD_FILE_STORE_PATH": str(store),
                     "SPMD_RUN_ID": uuid.uuid4().hex,
                 }
+                # Not ranks of an enclosing MPI job (pytest itself under mpiexec or srun).
+                shared = {k: v for k, v in shared.items() if not _is_mpi_launcher_var(k)}
                 for r in range(nprocs):
                     self.procs.append(
                         subprocess.Popen(
@@ -159,6 +162,26 @@ class _Pool:
             tuple(args),
             dict(kwargs),
         )
+        try:
+            return self._run(fn, task, timeout, grace)
+        except MultiRankError:
+            raise
+        except BaseException as e:
+            # Interrupted (Ctrl-C, a pytest timeout) or a broken connection: the ranks may still
+            # be running this check, and their replies would answer the next one. Never reuse.
+            self.kill()
+            if isinstance(e, OSError | EOFError | pickle.UnpicklingError | TypeError):
+                raise MultiRankError(
+                    f"{fn.__module__}.{fn.__qualname__} on {self.nprocs} ranks: the exchange with "
+                    f"the ranks failed ({e!r}); the pool is replaced by the next check.\n"
+                    f"{self.log_tail()}"
+                ) from e
+            raise
+
+    def _run(
+        self, fn: Callable[..., Any], task: tuple[Any, ...], timeout: float, grace: float
+    ) -> list[Any]:
+        task_id = task[1]
         for conn in self.conns.values():
             _wire.send(conn, task)
         replies: dict[int, tuple[Any, ...]] = {}
@@ -180,6 +203,8 @@ class _Pool:
             for key, _ in selector.select(timeout=limit - now):
                 rank = key.data
                 reply = _wire.recv(key.fileobj)  # type: ignore[arg-type]
+                if reply is not None and reply[1] != task_id:
+                    continue  # not this check's (cannot happen in a pool that is reused)
                 selector.unregister(key.fileobj)
                 if reply is None:
                     dead.append(rank)
@@ -248,6 +273,9 @@ class _Pool:
             summary.append(f"ranks {missing} did not finish (hang)")
         return "; ".join(summary) + "\n" + "\n".join(parts)
 
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
     def kill(self) -> None:
         self.broken = True
         for proc in self.procs:
@@ -285,9 +313,12 @@ def _pool(nprocs: int, launcher: Launcher, env: Mapping[str, str]) -> _Pool:
     global _atexit_registered
     key = (launcher, nprocs, tuple(sorted(env.items())))
     pool = _pools.get(key)
-    if pool is not None and not pool.broken:
+    if pool is not None and not pool.broken and pool.alive():
         _pools.move_to_end(key)
         return pool
+    if pool is not None:  # a rank died between checks: replace the pool
+        pool.kill()
+        del _pools[key]
     while len(_pools) >= _MAX_POOLS:
         _pools.popitem(last=False)[1].close()
     if not _atexit_registered:
@@ -295,6 +326,13 @@ def _pool(nprocs: int, launcher: Launcher, env: Mapping[str, str]) -> _Pool:
         _atexit_registered = True
     pool = _pools[key] = _Pool(nprocs, launcher, env)
     return pool
+
+
+_MPI_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MV2_", "HYDI_", "HYDRA_", "MPI_LOCAL")
+
+
+def _is_mpi_launcher_var(name: str) -> bool:
+    return name.startswith(_MPI_LAUNCHER_PREFIXES) or name in ("SLURM_PROCID", "SLURM_STEP_ID")
 
 
 def shutdown_pools() -> None:
@@ -336,6 +374,12 @@ def run(
         raise SpmdError(
             f"spmd.testing.run: {fn.__qualname__} is not a module-level function; the ranks "
             "import it by name, so define it at the top level of a module"
+        )
+    if fn.__module__ == "__main__":
+        raise SpmdError(
+            f"spmd.testing.run: {fn.__qualname__} is defined in the script being run "
+            "(__main__), which the ranks cannot import by name; define it in a module that "
+            "the script imports"
         )
     if launcher not in ("mpi", "env"):
         raise SpmdError(f"spmd.testing.run: launcher={launcher!r}; expected 'mpi' or 'env'")

@@ -38,6 +38,15 @@ def multirank(
     def decorate(body: Callable[..., Any]) -> Callable[..., None]:
         import pytest
 
+        if "." in body.__qualname__:
+            from .._errors import SpmdError
+
+            raise SpmdError(
+                f"@multirank: {body.__qualname__} is not a module-level function; the ranks "
+                "import the test by name, so define it at the top level of the test module "
+                "(not in a class or another function)"
+            )
+
         def test(nprocs: int) -> None:
             run(test, nprocs, env=env, launcher=launcher, timeout=timeout, fresh=fresh)
 
