@@ -1,6 +1,7 @@
 """python -m spmd.info: the environment report."""
 
 import importlib.metadata
+import os
 import subprocess
 import sys
 
@@ -31,3 +32,13 @@ def test_info_under_mpiexec_sees_the_launcher():
     assert out.returncode == 0, out.stderr
     assert "launcher detected: mpi; rank 0 of 2" in out.stdout
     assert "launcher detected: mpi; rank 1 of 2" in out.stdout
+
+
+def test_info_follows_the_settings_spmd_init_follows():
+    env = {**os.environ, "SPMD_COMMUNICATOR": "void", "SPMD_BACKEND": "shmm"}
+    out = subprocess.run(
+        [sys.executable, "-m", "spmd.info"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert "launcher detected: void; rank 0 of 1" in out.stdout
+    assert "collective backend: error: SPMD_BACKEND='shmm' is not a backend" in out.stdout

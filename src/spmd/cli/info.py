@@ -70,7 +70,13 @@ def _collectives() -> list[str]:
         out.append(f"  collective handlers (cpu): {targets}")
     except Exception as e:
         out.append(f"  collective handlers (cpu): unavailable ({e})")
-    requested = os.environ.get("SPMD_BACKEND") or "auto"
+    from .._errors import SpmdError
+    from ..ops._groups import _requested_backend
+
+    try:
+        requested = _requested_backend()
+    except SpmdError as e:
+        requested = f"error: {e}"
     out.append(
         f"  collective backend: {requested} (auto: shm inside one node, hier = shm + MPI between "
         "node leaders when a group spans nodes with several ranks on some node, mpi otherwise; "
@@ -82,6 +88,7 @@ def _collectives() -> list[str]:
 def report() -> str:
     from .._errors import SpmdError
     from ..runtime._env import detect
+    from ..runtime._state import _requested_name
     from ._mpiexec import find_mpiexec, flavor
 
     lines = [f"spmd environment ({platform.platform()}, Python {platform.python_version()})"]
@@ -96,7 +103,7 @@ def report() -> str:
     lines.append(f"native layer: {_native_layer()}")
     lines.append("backends:")
     try:
-        launch = detect(os.environ)
+        launch = detect(os.environ, _requested_name(None))  # as spmd.init() would decide
         here = launch.communicator or "none (a world of one)"
         size = launch.size if launch.size is not None else "?"
         lines.append(f"  launcher detected: {here}; rank {launch.rank} of {size}")
