@@ -203,6 +203,30 @@ def test_load_state_dict_refuses_another_configuration():
     assert len(list(s)) == 1
 
 
+def test_an_epoch_boundary_resumes_on_another_world_size():
+    """A checkpoint saved at an epoch boundary on 2 ranks loads on 3 (it raised 'saved with
+    num_replicas=2'); mid-epoch it still refuses, since the offset means nothing there."""
+    saved = DistributedSampler(20, seed=1, num_replicas=2, rank=0)
+    saved.set_epoch(3)
+    start = saved.state_dict()  # nothing read yet
+    list(saved)
+    end = saved.state_dict()  # the whole epoch read
+    for rank in range(3):
+        fresh = DistributedSampler(20, seed=1, num_replicas=3, rank=rank)
+        fresh.load_state_dict(start)
+        want = DistributedSampler(20, seed=1, num_replicas=3, rank=rank)
+        want.set_epoch(3)
+        assert list(fresh) == list(want) and fresh.state_dict()["epoch"] == 3
+        done = DistributedSampler(20, seed=1, num_replicas=3, rank=rank, drop_last=True)
+        done.load_state_dict(end)
+        assert list(done) == [] and done.state_dict()["offset"] == len(done)
+    with pytest.raises(spmd.SpmdError, match=r"rank 0: .*num_replicas=2 but this sampler has "
+                       r"num_replicas=3"):  # fmt: skip
+        DistributedSampler(20, seed=1, num_replicas=3, rank=0).load_state_dict(
+            {**start, "offset": 4}
+        )
+
+
 # -- batches ---------------------------------------------------------------------------------------
 
 

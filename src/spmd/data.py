@@ -283,7 +283,8 @@ class DistributedSampler:
 
         The sampler's configuration (num_samples, num_replicas, shuffle, seed, drop_last) must
         match the saved one where the state records it: an offset means nothing in another
-        epoch order.
+        epoch order. At an epoch boundary (offset 0, or the whole epoch read) the number of
+        replicas and drop_last may differ: the job resumes at that boundary on any world size.
         """
         me = _who(self._rank)
         if not isinstance(state, dict) or "epoch" not in state or "offset" not in state:
@@ -292,6 +293,11 @@ class DistributedSampler:
                 f"{state!r:.200}, expected the dict of state_dict() with 'epoch' and 'offset'"
             )
         mine = self.state_dict()
+        layout = ("num_replicas", "drop_last")
+        if any(k in state and state[k] != mine[k] for k in layout) and _at_boundary(state):
+            state = {k: v for k, v in state.items() if k not in layout}
+            if state["offset"] != 0:  # the saved epoch was read whole: so is this rank's
+                state["offset"] = len(self)
         for key in ("num_samples", "num_replicas", "shuffle", "seed", "drop_last"):
             if key in state and state[key] != mine[key]:
                 raise SpmdError(
@@ -311,6 +317,20 @@ class DistributedSampler:
         self._offset = int(offset)
         self._resume = int(offset)
         self._generation += 1
+
+
+def _at_boundary(state: dict[str, Any]) -> bool:
+    """Whether a saved state stands at the start or the end of its epoch."""
+    offset, n, replicas = state.get("offset"), state.get("num_samples"), state.get("num_replicas")
+    if offset == 0:
+        return True
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offset, n, replicas)):
+        return False
+    assert isinstance(n, int) and isinstance(replicas, int)
+    if replicas < 1:
+        return False
+    whole = n // replicas if state.get("drop_last") else -(-n // replicas)
+    return offset == whole
 
 
 def _check_int(me: str, name: str, value: object, low: int, expected: str) -> None:

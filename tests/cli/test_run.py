@@ -267,6 +267,12 @@ def test_pinning_off_oversubscribed_or_chosen_by_the_launcher(monkeypatch):
                  sys.executable, "-c", AFFINITY)[0]
     )  # fmt: skip
     assert masks == {0: [cpus[0]], 1: [cpus[0]]}
+    # ... also when it says not to bind (spmd-run pinned the ranks regardless)
+    masks = _masks(
+        spmd_run("-n", "2", "--mpi-arg=-bind-to", "--mpi-arg=none", sys.executable, "-c",
+                 AFFINITY)[0]
+    )  # fmt: skip
+    assert masks == {0: cpus, 1: cpus}
 
 
 def test_bad_bind_setting(monkeypatch):

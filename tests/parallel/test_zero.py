@@ -300,6 +300,16 @@ def test_errors_name_the_op_and_the_rank(comm):
         spmd.zero_shard(no_grad)(p, s, batch)
     with pytest.raises(spmd.SpmdError, match=r"stage=4; expected 1, 2 or 3"):
         spmd.zero_shard(no_grad, stage=4)
+    # no_sync: refused (the step synchronized anyway and the accumulation was lost)
+    with (
+        spmd.no_sync(),
+        pytest.raises(
+            spmd.SpmdError,
+            match=rf"rank {comm.rank}: zero_shard\(step\) was "
+            r"called inside spmd.no_sync\(\).*accumulate_steps",
+        ),  # fmt: skip
+    ):
+        z(p, s, batch)
 
 
 @multirank(nprocs=(2, 3), timeout=HEAVY)

@@ -88,6 +88,13 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
+def _launcher_binds(mpi_args: list[str]) -> bool:
+    """Whether the launcher's own arguments choose a binding (MPICH/Hydra ``-bind-to``,
+    ``-binding``; Open MPI ``--bind-to``, ``--map-by``): then spmd-run pins nothing."""
+    flags = ("-bind-to", "--bind-to", "-binding", "--map-by", "-map-by")
+    return any(a.split("=", 1)[0] in flags for a in mpi_args)
+
+
 class _Terminated(Exception):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -140,6 +147,8 @@ def launch(
     if nodes is not None:
         child_env["SPMD_SIMULATE_NODES"] = str(nodes)
     bind_mode(child_env)  # a bad SPMD_BIND fails here, once, not on every rank
+    if _launcher_binds(mpi_args or []) and child_env.get("SPMD_BIND", "auto") == "auto":
+        child_env["SPMD_BIND"] = "none"  # -bind-to none included: the launcher's choice
     record_cpus(child_env)
     try:
         argv = mpiexec_argv(nprocs, wrap_command(command), mpiexec, mpi_args)

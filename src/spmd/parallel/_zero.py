@@ -47,7 +47,14 @@ from .._errors import SpmdError
 from ..mesh import mesh_key
 from ..runtime import Communicator, this_rank
 from ..sharded import ShardedArray, _spec, is_sharded, pad_dim, shard, slice_dim
-from ._data_parallel import _communicator, check_replicas, check_same, gradient_leaves, schedule
+from ._data_parallel import (
+    _NO_SYNC,
+    _communicator,
+    check_replicas,
+    check_same,
+    gradient_leaves,
+    schedule,
+)
 from ._grad import mark_p, marking
 from ._program import Program, _arg_names, _path, eval_eqn, retrace, trace_program
 
@@ -598,6 +605,14 @@ class ZeroShard:
         return self._traced(args, kwargs)[0].transformed
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _NO_SYNC.get():
+            # The sharded step always communicates: inside no_sync its gradients would be
+            # synchronized anyway and the local accumulation silently lost.
+            raise SpmdError(
+                f"{this_rank()}: zero_shard({self._name}) was called inside spmd.no_sync(), "
+                "which it does not support; accumulate with zero_shard(accumulate_steps=k) "
+                "instead, or use data_parallel"
+            )
         traced, leaves = self._traced(args, kwargs)
         if self.check_params and not self._checked:
             comm = _communicator(self.group, "zero_shard")
