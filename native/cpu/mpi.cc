@@ -28,6 +28,7 @@ struct Fns {
   int (*Irecv_c)(void*, Count, H, int, int, H, H*);
   int (*Ibarrier)(H, H*);
   int (*Test)(H*, int*, void*);
+  int (*Get_count_c)(const void*, H, Count*);
   int (*Cancel)(H*);
   int (*Request_free)(H*);
   int (*Error_string)(int, char*, int*);
@@ -207,6 +208,7 @@ Status MpiLoad(const std::string& library, const MpiConstants& constants) {
             Resolve(lib, "MPI_Ialltoall_c", &fns.Ialltoall_c) &&
             Resolve(lib, "MPI_Isend_c", &fns.Isend_c) && Resolve(lib, "MPI_Irecv_c", &fns.Irecv_c) &&
             Resolve(lib, "MPI_Ibarrier", &fns.Ibarrier) && Resolve(lib, "MPI_Test", &fns.Test) &&
+            Resolve(lib, "MPI_Get_count_c", &fns.Get_count_c) &&
             Resolve(lib, "MPI_Cancel", &fns.Cancel) &&
             Resolve(lib, "MPI_Request_free", &fns.Request_free) &&
             Resolve(lib, "MPI_Error_string", &fns.Error_string);
@@ -229,15 +231,20 @@ Status MpiComm::Usable() const {
                        "complete that call, so no later call is started)");
 }
 
-Status MpiComm::Wait(H* requests, int n, const char* what) const {
+Status MpiComm::Wait(H* requests, int n, const char* what, Count* first_bytes) const {
   auto start = std::chrono::steady_clock::now();
   int spins = 0;
   for (int i = 0; i < n; ++i) {
     for (;;) {
       int done = 0;
-      char status[256];
+      alignas(16) char status[256];
       SPMD_RETURN_IF_ERROR(Check(fns.Test(&requests[i], &done, status), what));
-      if (done) break;
+      if (done) {
+        if (i == 0 && first_bytes != nullptr) {
+          SPMD_RETURN_IF_ERROR(Check(fns.Get_count_c(status, consts.byte, first_bytes), what));
+        }
+        break;
+      }
       if (++spins % 1024 == 0) {
         sched_yield();
         std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
@@ -339,9 +346,17 @@ Status MpiComm::SendRecv(const void* send, size_t send_bytes, int dst, void* rec
                                            kTag, comm, &requests[n++]),
                                "send"));
   }
-  return Wait(requests, n, dst >= 0 && src >= 0 ? "sendrecv"
-                                                      : dst >= 0           ? "send"
-                                                                           : "recv");
+  const char* what = dst >= 0 && src >= 0 ? "sendrecv" : dst >= 0 ? "send" : "recv";
+  Count got = 0;
+  SPMD_RETURN_IF_ERROR(Wait(requests, n, what, src >= 0 ? &got : nullptr));
+  if (src >= 0 && static_cast<size_t>(got) != recv_bytes) {
+    // A shorter message fits the buffer, and MPI says nothing: the rest would be garbage.
+    return Status::Error(std::string(what) + ": received " + std::to_string(got) +
+                         " bytes from group rank " + std::to_string(src) + ", expected " +
+                         std::to_string(recv_bytes) + " (the shape and dtype this rank "
+                         "receives into must be those the peer sends)");
+  }
+  return Status::Ok();
 }
 
 Status MpiComm::Barrier() const {

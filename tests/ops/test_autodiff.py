@@ -154,3 +154,33 @@ def test_pytree_gradients_and_grouped_allreduce(comm):
     # G = sum_k (k+1) * (sum (w0+w1)^2 + sum(b0+b1)) -> dG/dw_r = sum_k (k+1) * 2 (w0+w1) = 3*2*3
     np.testing.assert_allclose(g["w"], np.full((2, 2), 18.0))
     np.testing.assert_allclose(g["b"], [3.0])
+
+
+@multirank(nprocs=(2,))
+def test_checkpointed_collectives_run_once(comm):
+    """jax.checkpoint recomputed every collective in the backward pass: a send went twice (the
+    peer's next recv got stale data), and a rank that checkpoints while its peer does not (a
+    local memory choice) made a call the peer never matched."""
+    r = comm.rank
+
+    def sends(x):
+        spmd.send(x, dst=1)
+        return jnp.sum(x**2)
+
+    if r == 0:
+        np.testing.assert_array_equal(jax.grad(jax.checkpoint(sends))(jnp.arange(3.0)), [0, 2, 4])
+        spmd.send(jnp.full(3, 7.0), dst=1)
+    else:
+        np.testing.assert_array_equal(spmd.recv(jnp.zeros(3), src=0), [0, 1, 2])
+        np.testing.assert_array_equal(spmd.recv(jnp.zeros(3), src=0), [7, 7, 7])
+
+    def ring(x):  # the shifted value is not needed by the backward pass
+        y = spmd.sendrecv(x, src=1 - r, dst=1 - r)
+        return jnp.sum(x * (r + 1.0)) + 0.0 * jnp.sum(y)
+
+    f = jax.checkpoint(ring) if r == 0 else ring
+    np.testing.assert_array_equal(jax.jit(jax.grad(f))(jnp.ones(3)), np.full(3, r + 1.0))
+    # the collective of the primal runs once; its result is saved, not recomputed
+    jaxpr = jax.make_jaxpr(jax.grad(jax.checkpoint(lambda x: spmd.allreduce(x).sum() ** 2)))
+    text = str(jaxpr(jnp.ones(3)))
+    assert text.count("spmd_allreduce") == 2, text  # forward, and the transpose of its JVP

@@ -9,6 +9,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import spmd
 from spmd.testing import multirank
@@ -497,3 +498,43 @@ def test_float_max_min_with_nan_and_signed_zeros_hierarchical(comm):
     assert spmd.ops.get_backend() == "hier"
     with x64():
         _max_min_specials(comm)
+
+
+@multirank(nprocs=(2,))
+def test_vmap_axes_point_to_point_dtypes_and_weak_types(comm):
+    """Ranks may vmap along different axes (the batch axis was passed through as laid out, so
+    ranks combined different layouts); recv takes the dtype send uses (numpy's float64 is
+    float32 without x64); a short message is an error, not garbage; weak types are kept."""
+    r = comm.rank
+    base = jnp.arange(9.0).reshape(3, 3) + 10 * r
+    mine = base if r == 0 else base.T  # the same examples, laid out along another axis
+    axis = 0 if r == 0 else 1
+    want = np.asarray(jnp.arange(9.0).reshape(3, 3) * 2 + 10)
+    got = jax.vmap(spmd.allreduce, in_axes=axis)(mine)
+    np.testing.assert_array_equal(got, want)
+    got = jax.vmap(lambda v: spmd.broadcast(v, root=1), in_axes=axis)(mine)
+    np.testing.assert_array_equal(got, np.asarray(jnp.arange(9.0).reshape(3, 3) + 10))
+    got = jax.vmap(lambda v: spmd.sendrecv(v, src=1 - r, dst=1 - r), in_axes=axis)(mine)
+    np.testing.assert_array_equal(got, np.asarray(jnp.arange(9.0).reshape(3, 3) + 10 * (1 - r)))
+    if r == 0:
+        jax.vmap(lambda v: spmd.send(v, dst=1), in_axes=1)(jnp.arange(6.0).reshape(2, 3))
+        spmd.send(np.arange(4.0), dst=1)  # float64 in numpy: sent as float32
+        spmd.send(jnp.ones(2), dst=1)
+    else:
+        np.testing.assert_array_equal(spmd.recv(jnp.zeros((3, 2)), src=0), [[0, 3], [1, 4], [2, 5]])
+        got = spmd.recv(np.zeros(4), src=0)
+        assert got.dtype == jnp.float32
+        np.testing.assert_array_equal(got, [0, 1, 2, 3])
+        with pytest.raises(
+            spmd.SpmdError, match=r"received 8 bytes from group rank 0, expected 16"
+        ):
+            spmd.recv(jnp.zeros(4), src=0)
+    spmd.barrier()
+    if r == 1:
+        with pytest.raises(spmd.SpmdError, match=r"rank 1: recv: like is batched by jax.vmap"):
+            jax.vmap(lambda v: spmd.recv(v, src=0))(jnp.zeros((2, 3)))
+    half = jnp.ones(3, jnp.bfloat16)
+    assert (spmd.allreduce(1.0) * half).dtype == jnp.bfloat16
+    assert (spmd.broadcast(1.0) * half).dtype == jnp.bfloat16
+    with pytest.raises(spmd.SpmdError, match=r"allreduce\(op='max'\) is not linear"):
+        jax.linear_transpose(lambda v: spmd.allreduce(v, "max"), jnp.ones(3))(jnp.ones(3))

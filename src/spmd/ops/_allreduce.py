@@ -19,10 +19,12 @@ from jax._src import core
 from jax._src.ad_util import Zero
 from jax._src.interpreters import ad, batching
 
+from .._errors import SpmdError
 from . import _cuda
 from ._core import (
     REDUCE_OPS,
     arg_aval,
+    batch_first,
     bind,
     check_reduce_op,
     collective_primitive,
@@ -79,7 +81,7 @@ def allreduce(
 def _abstract_eval(
     *avals: core.ShapedArray, group: GroupRef, op: str, quantize: str | None
 ) -> list[core.ShapedArray]:
-    return [core.ShapedArray(a.shape, a.dtype) for a in avals]
+    return [core.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
 
 
 def _cuda_attrs(ctx: Any, *, group: GroupRef, op: str, quantize: str | None) -> dict[str, Any]:
@@ -152,7 +154,12 @@ def _transpose(
     cts: list[Any], *args: Any, group: GroupRef, op: str, quantize: str | None
 ) -> list[Any]:
     # Only op="sum" is linear. Transpose of sum-allreduce is sum-allreduce: dL/dx_r = sum_s ct_s.
-    assert op == "sum", op
+    if op != "sum":
+        raise SpmdError(
+            f"rank {group.world_rank}: allreduce(op={op!r}) is not linear, so it has no "
+            "transpose (jax.linear_transpose, or a VJP that treats it as linear); only op='sum' "
+            "and op='avg' do"
+        )
     avals = [arg_aval(a) for a in args]
     cts = [instantiate(ct, aval) for ct, aval in zip(cts, avals, strict=True)]
     return _sum(cts, group.backward(), quantize)
@@ -161,8 +168,11 @@ def _transpose(
 def _batch(
     args: list[Any], dims: list[Any], *, group: GroupRef, op: str, quantize: str | None
 ) -> Any:
-    # Element-wise across ranks: batch dimensions pass through untouched.
-    return allreduce_p.bind(*args, group=group, op=op, quantize=quantize), list(dims)
+    # Element-wise across ranks, with the batch axis first on every rank (one rank's in_axes
+    # may differ from another's).
+    args = batch_first(args, dims)
+    outs = allreduce_p.bind(*args, group=group, op=op, quantize=quantize)
+    return outs, [d if d is None else 0 for d in dims]
 
 
 ad.primitive_jvps[allreduce_p] = _jvp

@@ -17,6 +17,7 @@ from jax._src.interpreters import ad, batching
 from ._allreduce import allreduce_p
 from ._core import (
     arg_aval,
+    batch_first,
     bind,
     check_rank,
     collective_primitive,
@@ -45,7 +46,7 @@ def broadcast(x: Any, root: int = 0, *, rank_list: Any = None, group: Any = None
 
 
 def _abstract_eval(*avals: core.ShapedArray, group: GroupRef, root: int) -> list[Any]:
-    return [core.ShapedArray(a.shape, a.dtype) for a in avals]
+    return [core.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
 
 
 broadcast_p.def_abstract_eval(_abstract_eval)
@@ -61,7 +62,8 @@ def _transpose(cts: list[Any], *args: Any, group: GroupRef, root: int) -> list[A
 
 
 def _batch(args: list[Any], dims: list[Any], *, group: GroupRef, root: int) -> Any:
-    return broadcast_p.bind(*args, group=group, root=root), list(dims)
+    outs = broadcast_p.bind(*batch_first(args, dims), group=group, root=root)
+    return outs, [d if d is None else 0 for d in dims]
 
 
 ad.primitive_jvps[broadcast_p] = linear_jvp(broadcast_p)

@@ -70,8 +70,25 @@ def collective_primitive(name: str) -> core.Primitive:
     p.multiple_results = True
     p.def_impl(functools.partial(_run_eagerly, p))
     pe.dce_rules[p] = _keep
+    pe.partial_eval_jaxpr_custom_rules[p] = _never_recomputed
     _COLLECTIVES.add(p)
     return p
+
+
+def _never_recomputed(
+    saveable: Any, unks_in: Sequence[bool], inst_in: Sequence[bool], eqn: Any
+) -> tuple[Any, Any, list[bool], list[bool], list[Any]]:
+    """``jax.checkpoint``'s split of a collective: it runs once, in the forward pass, and its
+    results are saved for the backward pass, whatever the policy. Recomputing it would
+    communicate again (twice the traffic), and a rank that checkpoints while its peers do not
+    (a local memory choice) would make a call they never match: a send received twice, or a
+    hang. Collectives of tangents (unknown inputs) go to the backward pass as usual."""
+    n = len(eqn.outvars)
+    if any(unks_in):
+        res = [v for v, inst in zip(eqn.invars, inst_in, strict=True)
+               if isinstance(v, core.Var) and not inst]  # fmt: skip
+        return None, eqn, [True] * n, [True] * n, res
+    return eqn, None, [False] * n, [False] * n, []
 
 
 def _run_eagerly(prim: core.Primitive, *args: Any, **params: Any) -> Any:
@@ -473,6 +490,14 @@ def check_axis(axis: Any, ndim: int, what: str, name: str, group: GroupRef, path
             + ("; a scalar has no axis to split or join, reshape it to (1,)" if ndim == 0 else "")
         )
     return int(axis) % ndim
+
+
+def batch_first(args: Sequence[Any], dims: Sequence[Any]) -> list[Any]:
+    """Batched operands with the batch axis first: ranks may batch along different axes, and an
+    elementwise collective combines memory, so every rank must lay the batch out alike.
+    Unbatched operands stay as they are."""
+    return [x if d is None else jnp.moveaxis(x, d, 0)
+            for x, d in zip(args, dims, strict=True)]  # fmt: skip
 
 
 def avals_like(avals: Sequence[core.ShapedArray], shapes: Sequence[tuple[int, ...]]) -> list[Any]:

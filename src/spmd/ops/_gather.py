@@ -262,7 +262,11 @@ def _scatter_transpose(
 ) -> list[Any]:
     # Linear only for op="sum": block r of every rank's x feeds rank r's result, so
     # dL/dx_s[block r] = ct_r: gathering the cotangents gives each rank its full dL/dx.
-    assert op == "sum", op
+    if op != "sum":
+        raise SpmdError(
+            f"rank {group.world_rank}: reduce_scatter(op={op!r}) is not linear, so it has no "
+            "transpose; only op='sum' and op='avg' do"
+        )
     out_avals = _scatter_eval(*[arg_aval(a) for a in args], group=group, op=op, sizes=sizes)
     cts = [instantiate(ct, aval) for ct, aval in zip(cts, out_avals, strict=True)]
     return list(allgather_p.bind(*cts, group=group.backward(), sizes=sizes))

@@ -22,6 +22,7 @@ from jax._src.interpreters import ad, batching
 from .._errors import SpmdError
 from ._core import (
     arg_aval,
+    batch_first,
     bind,
     check_dtype,
     check_rank,
@@ -74,8 +75,15 @@ def recv(like: Any, src: int, *, rank_list: Any = None, group: Any = None) -> An
     with_path, treedef = jax.tree_util.tree_flatten_with_path(like)
     specs = []
     for path, v in with_path:
-        dtype = np.dtype(getattr(v, "dtype", None) or np.asarray(v).dtype)
-        check_dtype(dtype, "recv", "like" + jax.tree_util.keystr(path), ref)
+        name = "like" + jax.tree_util.keystr(path)
+        if isinstance(v, batching.BatchTracer):
+            raise SpmdError(
+                f"rank {ref.world_rank}: recv: {name} is batched by jax.vmap; recv takes no "
+                "array to batch, so call it outside vmap with the whole batch's shape"
+            )
+        # As send sees it: numpy's float64 is float32 without jax_enable_x64.
+        dtype = jax.dtypes.canonicalize_dtype(getattr(v, "dtype", None) or np.asarray(v).dtype)
+        check_dtype(dtype, "recv", name, ref)
         specs.append(jax.ShapeDtypeStruct(np.shape(v), dtype))
     outs = [
         bind(recv_p, group=ref, src=s, shape=tuple(sp.shape), dtype=np.dtype(sp.dtype))[0]
@@ -108,7 +116,9 @@ def barrier(*, rank_list: Any = None, group: Any = None) -> None:
 
 # -- primitives ---------------------------------------------------------------------------------
 
-sendrecv_p.def_abstract_eval(lambda x, *, group, src, dst: [core.ShapedArray(x.shape, x.dtype)])
+sendrecv_p.def_abstract_eval(
+    lambda x, *, group, src, dst: [core.ShapedArray(x.shape, x.dtype, weak_type=x.weak_type)]
+)
 send_p.def_abstract_eval(lambda x, *, group, dst: [_DONE])
 recv_p.def_abstract_eval(lambda *, group, src, shape, dtype: [core.ShapedArray(shape, dtype)])
 barrier_p.def_abstract_eval(lambda *, group: [_DONE])
@@ -138,10 +148,10 @@ ad.primitive_jvps[sendrecv_p] = linear_jvp(sendrecv_p)
 ad.primitive_transposes[sendrecv_p] = _sendrecv_transpose
 ad.primitive_jvps[send_p] = _send_jvp
 batching.primitive_batchers[sendrecv_p] = lambda args, dims, **p: (
-    sendrecv_p.bind(*args, **p),
-    dims,
+    sendrecv_p.bind(*batch_first(args, dims), **p),
+    [d if d is None else 0 for d in dims],
 )
 batching.primitive_batchers[send_p] = lambda args, dims, **p: (
-    send_p.bind(*args, **p),
+    send_p.bind(*batch_first(args, dims), **p),
     [None],
 )
