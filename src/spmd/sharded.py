@@ -177,9 +177,15 @@ class ShardedArray:
 
     @classmethod
     def tree_unflatten(cls, aux: tuple[Any, ...], children: Sequence[Any]) -> ShardedArray:
-        out = cls.__new__(cls)  # the placement was checked when the array was made
-        out.local = children[0]
-        out.shape, out.spec, out.mesh = aux
+        return cls._placed(children[0], *aux)  # checked when the array was made
+
+    @classmethod
+    def _placed(
+        cls, local: Any, shape: tuple[int, ...], spec: PartitionSpec, mesh: Where
+    ) -> ShardedArray:
+        """An array whose placement spmd already checked (a normalized spec): no checks."""
+        out = cls.__new__(cls)
+        out.local, out.shape, out.spec, out.mesh = local, shape, spec, mesh
         return out
 
     # -- description --

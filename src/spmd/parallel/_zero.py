@@ -46,7 +46,7 @@ from jax._src import core
 from .._errors import SpmdError
 from ..mesh import mesh_key
 from ..runtime import Communicator, this_rank
-from ..sharded import ShardedArray, _spec, is_sharded, pad_dim, shard, slice_dim
+from ..sharded import ShardedArray, _normalize, _spec, is_sharded, pad_dim, shard, slice_dim
 from ._data_parallel import (
     _NO_SYNC,
     _communicator,
@@ -597,7 +597,11 @@ class ZeroShard:
              if e.primitive is mark_p and e.params["kind"] == "param"
              for v in e.invars if v in index and index[v] not in sharded}
         )  # fmt: skip
-        outputs = [None if s is None else (s, _spec(axis), where) for s in layout]
+        # Placements checked once here; each call wraps its outputs without checks.
+        outputs = [
+            None if s is None else (s, _normalize(_spec(axis), len(s), where), where)
+            for s in layout
+        ]
         return _Traced(program, new._compiled, outputs, params, new)
 
     def __spmd_trace__(self, *args: Any, **kwargs: Any) -> Program:
@@ -620,7 +624,7 @@ class ZeroShard:
             self._checked = True
         outs = traced.run(*leaves)
         wrapped = [
-            val if placed is None else ShardedArray(val, *placed)
+            val if placed is None else ShardedArray._placed(val, *placed)
             for val, placed in zip(outs, traced.outputs, strict=True)
         ]
         return jax.tree_util.tree_unflatten(traced.program.out_tree, wrapped)
