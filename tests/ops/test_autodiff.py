@@ -184,3 +184,18 @@ def test_checkpointed_collectives_run_once(comm):
     jaxpr = jax.make_jaxpr(jax.grad(jax.checkpoint(lambda x: spmd.allreduce(x).sum() ** 2)))
     text = str(jaxpr(jnp.ones(3)))
     assert text.count("spmd_allreduce") == 2, text  # forward, and the transpose of its JVP
+
+
+@multirank(nprocs=(2,))
+def test_the_jvp_of_a_product_reduce_scatter_sends_no_allgather(comm):
+    """Only max/min need the gathered result; the product's JVP gathered it anyway (a
+    collective never removed, so traffic for nothing)."""
+    x = jnp.arange(1.0, 5.0) + comm.rank
+    jaxpr = str(jax.make_jaxpr(lambda v, t: jax.jvp(
+        lambda u: spmd.reduce_scatter(u, op="prod"), (v,), (t,)))(x, jnp.ones(4)))  # fmt: skip
+    assert "spmd_allgather" not in jaxpr and jaxpr.count("spmd_reduce_scatter") == 2, jaxpr
+    y, t = jax.jvp(lambda u: spmd.reduce_scatter(u, op="prod"), (x,), (jnp.ones(4),))
+    a, b = np.arange(1.0, 5.0), np.arange(2.0, 6.0)
+    block = slice(2 * comm.rank, 2 * comm.rank + 2)
+    np.testing.assert_allclose(y, (a * b)[block])
+    np.testing.assert_allclose(t, (a + b)[block])  # d(ab) = b da + a db with da = db = 1

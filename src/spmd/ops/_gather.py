@@ -239,19 +239,17 @@ def _scatter_jvp(
 
     if op == "sum":
         res = rs(ts)
+    elif op == "prod":
+        res = [
+            y * s for y, s in zip(ys, rs([t / x for t, x in zip(ts, xs, strict=True)]), strict=True)
+        ]
     else:
-        # Every rank's contribution to a block needs the block's result: gather it back.
+        # max/min: every rank's contribution to a block needs the block's result: gather it.
         full = allgather_p.bind(*ys, group=group, sizes=sizes)
-        if op == "prod":
-            res = [
-                y * s
-                for y, s in zip(ys, rs([t / x for t, x in zip(ts, xs, strict=True)]), strict=True)
-            ]
-        else:
-            masks = [x == f for x, f in zip(xs, full, strict=True)]
-            num = rs([jnp.where(m, t, jnp.zeros_like(t)) for m, t in zip(masks, ts, strict=True)])
-            cnt = rs([m.astype(t.dtype) for m, t in zip(masks, ts, strict=True)])
-            res = [n / c for n, c in zip(num, cnt, strict=True)]
+        masks = [x == f for x, f in zip(xs, full, strict=True)]
+        num = rs([jnp.where(m, t, jnp.zeros_like(t)) for m, t in zip(masks, ts, strict=True)])
+        cnt = rs([m.astype(t.dtype) for m, t in zip(masks, ts, strict=True)])
+        res = [n / c for n, c in zip(num, cnt, strict=True)]
     for i, r in zip(live, res, strict=True):
         t_outs[i] = r
     return outs, t_outs
