@@ -170,6 +170,11 @@ def test_usage_errors():
 def test_wrap_command(tmp_path):
     exec_ = [sys.executable, "-m", "spmd.cli._exec"]
     py = sys.executable
+    # -S hides site-packages, where spmd is: the program runs under the wrapper instead of
+    # inside it (it failed with "No module named 'spmd'")
+    assert wrap_command([py, "-S", "t.py"]) == [*exec_, "--exec", py, "-S", "t.py"]
+    out, _ = spmd_run("-n", "2", py, "-S", "-c", "import sys; print(sys.flags.no_site)")
+    assert out.returncode == 0 and out.stdout.split() == ["1", "1"], out.stderr
     assert wrap_command([py, "-u", "-W", "error", "t.py", "x"]) == [
         py,
         "-u",

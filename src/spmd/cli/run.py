@@ -36,14 +36,19 @@ _PYTHON = re.compile(r"python[0-9.]*$")
 _PYTHON_OPTS_WITH_VALUE = ("-W", "-X", "--check-hash-based-pycs")
 
 
-def _has_spmd(python: str) -> bool:
-    """Whether ``python`` is this interpreter or another one that can import the wrapper."""
+def _has_spmd(python: str, flags: list[str]) -> bool:
+    """Whether ``python`` with the user's interpreter ``flags`` can import the wrapper: this
+    interpreter can, unless a flag changes where imports come from (``-S``, ``-I``, ...)."""
     found = shutil.which(python)
     if found is None:
         return False
-    if os.path.realpath(found) == os.path.realpath(sys.executable):
+    same = os.path.realpath(found) == os.path.realpath(sys.executable)
+    moves_imports = any(
+        f.startswith("-") and not f.startswith("--") and set(f[1:]) & set("SIEs") for f in flags
+    )
+    if same and not moves_imports:
         return True
-    probe = [found, "-c", "import spmd.cli._exec"]
+    probe = [found, *flags, "-c", "import spmd.cli._exec"]
     return subprocess.run(probe, capture_output=True, timeout=60).returncode == 0
 
 
@@ -51,7 +56,7 @@ def wrap_command(command: list[str]) -> list[str]:
     """The per-rank argv: Python commands run inside the wrapper (tracebacks are caught and
     named), other programs and Python interpreters without spmd run under it."""
     exe = command[0]
-    if _PYTHON.search(os.path.basename(exe)) and _has_spmd(exe):
+    if _PYTHON.search(os.path.basename(exe)):
         i = 1
         while i < len(command) and command[i].startswith("-") and command[i] not in ("-c", "-m"):
             if command[i] == "-":
@@ -59,7 +64,12 @@ def wrap_command(command: list[str]) -> list[str]:
             takes_value = command[i] in _PYTHON_OPTS_WITH_VALUE
             i += 2 if takes_value else 1
         target = command[i:]
-        if target and target[0] != "-" and (target[0] not in ("-c", "-m") or len(target) >= 2):
+        if (
+            target
+            and target[0] != "-"
+            and (target[0] not in ("-c", "-m") or len(target) >= 2)
+            and _has_spmd(exe, command[1:i])
+        ):
             return [*command[:i], "-m", "spmd.cli._exec", "--python", *target]
     return [sys.executable, "-m", "spmd.cli._exec", "--exec", *command]
 
