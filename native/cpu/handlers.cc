@@ -4,7 +4,6 @@
 // in program order (see spmd/ops/_core.py).
 #include "handlers.h"
 
-#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -460,32 +459,7 @@ ffi::Error BarrierFfi(int64_t group, ffi::RemainingArgs args, ffi::RemainingRets
   return FromStatus(call, NoBackend(call));
 }
 
-// Orders a loop or branch that holds collectives among the collectives around it (their chains
-// cannot reach into its body): before it, one of its operands passes through this call together
-// with the previous collective's order token; after it, one of its results makes the token the
-// next collective takes. Result i is operand i + 1 (aliased: nothing moves), or a fresh token.
-ffi::Error OrderFfi(ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  for (size_t i = 0; i < rets.size(); ++i) {
-    auto r = rets.get<ffi::AnyBuffer>(i);
-    if (!r.has_value()) return r.error();
-    char* dst = static_cast<char*>((*r)->untyped_data());
-    size_t bytes = (*r)->size_bytes();
-    if (i + 1 < args.size()) {
-      auto a = args.get<ffi::AnyBuffer>(i + 1);
-      if (!a.has_value()) return a.error();
-      const char* src = static_cast<const char*>(a->untyped_data());
-      if (src != dst && bytes != 0) std::memcpy(dst, src, std::min(bytes, a->size_bytes()));
-    } else if (bytes != 0) {
-      std::memset(dst, 0, bytes);
-    }
-  }
-  return ffi::Error::Success();
-}
-
 }  // namespace
-
-// spmd_order: no attributes (see OrderFfi).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kOrder_, OrderFfi, ffi::Ffi::Bind().RemainingArgs().RemainingRets());
 
 // spmd_allreduce: attrs group (i64), op (i32).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduce_, AllreduceFfi,
@@ -540,7 +514,6 @@ const HandlerEntry* CpuHandlers() {
       {"spmd_all_to_all", reinterpret_cast<void*>(kAllToAll_)},
       {"spmd_sendrecv", reinterpret_cast<void*>(kSendRecv_)},
       {"spmd_barrier", reinterpret_cast<void*>(kBarrier_)},
-      {"spmd_order", reinterpret_cast<void*>(kOrder_)},
       {nullptr, nullptr},
   };
   return entries;

@@ -18,13 +18,7 @@ from spmd._native_lib import native
 from spmd.ops._cuda import native_cuda
 
 ROOT = Path(__file__).parents[2]
-# Every collective on both platforms; spmd_order (ordering loops among collectives) is CPU-only:
-# on GPU, XLA's stream order applies.
-EXPECTED = {
-    "spmd_cuda_" + name.removeprefix("spmd_")
-    for name in native().cpu_handlers()
-    if name != "spmd_order"
-}
+EXPECTED = {"spmd_cuda_" + name.removeprefix("spmd_") for name in native().cpu_handlers()}
 EXPECTED.add("spmd_cuda_allreduce_rmsnorm")
 
 _PROBE = """

@@ -199,3 +199,45 @@ def test_the_jvp_of_a_product_reduce_scatter_sends_no_allgather(comm):
     block = slice(2 * comm.rank, 2 * comm.rank + 2)
     np.testing.assert_allclose(y, (a * b)[block])
     np.testing.assert_allclose(t, (a + b)[block])  # d(ab) = b da + a db with da = db = 1
+
+
+@multirank(nprocs=(2,))
+def test_checkpoint_and_custom_derivatives_keep_program_order(comm):
+    """A checkpointed (or custom-derivative) helper holding a send was lowered as a function of
+    its own, so XLA ran the caller's later allreduce first: rank 1, waiting in recv, timed out.
+    A while_loop holding a collective inside jax.checkpoint under grad failed to trace."""
+    r = comm.rank
+
+    def region(x):
+        m = x.reshape(64, 64)
+        for _ in range(4):
+            m = jnp.tanh(m @ m)  # work before the send
+        spmd.send(m, dst=1)
+        return x * 2
+
+    @jax.custom_jvp
+    def sends(x):
+        spmd.send(x, dst=1)
+        return x
+
+    sends.defjvp(lambda p, t: (sends(p[0]), t[0]))
+
+    def first(x, g):
+        return jax.checkpoint(region)(x), sends(x[:4]), spmd.allreduce(g)
+
+    def second(x, g):
+        return spmd.recv(x.reshape(64, 64), src=0), spmd.recv(x[:4], src=0), spmd.allreduce(g)
+
+    x, g = jnp.ones(64 * 64) * 0.01, jnp.full(4, r + 1.0)
+    out = jax.jit(first if r == 0 else second)(x, g)
+    np.testing.assert_array_equal(out[2], np.full(4, 3.0))
+    if r == 1:
+        np.testing.assert_array_equal(out[1], np.full(4, 0.01, np.float32))
+
+    def loop(v, y):
+        body = lambda c: (c[0] + 1, spmd.allreduce(c[1]) * 0.5)  # noqa: E731
+        _, s = jax.lax.while_loop(lambda c: c[0] < 2, body, (0, y))
+        return jnp.sum(jnp.sin(v) * s)
+
+    want = jax.grad(loop)(jnp.ones(3), jnp.ones(3))
+    np.testing.assert_allclose(jax.grad(jax.checkpoint(loop))(jnp.ones(3), jnp.ones(3)), want)

@@ -3,9 +3,6 @@ NumPy references; pytrees of all dtypes go in one fused call. Plus RAF's allredu
 
 from __future__ import annotations
 
-import itertools
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -245,65 +242,6 @@ def test_loops_and_branches_holding_collectives_are_never_dead_code(comm):
     for fn in (scan, loop, branch):
         assert "spmd_allreduce" in jax.jit(fn).lower(x).as_text(), fn.__name__
         np.testing.assert_array_equal(jax.jit(fn)(x), 2 * np.ones(3))
-
-
-def _entry_dependencies(hlo: str) -> tuple[dict[str, set[str]], list[str]]:
-    """The ENTRY computation of compiled HLO text: each instruction's operands, and the names of
-    the instructions that communicate (spmd custom calls, loops, branches) in text order."""
-    entry = hlo[hlo.index("\nENTRY") :]
-    deps: dict[str, set[str]] = {}
-    ordered = []
-    for line in entry.splitlines()[1:]:
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = .*?([a-z][a-z\-]*)\(([^)]*)\)", line)
-        if m is None:
-            continue
-        name, opcode, operands = m.groups()
-        deps[name] = set(re.findall(r"%([\w.\-]+)", operands))
-        if opcode in ("while", "conditional") or 'custom_call_target="spmd_all' in line:
-            ordered.append(name)
-    return deps, ordered
-
-
-def _ancestors(deps: dict[str, set[str]], name: str) -> set[str]:
-    seen: set[str] = set()
-    todo = [name]
-    while todo:
-        for d in deps.get(todo.pop(), ()):
-            if d not in seen:
-                seen.add(d)
-                todo.append(d)
-    return seen
-
-
-@multirank(nprocs=(2,))
-def test_loops_and_branches_run_in_order_among_the_collectives_around_them(comm):
-    """A loop, scan or branch holding collectives is a region of its own; XLA:CPU may run it
-    whenever its data is ready, before or beside the collectives around it (in another order
-    on another rank: wrong pairs, or a hang). Each one is now chained to its neighbours: in the
-    compiled program every collective, loop and branch depends on the one before it."""
-    r = comm.rank
-    n = 1 << 12
-
-    def f(a, b, p):
-        y = spmd.allreduce(a)  # independent of everything below but the last line
-        z = jax.lax.fori_loop(0, 3, lambda i, c: spmd.allreduce(c) * 0.5, b)
-        w = jax.lax.cond(p > 0, lambda v: spmd.allreduce(v), lambda v: spmd.allreduce(-v), b)
-        s, _ = jax.lax.scan(lambda c, x: (spmd.allreduce(c * x), None), b, jnp.ones((2, n)))
-        last = spmd.allreduce(a * 3)
-        return y, z, w, s, last
-
-    a, b = jnp.full(n, r + 1.0), jnp.full(n, 10.0 * (r + 1))
-    hlo = jax.jit(f).lower(a, b, 1).compile().as_text()
-    deps, ordered = _entry_dependencies(hlo)
-    assert len(ordered) >= 5, ordered
-    for earlier, later in itertools.pairwise(ordered):
-        assert earlier in _ancestors(deps, later), (earlier, later, hlo)
-    y, z, w, s, last = jax.jit(f)(a, b, 1)
-    np.testing.assert_array_equal(y, np.full(n, 3.0))
-    np.testing.assert_array_equal(z, np.full(n, 15.0))  # 30 * 0.5, three times
-    np.testing.assert_array_equal(w, np.full(n, 30.0))
-    np.testing.assert_array_equal(s, np.full(n, 60.0))  # 10 + 20, then 30 + 30
-    np.testing.assert_array_equal(last, np.full(n, 9.0))
 
 
 @multirank(nprocs=(2,))

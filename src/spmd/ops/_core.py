@@ -11,12 +11,12 @@ collectives of a computation in program order at no cost. Separate executions on
 already run in dispatch order. Custom calls are marked ``has_side_effect`` in HLO so XLA never
 removes or merges them; every collective carries a DCE rule that keeps it in the jaxpr, and so
 does every call, loop or branch holding one. A nested ``jax.jit`` holding collectives is lowered
-inline so that they join the caller's chain; loop and branch bodies start chains of their own,
-and the loop or branch as a whole is chained to its neighbours through ``spmd_order`` calls.
+inline so that they join the caller's chain; loop and branch bodies start chains of their own.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import weakref
 from collections.abc import Callable, Sequence
@@ -82,13 +82,43 @@ def _never_recomputed(
     results are saved for the backward pass, whatever the policy. Recomputing it would
     communicate again (twice the traffic), and a rank that checkpoints while its peers do not
     (a local memory choice) would make a call they never match: a send received twice, or a
-    hang. Collectives of tangents (unknown inputs) go to the backward pass as usual."""
+    hang. Collectives of tangents (unknown inputs) go to the backward pass as usual.
+
+    Inside a ``while_loop`` nothing can be saved (JAX's loop has no room for residuals): there
+    the collective is also recomputed, as JAX does with any op (the loop runs again)."""
     n = len(eqn.outvars)
+    res = [v for v, inst in zip(eqn.invars, inst_in, strict=True)
+           if isinstance(v, core.Var) and not inst]  # fmt: skip
     if any(unks_in):
-        res = [v for v, inst in zip(eqn.invars, inst_in, strict=True)
-               if isinstance(v, core.Var) and not inst]  # fmt: skip
         return None, eqn, [True] * n, [True] * n, res
+    if _IN_WHILE.get():
+        return eqn, eqn, [False] * n, [True] * n, res
     return eqn, None, [False] * n, [False] * n, []
+
+
+_IN_WHILE: contextvars.ContextVar[bool] = contextvars.ContextVar("spmd_in_while", default=False)
+
+
+def _mark_while_partial_eval() -> None:
+    """Tell :func:`_never_recomputed` when it runs for the body of a ``while_loop``."""
+    from jax._src.lax import control_flow
+
+    prim = getattr(control_flow, "while_p", None)
+    if not isinstance(prim, core.Primitive) or prim not in pe.partial_eval_jaxpr_custom_rules:
+        return
+    default = pe.partial_eval_jaxpr_custom_rules[prim]
+
+    def rule(*args: Any, **kwargs: Any) -> Any:
+        token = _IN_WHILE.set(True)
+        try:
+            return default(*args, **kwargs)
+        finally:
+            _IN_WHILE.reset(token)
+
+    pe.partial_eval_jaxpr_custom_rules[prim] = rule
+
+
+_mark_while_partial_eval()
 
 
 def _run_eagerly(prim: core.Primitive, *args: Any, **params: Any) -> Any:
@@ -137,7 +167,13 @@ def lower_collective(
 
     Attributes: Python ints become i64, ``np.int32`` i32, floats f32, tuples i64 arrays.
     """
-    previous = _chain(ctx)
+    # Per-module state: ModuleContext has no room for attributes, so the chains ride in its
+    # per-module cache under a key no primitive can produce.
+    chains = ctx.module_context.cached_primitive_lowerings.setdefault(_CHAINS_KEY, [])
+    block = ir.InsertionPoint.current.block
+    # Blocks come back as fresh Python wrappers: find ours by equality, not hashing.
+    at = next((i for i, (b, _) in enumerate(chains) if b == block), None)
+    previous = None if at is None else chains[at][1]
     if previous is None:
         previous = mlir.ir_constant(np.zeros((1,), np.uint8))
     call = mlir.custom_call(
@@ -153,32 +189,11 @@ def lower_collective(
         operand_layouts=[[0], *(_layout(a) for a in ctx.avals_in)],
         result_layouts=[[0], *(_layout(a) for a in ctx.avals_out)],
     )
-    _set_chain(ctx, call.results[0])
-    return list(call.results[1:])
-
-
-def _chains(ctx: mlir.LoweringRuleContext) -> tuple[list[tuple[Any, Any]], Any, int | None]:
-    # Per-module state: ModuleContext has no room for attributes, so the chains ride in its
-    # per-module cache under a key no primitive can produce.
-    chains = ctx.module_context.cached_primitive_lowerings.setdefault(_CHAINS_KEY, [])
-    block = ir.InsertionPoint.current.block
-    # Blocks come back as fresh Python wrappers: find ours by equality, not hashing.
-    at = next((i for i, (b, _) in enumerate(chains) if b == block), None)
-    return chains, block, at
-
-
-def _chain(ctx: mlir.LoweringRuleContext) -> Any:
-    """The order token of the last collective lowered into the current block, or None."""
-    chains, _, at = _chains(ctx)
-    return None if at is None else chains[at][1]
-
-
-def _set_chain(ctx: mlir.LoweringRuleContext, token: Any) -> None:
-    chains, block, at = _chains(ctx)
     if at is None:
-        chains.append((block, token))
+        chains.append((block, call.results[0]))
     else:
-        chains[at] = (block, token)
+        chains[at] = (block, call.results[0])
+    return list(call.results[1:])
 
 
 # -- nested calls -------------------------------------------------------------------------------
@@ -197,25 +212,29 @@ def _holds_collective(jaxpr: core.Jaxpr) -> bool:
     return found
 
 
-def _call_primitives() -> list[tuple[core.Primitive, str]]:
-    """JAX's call primitives (nested jit, closed_call) and the parameter holding the body."""
-    from jax._src import pjit
-
-    jit_p = getattr(pjit, "jit_p", None) or getattr(pjit, "pjit_p", None)
-    calls: list[tuple[core.Primitive, str]] = [(core.closed_call_p, "call_jaxpr")]
-    if isinstance(jit_p, core.Primitive):
-        calls.append((jit_p, "jaxpr"))
-    return calls
-
-
 def _inline_calls_holding_collectives() -> None:
-    """Lower a nested ``jax.jit`` (and ``closed_call``) that holds collectives inline, in the
-    caller's block, so that its collectives join the caller's chain and run in their place in
-    program order. JAX lowers a nested jit to a separate function, where the chain would start
-    afresh: XLA could then run its collectives before or after the caller's, and ranks whose
-    programs differ (a pipeline stage sending from a jitted helper) would wait on each other.
-    Calls without collectives keep JAX's own lowering."""
-    for prim, param in _call_primitives():
+    """Lower a nested ``jax.jit``, ``closed_call``, ``jax.checkpoint`` or custom-derivative
+    function that holds collectives inline, in the caller's block, so that its collectives join
+    the caller's chain and run in their place in program order. JAX may lower such a call to a
+    separate function, where the chain would start afresh: XLA could then run its collectives
+    before or after the caller's, and ranks whose programs differ (a pipeline stage sending from
+    a jitted or checkpointed helper) would wait on each other. (In the forward pass checkpoint
+    and custom derivatives mean nothing; their backward passes are separate equations.) Calls
+    without collectives keep JAX's own lowering."""
+    import importlib
+
+    calls: list[tuple[core.Primitive, str]] = [(core.closed_call_p, "call_jaxpr")]
+    for module, name, param in (
+        ("jax._src.pjit", "jit_p", "jaxpr"),
+        ("jax._src.pjit", "pjit_p", "jaxpr"),
+        ("jax._src.ad_checkpoint", "remat_p", "jaxpr"),
+        ("jax._src.custom_derivatives", "custom_jvp_call_p", "call_jaxpr"),
+        ("jax._src.custom_derivatives", "custom_vjp_call_p", "call_jaxpr"),
+    ):
+        prim = getattr(importlib.import_module(module), name, None)
+        if isinstance(prim, core.Primitive) and all(prim is not p for p, _ in calls):
+            calls.append((prim, param))
+    for prim, param in calls:
         entry = mlir._lowerings.get(prim)
         if entry is None:  # another JAX: its nested calls start their own chain (documented)
             continue
@@ -224,79 +243,15 @@ def _inline_calls_holding_collectives() -> None:
         def rule(
             ctx: Any, *args: Any, _default: Any = default, _param: str = param, **params: Any
         ) -> Any:
-            closed = params[_param]
-            if not _holds_collective(closed.jaxpr):
+            closed = params.get(_param)
+            if isinstance(closed, core.Jaxpr):  # remat holds an open jaxpr
+                closed = core.ClosedJaxpr(closed, ())
+            if not isinstance(closed, core.ClosedJaxpr) or not _holds_collective(closed.jaxpr):
                 return _default(ctx, *args, **params)
             return mlir.lower_fun(core.jaxpr_as_fun(closed), multiple_results=True)(ctx, *args)
 
         for platform in ("cpu", "cuda"):
             mlir.register_lowering(prim, rule, platform=platform, cacheable=False)
-
-
-def _order_call(operands: Sequence[Any], result_types: Sequence[Any], **kwargs: Any) -> Any:
-    return mlir.custom_call(
-        "spmd_order",
-        result_types=list(result_types),
-        operands=list(operands),
-        backend_config={},
-        api_version=4,
-        has_side_effect=True,
-        **kwargs,
-    )
-
-
-def _ordered_regions() -> None:
-    """Order a loop, branch, scan, remat or custom-derivative call holding collectives among the
-    collectives around it (on CPU, where XLA runs independent ops as a dataflow graph). Its body
-    is lowered as a region or function of its own, where the collectives chain among themselves
-    only. So one of its operands passes through an ``spmd_order`` call together with the
-    previous collective's token (aliased: nothing moves), and all its results feed the
-    ``spmd_order`` call whose token the next collective takes."""
-    inlined = {p for p, _ in _call_primitives()}
-    for prim in _higher_order_primitives():
-        entry = mlir._lowerings.get(prim)
-        if prim in inlined or entry is None:
-            continue
-        default = getattr(entry, "rule", entry)
-
-        def rule(ctx: Any, *args: Any, _default: Any = default, **params: Any) -> Any:
-            if not any(_holds_collective(j) for j in core.jaxprs_in_params(params)):
-                return _default(ctx, *args, **params)
-            operands = list(args)
-            previous = _chain(ctx)
-            if previous is not None and operands:
-                i = _through(ctx.avals_in)
-                call = _order_call(
-                    [previous, operands[i]],
-                    [operands[i].type],
-                    operand_output_aliases={1: 0},
-                    operand_layouts=[[0], _layout(ctx.avals_in[i])],
-                    result_layouts=[_layout(ctx.avals_in[i])],
-                )
-                operands[i] = call.results[0]
-            outs = _default(ctx, *operands, **params)
-            flat = [o for out in outs for o in (out if isinstance(out, Sequence) else [out])]
-            if flat:
-                # Every result: XLA may fold some (a loop's counter, what it leaves unchanged).
-                token = _order_call(
-                    flat,
-                    [_ORDER_TYPE()],
-                    operand_layouts=[_layout(a) for a in ctx.avals_out],
-                    result_layouts=[[0]],
-                )
-                _set_chain(ctx, token.results[0])
-            return outs
-
-        mlir.register_lowering(prim, rule, platform="cpu", cacheable=False)
-
-
-def _through(avals: Sequence[Any]) -> int:
-    """The operand that carries the order token into a region: the smallest that is not an
-    integer scalar (a loop's counter, whose known start value XLA uses to count the trips)."""
-    sizes = [int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in avals]
-    counters = [a.ndim == 0 and np.issubdtype(a.dtype, np.integer) for a in avals]
-    order = sorted(range(len(avals)), key=lambda i: (counters[i], sizes[i]))
-    return order[0]
 
 
 def _higher_order_primitives() -> list[core.Primitive]:
@@ -347,7 +302,6 @@ def _keep_calls_holding_collectives() -> None:
 
 _inline_calls_holding_collectives()
 _keep_calls_holding_collectives()
-_ordered_regions()
 
 
 def register_lowering(
