@@ -173,8 +173,9 @@ def test_wrap_command(tmp_path):
     # -S hides site-packages, where spmd is: the program runs under the wrapper instead of
     # inside it (it failed with "No module named 'spmd'")
     assert wrap_command([py, "-S", "t.py"]) == [*exec_, "--exec", py, "-S", "t.py"]
-    out, _ = spmd_run("-n", "2", py, "-S", "-c", "import sys; print(sys.flags.no_site)")
-    assert out.returncode == 0 and out.stdout.split() == ["1", "1"], out.stderr
+    code = "import sys; sys.stdout.write(f'no_site={sys.flags.no_site}\\n')"  # one write
+    out, _ = spmd_run("-n", "2", py, "-S", "-c", code)
+    assert out.returncode == 0 and out.stdout.count("no_site=1\n") == 2, (out.stdout, out.stderr)
     assert wrap_command([py, "-u", "-W", "error", "t.py", "x"]) == [
         py,
         "-u",
