@@ -171,9 +171,7 @@ class DistributedSampler:
 
     def __len__(self) -> int:
         """The number of indices this rank reads per epoch (the same on every rank)."""
-        if self._drop_last:
-            return self._num_samples // self._num_replicas
-        return math.ceil(self._num_samples / self._num_replicas)
+        return _per_rank(self._num_samples, self._num_replicas, self._drop_last)
 
     def __repr__(self) -> str:
         return (
@@ -319,18 +317,21 @@ class DistributedSampler:
         self._generation += 1
 
 
+def _per_rank(num_samples: int, num_replicas: int, drop_last: bool) -> int:
+    """Indices each rank reads per epoch."""
+    if drop_last:
+        return num_samples // num_replicas
+    return math.ceil(num_samples / num_replicas)
+
+
 def _at_boundary(state: dict[str, Any]) -> bool:
     """Whether a saved state stands at the start or the end of its epoch."""
     offset, n, replicas = state.get("offset"), state.get("num_samples"), state.get("num_replicas")
     if offset == 0:
         return True
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offset, n, replicas)):
+    if not (type(n) is int and type(replicas) is int and replicas >= 1):
         return False
-    assert isinstance(n, int) and isinstance(replicas, int)
-    if replicas < 1:
-        return False
-    whole = n // replicas if state.get("drop_last") else -(-n // replicas)
-    return offset == whole
+    return offset == _per_rank(n, replicas, bool(state.get("drop_last")))
 
 
 def _check_int(me: str, name: str, value: object, low: int, expected: str) -> None:

@@ -170,9 +170,8 @@ def _batch(
 ) -> Any:
     # Element-wise across ranks, with the batch axis first on every rank (one rank's in_axes
     # may differ from another's).
-    args = batch_first(args, dims)
-    outs = allreduce_p.bind(*args, group=group, op=op, quantize=quantize)
-    return outs, [d if d is None else 0 for d in dims]
+    moved, out_dims = batch_first(args, dims)
+    return allreduce_p.bind(*moved, group=group, op=op, quantize=quantize), out_dims
 
 
 ad.primitive_jvps[allreduce_p] = _jvp

@@ -62,8 +62,8 @@ def _transpose(cts: list[Any], *args: Any, group: GroupRef, root: int) -> list[A
 
 
 def _batch(args: list[Any], dims: list[Any], *, group: GroupRef, root: int) -> Any:
-    outs = broadcast_p.bind(*batch_first(args, dims), group=group, root=root)
-    return outs, [d if d is None else 0 for d in dims]
+    moved, out_dims = batch_first(args, dims)
+    return broadcast_p.bind(*moved, group=group, root=root), out_dims
 
 
 ad.primitive_jvps[broadcast_p] = linear_jvp(broadcast_p)

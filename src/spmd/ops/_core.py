@@ -446,12 +446,12 @@ def check_axis(axis: Any, ndim: int, what: str, name: str, group: GroupRef, path
     return int(axis) % ndim
 
 
-def batch_first(args: Sequence[Any], dims: Sequence[Any]) -> list[Any]:
-    """Batched operands with the batch axis first: ranks may batch along different axes, and an
-    elementwise collective combines memory, so every rank must lay the batch out alike.
-    Unbatched operands stay as they are."""
-    return [x if d is None else jnp.moveaxis(x, d, 0)
-            for x, d in zip(args, dims, strict=True)]  # fmt: skip
+def batch_first(args: Sequence[Any], dims: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """Batched operands with the batch axis first, and the batch dims of results shaped like
+    them: ranks may batch along different axes, and an elementwise collective combines memory,
+    so every rank must lay the batch out alike. Unbatched operands stay as they are."""
+    moved = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims, strict=True)]
+    return moved, [None if d is None else 0 for d in dims]
 
 
 def avals_like(avals: Sequence[core.ShapedArray], shapes: Sequence[tuple[int, ...]]) -> list[Any]:

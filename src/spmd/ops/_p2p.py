@@ -147,11 +147,16 @@ def _send_jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, dst: 
 ad.primitive_jvps[sendrecv_p] = linear_jvp(sendrecv_p)
 ad.primitive_transposes[sendrecv_p] = _sendrecv_transpose
 ad.primitive_jvps[send_p] = _send_jvp
-batching.primitive_batchers[sendrecv_p] = lambda args, dims, **p: (
-    sendrecv_p.bind(*batch_first(args, dims), **p),
-    [d if d is None else 0 for d in dims],
-)
-batching.primitive_batchers[send_p] = lambda args, dims, **p: (
-    send_p.bind(*batch_first(args, dims), **p),
-    [None],
-)
+
+
+def _sendrecv_batch(args: list[Any], dims: list[Any], **params: Any) -> Any:
+    moved, out_dims = batch_first(args, dims)
+    return sendrecv_p.bind(*moved, **params), out_dims
+
+
+def _send_batch(args: list[Any], dims: list[Any], **params: Any) -> Any:
+    return send_p.bind(*batch_first(args, dims)[0], **params), [None]
+
+
+batching.primitive_batchers[sendrecv_p] = _sendrecv_batch
+batching.primitive_batchers[send_p] = _send_batch

@@ -52,11 +52,18 @@ def must_abort() -> bool:
     its peers may be waiting on it (and a normal exit could wait on them in finalization).
     Otherwise it may exit normally, running atexit handlers and flushing open files; the
     launcher stops the rest."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+    if _mpi_running() is not None:
         return True
     state = sys.modules.get("spmd.runtime._state")
     return bool(state is not None and state.is_initialized())
+
+
+def _mpi_running() -> Any:
+    """mpi4py's MPI module while MPI is initialized and not finalized, else None."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        return mpi
+    return None
 
 
 def abort_job(code: int) -> None:
@@ -64,8 +71,8 @@ def abort_job(code: int) -> None:
     launcher, ``spmd-run`` or a torchrun-style agent, stops the rest)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+    mpi = _mpi_running()
+    if mpi is not None:
         mpi.COMM_WORLD.Abort(code)
     os._exit(code)
 
