@@ -11,7 +11,8 @@ collectives of a computation in program order at no cost. Separate executions on
 already run in dispatch order. Custom calls are marked ``has_side_effect`` in HLO so XLA never
 removes or merges them; every collective carries a DCE rule that keeps it in the jaxpr, and so
 does every call, loop or branch holding one. A nested ``jax.jit`` holding collectives is lowered
-inline so that they join the caller's chain; loop and branch bodies start chains of their own.
+inline so that they join the caller's chain; loops and branches carry the order value through
+their bodies (``_thread_loops_and_branches``).
 """
 
 from __future__ import annotations
@@ -167,33 +168,51 @@ def lower_collective(
 
     Attributes: Python ints become i64, ``np.int32`` i32, floats f32, tuples i64 arrays.
     """
-    # Per-module state: ModuleContext has no room for attributes, so the chains ride in its
-    # per-module cache under a key no primitive can produce.
-    chains = ctx.module_context.cached_primitive_lowerings.setdefault(_CHAINS_KEY, [])
-    block = ir.InsertionPoint.current.block
-    # Blocks come back as fresh Python wrappers: find ours by equality, not hashing.
-    at = next((i for i, (b, _) in enumerate(chains) if b == block), None)
-    previous = None if at is None else chains[at][1]
-    if previous is None:
-        previous = mlir.ir_constant(np.zeros((1,), np.uint8))
     call = mlir.custom_call(
         target,
         result_types=[
             _ORDER_TYPE(),
             *(mlir.aval_to_ir_type(ctx.module_context, a) for a in ctx.avals_out),
         ],
-        operands=[previous, *operands],
+        operands=[_chain_end(ctx), *operands],
         backend_config={k: _attr(v) for k, v in attrs.items()},
         api_version=4,
         has_side_effect=True,
         operand_layouts=[[0], *(_layout(a) for a in ctx.avals_in)],
         result_layouts=[[0], *(_layout(a) for a in ctx.avals_out)],
     )
-    if at is None:
-        chains.append((block, call.results[0]))
-    else:
-        chains[at] = (block, call.results[0])
+    _set_chain_end(ctx, call.results[0])
     return list(call.results[1:])
+
+
+def _chains(ctx: mlir.LoweringRuleContext) -> list[tuple[Any, Any]]:
+    # Per-module state: ModuleContext has no room for attributes, so the chains ride in its
+    # per-module cache under a key no primitive can produce.
+    chains: list[tuple[Any, Any]] = ctx.module_context.cached_primitive_lowerings.setdefault(
+        _CHAINS_KEY, []
+    )
+    return chains
+
+
+def _chain_end(ctx: mlir.LoweringRuleContext) -> Any:
+    """The order value the next collective of the current block must take: the previous
+    collective's, the one handed in by :data:`chain_enter_p`, or a constant at the start."""
+    block = ir.InsertionPoint.current.block
+    # Blocks come back as fresh Python wrappers: find ours by equality, not hashing.
+    for b, value in _chains(ctx):
+        if b == block:
+            return value
+    return mlir.ir_constant(np.zeros((1,), np.uint8))
+
+
+def _set_chain_end(ctx: mlir.LoweringRuleContext, value: Any) -> None:
+    chains = _chains(ctx)
+    block = ir.InsertionPoint.current.block
+    at = next((i for i, (b, _) in enumerate(chains) if b == block), None)
+    if at is None:
+        chains.append((block, value))
+    else:
+        chains[at] = (block, value)
 
 
 # -- nested calls -------------------------------------------------------------------------------
@@ -300,8 +319,155 @@ def _keep_calls_holding_collectives() -> None:
         pe.dce_rules[prim] = rule
 
 
+# -- loops and branches -------------------------------------------------------------------------
+
+_ORDER_AVAL = core.ShapedArray((1,), np.dtype(np.uint8))
+
+chain_enter_p = core.Primitive("spmd_chain_enter")
+"""Lowering-time only: the chain of the block being lowered continues from the operand (the
+order value a loop carries, or its caller's)."""
+chain_enter_p.multiple_results = True
+chain_enter_p.def_abstract_eval(lambda order: [])
+pe.dce_rules[chain_enter_p] = _keep
+
+chain_exit_p = core.Primitive("spmd_chain_exit")
+"""Lowering-time only: the order value the block being lowered has reached."""
+chain_exit_p.def_abstract_eval(lambda: _ORDER_AVAL)
+
+
+def _lower_chain_enter(ctx: mlir.LoweringRuleContext, order: Any) -> list[Any]:
+    _set_chain_end(ctx, order)
+    return []
+
+
+mlir.register_lowering(chain_enter_p, _lower_chain_enter, cacheable=False)
+mlir.register_lowering(chain_exit_p, lambda ctx: [_chain_end(ctx)], cacheable=False)
+
+
+def _threaded(closed: core.ClosedJaxpr, returns_order: bool) -> core.ClosedJaxpr:
+    """``closed`` with one more input, the order value its collectives continue from, and (with
+    ``returns_order``) one more output, the order value they end on."""
+
+    def fn(*args: Any) -> Any:
+        chain_enter_p.bind(args[-1])
+        outs = core.jaxpr_as_fun(closed)(*args[:-1])
+        return [*outs, chain_exit_p.bind()] if returns_order else list(outs)
+
+    threaded: core.ClosedJaxpr = jax.make_jaxpr(fn)(*closed.in_avals, _ORDER_AVAL)
+    return threaded
+
+
+def _with_order(ctx: mlir.LoweringRuleContext) -> mlir.LoweringRuleContext:
+    """The context of a loop or branch with the order value as its last operand and result."""
+    inner: mlir.LoweringRuleContext = ctx.replace(
+        avals_in=[*ctx.avals_in, _ORDER_AVAL], avals_out=[*ctx.avals_out, _ORDER_AVAL]
+    )
+    return inner
+
+
+def _order_out(
+    ctx: mlir.LoweringRuleContext, inner: mlir.LoweringRuleContext, outs: Sequence[Any]
+) -> list[Any]:
+    """Continue the caller's chain from the last result; hand on JAX's effect tokens."""
+    _set_chain_end(ctx, outs[-1])
+    if inner.tokens_out is not None:
+        ctx.set_tokens_out(inner.tokens_out)
+    return list(outs[:-1])
+
+
+def _is_threaded(closed: core.ClosedJaxpr) -> bool:
+    return any(e.primitive is chain_enter_p for e in closed.jaxpr.eqns)
+
+
+def _as_is(ctx: mlir.LoweringRuleContext, *args: Any, _default: Any, **params: Any) -> Any:
+    return _default(ctx, *args, **params)
+
+
+def _thread_loops_and_branches() -> None:
+    """Run a ``while_loop`` (``scan``, ``fori_loop``, ``map`` lower to one) or a ``cond``
+    (``switch``) that holds collectives in its place in the caller's chain.
+
+    The loop carries the order value as one more element: the body's first collective takes
+    it, the body returns its last collective's, the loop takes its caller's chain end in and
+    the caller's next collective takes the loop's out. Branches take the chain end in and
+    return theirs. A value a side-effecting custom call produces on every iteration cannot be
+    folded by XLA, so the dependency survives optimisation. The jaxprs are rewritten at
+    lowering time only: traced programs, vmap, grad and dead-code rules see the loop as
+    written. A loop whose predicate vmap batched keeps a chain of its own (the order value is
+    one per loop, not per batch element)."""
+    from jax._src.lax import control_flow
+
+    while_p = getattr(control_flow, "while_p", None)
+    cond_p = getattr(control_flow, "cond_p", None)
+    for prim in (while_p, cond_p):
+        if not isinstance(prim, core.Primitive) or mlir._lowerings.get(prim) is None:
+            return  # another JAX: loops and branches start chains of their own (documented)
+
+    def while_rule(
+        ctx: mlir.LoweringRuleContext,
+        *args: Any,
+        _default: Any,
+        cond_jaxpr: core.ClosedJaxpr,
+        body_jaxpr: core.ClosedJaxpr,
+        **params: Any,
+    ) -> Any:
+        if (
+            not (_holds_collective(cond_jaxpr.jaxpr) or _holds_collective(body_jaxpr.jaxpr))
+            or cond_jaxpr.out_avals[0].shape  # a batched predicate
+            or _is_threaded(body_jaxpr)
+        ):
+            return _default(ctx, *args, cond_jaxpr=cond_jaxpr, body_jaxpr=body_jaxpr, **params)
+        inner = _with_order(ctx)
+        outs = _default(
+            inner,
+            *args,
+            _chain_end(ctx),
+            cond_jaxpr=_threaded(cond_jaxpr, returns_order=False),
+            body_jaxpr=_threaded(body_jaxpr, returns_order=True),
+            **params,
+        )
+        return _order_out(ctx, inner, outs)
+
+    def cond_rule(
+        ctx: mlir.LoweringRuleContext,
+        index: Any,
+        *args: Any,
+        _default: Any,
+        branches: Sequence[core.ClosedJaxpr],
+        **params: Any,
+    ) -> Any:
+        if not any(_holds_collective(b.jaxpr) for b in branches) or any(
+            _is_threaded(b) for b in branches
+        ):
+            return _default(ctx, index, *args, branches=branches, **params)
+        inner = _with_order(ctx)
+        outs = _default(
+            inner,
+            index,
+            *args,
+            _chain_end(ctx),
+            branches=tuple(_threaded(b, returns_order=True) for b in branches),
+            **params,
+        )
+        return _order_out(ctx, inner, outs)
+
+    rules: list[tuple[Any, Any]] = [(while_p, while_rule), (cond_p, cond_rule)]
+    # A scan lowers to a while loop. It must lower in its caller's block, not as a function of
+    # its own that JAX caches and copies in (whose chain end the caller would never see), as
+    # must the loops and branches themselves.
+    scan_p = getattr(control_flow, "scan_p", None)
+    if isinstance(scan_p, core.Primitive) and mlir._lowerings.get(scan_p) is not None:
+        rules.append((scan_p, _as_is))
+    for prim, rule in rules:
+        entry = mlir._lowerings[prim]
+        default = functools.partial(rule, _default=getattr(entry, "rule", entry))
+        for platform in ("cpu", "cuda"):
+            mlir.register_lowering(prim, default, platform=platform, cacheable=False)
+
+
 _inline_calls_holding_collectives()
 _keep_calls_holding_collectives()
+_thread_loops_and_branches()
 
 
 def register_lowering(
