@@ -75,6 +75,15 @@ def test_loops_and_branches_stay_between_their_neighbours_after_optimisation(com
             r" while\(%"),
         "cond": (lambda v: lax.cond(v[0] > 0, spmd.allreduce, lambda c: c * 2, v),
                  r" conditional\(%"),
+        "predicate-only loop": (lambda v: lax.while_loop(
+            lambda c: spmd.allreduce(c[0]) < 3.0 * comm.size,
+            lambda c: (c[0] + 1.0, c[1] * 2), (0.0, v))[1],
+            r" while\(%"),
+        "loop over a vmapped loop": (lambda v: lax.fori_loop(
+            0, 2, lambda i, c: jax.vmap(lambda x, k: lax.while_loop(
+                lambda d: d[0] < k, lambda d: (d[0] + 1, spmd.allreduce(d[1])), (0, x))[1])(
+                    c, jnp.array([1, 2, 3, 4])), v),
+            r" while\(%"),
         "send-only loop": (lambda v: lax.fori_loop(
             0, 2, lambda i, c: (spmd.send(c, dst=1 - comm.rank), c)[1], v),
             r" while\(%"),
@@ -116,6 +125,24 @@ def test_loops_and_branches_keep_program_order_in_programs_that_differ_by_rank(c
         return got, before, spmd.allreduce(w)
 
     @jax.jit
+    def send_after_predicate(x, w):
+        lax.while_loop(lambda c: spmd.allreduce(c) < 3.0 * n, lambda c: c + 1.0, jnp.float32(0))
+        spmd.send(x, dst=1)
+        return spmd.allreduce(w)
+
+    @jax.jit
+    def recv_after_allreduces(w):
+        for k in range(4):  # what rank 0's predicate makes: sums 0, n, 2n, 3n
+            spmd.allreduce(jnp.float32(k))
+        return spmd.recv(jnp.zeros(BIG, jnp.float32), src=0), spmd.allreduce(w)
+
+    @jax.jit
+    def others_after_allreduces(w):
+        for k in range(4):
+            spmd.allreduce(jnp.float32(k))
+        return spmd.allreduce(w)
+
+    @jax.jit
     def send_branch(x, w):
         lax.cond(x[0] > 0, lambda v: spmd.send(v, dst=1), lambda v: spmd.send(-v, dst=1), x)
         return spmd.allreduce(w)
@@ -132,6 +159,7 @@ def test_loops_and_branches_keep_program_order_in_programs_that_differ_by_rank(c
         before, after = send_loop(jnp.ones(BIG), w)
         np.testing.assert_array_equal(after, np.full(8, total))
         np.testing.assert_array_equal(send_branch(jnp.ones(BIG), w), np.full(8, total))
+        np.testing.assert_array_equal(send_after_predicate(jnp.ones(BIG), w), np.full(8, total))
     elif r == 1:
         got, before, after = recv_loop(w)
         np.testing.assert_array_equal(got, np.full(BIG, 1.0 + 2.0 + 3.0))
@@ -139,10 +167,14 @@ def test_loops_and_branches_keep_program_order_in_programs_that_differ_by_rank(c
         got, s = recv_plain(w)
         np.testing.assert_array_equal(got, np.ones(BIG))
         np.testing.assert_array_equal(s, np.full(8, total))
+        got, s = recv_after_allreduces(w)
+        np.testing.assert_array_equal(got, np.ones(BIG))
+        np.testing.assert_array_equal(s, np.full(8, total))
     else:
         before, after = others(w)
         np.testing.assert_array_equal(after, np.full(8, total))
         np.testing.assert_array_equal(jax.jit(spmd.allreduce)(w), np.full(8, total))
+        np.testing.assert_array_equal(others_after_allreduces(w), np.full(8, total))
     np.testing.assert_array_equal(before, np.full(8, total))
 
 
@@ -188,6 +220,17 @@ def test_threaded_loops_compute_what_they_did(comm):
         )[2]
 
     np.testing.assert_array_equal(jax.jit(jax.vmap(batched))(jnp.array([1.0, 2.0])), [n, n * n])
+
+    def batched_predicate_holding_a_collective(limit):
+        return lax.while_loop(
+            lambda c: spmd.allreduce(c[0]) < c[1] * n,
+            lambda c: (c[0] + 1.0, c[1], c[2] * 2.0),
+            (jnp.float32(0), limit, jnp.float32(1)),
+        )
+
+    k, _, v = jax.jit(jax.vmap(batched_predicate_holding_a_collective))(jnp.array([1.0, 3.0]))
+    np.testing.assert_array_equal(k, [1.0, 3.0])
+    np.testing.assert_array_equal(v, [2.0, 8.0])
 
     def with_effect(x):
         def pred(c):

@@ -30,6 +30,7 @@ from jax._src import core, dispatch
 from jax._src.interpreters import mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib.mlir import ir  # type: ignore[attr-defined]
+from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
 
 from .._errors import SpmdError, SpmdTypeError
 from ._groups import GroupRef
@@ -331,52 +332,134 @@ chain_enter_p.def_abstract_eval(lambda order: [])
 pe.dce_rules[chain_enter_p] = _keep
 
 chain_exit_p = core.Primitive("spmd_chain_exit")
-"""Lowering-time only: the order value the block being lowered has reached."""
-chain_exit_p.def_abstract_eval(lambda: _ORDER_AVAL)
+"""Lowering-time only: the order value the block being lowered has reached, broadcast to
+``shape`` (a loop whose predicate vmap batched carries one per batch element)."""
+chain_exit_p.def_abstract_eval(lambda *, shape: core.ShapedArray(shape, np.dtype(np.uint8)))
+
+
+def _order_from(value: Any, shape: tuple[int, ...]) -> Any:
+    """The (1,) order value out of a carried one of ``shape`` (all its elements are equal)."""
+    if shape == (1,):
+        return value
+    nd = len(shape)
+    first = hlo.slice(
+        value,
+        ir.DenseI64ArrayAttr.get([0] * nd),
+        ir.DenseI64ArrayAttr.get([1] * nd),
+        ir.DenseI64ArrayAttr.get([1] * nd),
+    )
+    return hlo.reshape(_ORDER_TYPE(), first)
+
+
+def _order_to(value: Any, shape: tuple[int, ...]) -> Any:
+    """The (1,) order value broadcast to ``shape`` (whose last dimension is 1)."""
+    if shape == (1,):
+        return value
+    out = ir.RankedTensorType.get(list(shape), ir.IntegerType.get_unsigned(8))
+    return hlo.broadcast_in_dim(out, value, ir.DenseI64ArrayAttr.get([len(shape) - 1]))
 
 
 def _lower_chain_enter(ctx: mlir.LoweringRuleContext, order: Any) -> list[Any]:
-    _set_chain_end(ctx, order)
+    aval = ctx.avals_in[0]
+    assert isinstance(aval, core.ShapedArray)
+    _set_chain_end(ctx, _order_from(order, aval.shape))
     return []
 
 
+def _lower_chain_exit(ctx: mlir.LoweringRuleContext, *, shape: tuple[int, ...]) -> list[Any]:
+    return [_order_to(_chain_end(ctx), shape)]
+
+
 mlir.register_lowering(chain_enter_p, _lower_chain_enter, cacheable=False)
-mlir.register_lowering(chain_exit_p, lambda ctx: [_chain_end(ctx)], cacheable=False)
+mlir.register_lowering(chain_exit_p, _lower_chain_exit, cacheable=False)
 
 
-def _threaded(closed: core.ClosedJaxpr, returns_order: bool) -> core.ClosedJaxpr:
+def _threaded(
+    closed: core.ClosedJaxpr, returns_order: bool, order: core.ShapedArray = _ORDER_AVAL
+) -> core.ClosedJaxpr:
     """``closed`` with one more input, the order value its collectives continue from, and (with
     ``returns_order``) one more output, the order value they end on."""
 
     def fn(*args: Any) -> Any:
         chain_enter_p.bind(args[-1])
         outs = core.jaxpr_as_fun(closed)(*args[:-1])
-        return [*outs, chain_exit_p.bind()] if returns_order else list(outs)
+        return [*outs, chain_exit_p.bind(shape=order.shape)] if returns_order else list(outs)
 
-    threaded: core.ClosedJaxpr = jax.make_jaxpr(fn)(*closed.in_avals, _ORDER_AVAL)
+    threaded: core.ClosedJaxpr = jax.make_jaxpr(fn)(*closed.in_avals, order)
     return threaded
 
 
-def _with_order(ctx: mlir.LoweringRuleContext) -> mlir.LoweringRuleContext:
-    """The context of a loop or branch with the order value as its last operand and result."""
-    inner: mlir.LoweringRuleContext = ctx.replace(
-        avals_in=[*ctx.avals_in, _ORDER_AVAL], avals_out=[*ctx.avals_out, _ORDER_AVAL]
-    )
-    return inner
-
-
-def _order_out(
-    ctx: mlir.LoweringRuleContext, inner: mlir.LoweringRuleContext, outs: Sequence[Any]
+def _lower_threaded(
+    ctx: mlir.LoweringRuleContext,
+    default: Callable[..., Any],
+    order: core.ShapedArray,
+    operands: Sequence[Any],
+    **params: Any,
 ) -> list[Any]:
-    """Continue the caller's chain from the last result; hand on JAX's effect tokens."""
-    _set_chain_end(ctx, outs[-1])
-    if inner.tokens_out is not None:
+    """Lower a loop or branch with the order value as its last operand and result: it takes
+    the caller's chain end in, and the caller's chain continues from its result. Chains of the
+    blocks lowered inside are dropped once done (they are never extended again), so the list
+    stays as short as the nesting is deep."""
+    chains = _chains(ctx)
+    known = len(chains)
+    inner: mlir.LoweringRuleContext = ctx.replace(
+        avals_in=[*ctx.avals_in, order], avals_out=[*ctx.avals_out, order]
+    )
+    outs = default(inner, *operands, _order_to(_chain_end(ctx), order.shape), **params)
+    del chains[known:]
+    _set_chain_end(ctx, _order_from(outs[-1], order.shape))
+    if inner.tokens_out is not None:  # JAX's effect tokens
         ctx.set_tokens_out(inner.tokens_out)
     return list(outs[:-1])
 
 
 def _is_threaded(closed: core.ClosedJaxpr) -> bool:
     return any(e.primitive is chain_enter_p for e in closed.jaxpr.eqns)
+
+
+def _hoisted_predicate(
+    while_p: core.Primitive,
+    cond_jaxpr: core.ClosedJaxpr,
+    body_jaxpr: core.ClosedJaxpr,
+    cond_nconsts: int,
+    body_nconsts: int,
+) -> Callable[..., list[Any]]:
+    """A while loop whose predicate holds collectives, as one that evaluates the predicate once
+    before the loop and then at the end of each iteration, carrying it. A predicate's order
+    value cannot leave the predicate (a while's condition returns only its verdict), so its
+    collectives move where the chain can reach them: into the caller's block and the body."""
+    pred = cond_jaxpr.out_avals[0]
+    carry = list(body_jaxpr.out_avals)
+    c_avals = cond_jaxpr.in_avals[:cond_nconsts]
+    b_avals = body_jaxpr.in_avals[:body_nconsts]
+    verdict: core.ClosedJaxpr = jax.make_jaxpr(lambda p, *c: [p])(pred, *carry)
+
+    def step(*args: Any) -> list[Any]:
+        cc, bc, (_, *z) = (
+            args[:cond_nconsts],
+            args[cond_nconsts : -len(carry) - 1],
+            args[-len(carry) - 1 :],
+        )
+        z = core.jaxpr_as_fun(body_jaxpr)(*bc, *z)
+        return [core.jaxpr_as_fun(cond_jaxpr)(*cc, *z)[0], *z]
+
+    body: core.ClosedJaxpr = jax.make_jaxpr(step)(*c_avals, *b_avals, pred, *carry)
+
+    def fn(*args: Any) -> list[Any]:
+        cc, bc, z = (
+            args[:cond_nconsts],
+            args[cond_nconsts : cond_nconsts + body_nconsts],
+            args[cond_nconsts + body_nconsts :],
+        )
+        first = core.jaxpr_as_fun(cond_jaxpr)(*cc, *z)[0]
+        outs = while_p.bind(
+            *cc, *bc, first, *z,
+            cond_jaxpr=verdict, body_jaxpr=body, cond_nconsts=0,
+            body_nconsts=cond_nconsts + body_nconsts,
+        )  # fmt: skip
+        return list(outs[1:])
+
+    return fn
 
 
 def _as_is(ctx: mlir.LoweringRuleContext, *args: Any, _default: Any, **params: Any) -> Any:
@@ -391,17 +474,22 @@ def _thread_loops_and_branches() -> None:
     it, the body returns its last collective's, the loop takes its caller's chain end in and
     the caller's next collective takes the loop's out. Branches take the chain end in and
     return theirs. A value a side-effecting custom call produces on every iteration cannot be
-    folded by XLA, so the dependency survives optimisation. The jaxprs are rewritten at
+    folded by XLA, so the dependency survives optimisation. A predicate holding collectives is
+    evaluated before the loop and at the end of each iteration instead (``_hoisted_predicate``).
+    A loop whose predicate vmap batched carries one order value per batch element, since JAX
+    keeps or replaces each carry element per batch element. The jaxprs are rewritten at
     lowering time only: traced programs, vmap, grad and dead-code rules see the loop as
-    written. A loop whose predicate vmap batched keeps a chain of its own (the order value is
-    one per loop, not per batch element)."""
+    written."""
     from jax._src.lax import control_flow
 
     while_p = getattr(control_flow, "while_p", None)
     cond_p = getattr(control_flow, "cond_p", None)
-    for prim in (while_p, cond_p):
-        if not isinstance(prim, core.Primitive) or mlir._lowerings.get(prim) is None:
-            return  # another JAX: loops and branches start chains of their own (documented)
+    if not all(
+        isinstance(prim, core.Primitive) and mlir._lowerings.get(prim) is not None
+        for prim in (while_p, cond_p)
+    ):
+        return  # another JAX: loops and branches start chains of their own (documented)
+    assert isinstance(while_p, core.Primitive)
 
     def while_rule(
         ctx: mlir.LoweringRuleContext,
@@ -411,22 +499,18 @@ def _thread_loops_and_branches() -> None:
         body_jaxpr: core.ClosedJaxpr,
         **params: Any,
     ) -> Any:
-        if (
-            not (_holds_collective(cond_jaxpr.jaxpr) or _holds_collective(body_jaxpr.jaxpr))
-            or cond_jaxpr.out_avals[0].shape  # a batched predicate
-            or _is_threaded(body_jaxpr)
-        ):
+        if _holds_collective(cond_jaxpr.jaxpr):
+            fn = _hoisted_predicate(while_p, cond_jaxpr, body_jaxpr, **params)
+            return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+        if not _holds_collective(body_jaxpr.jaxpr) or _is_threaded(body_jaxpr):
             return _default(ctx, *args, cond_jaxpr=cond_jaxpr, body_jaxpr=body_jaxpr, **params)
-        inner = _with_order(ctx)
-        outs = _default(
-            inner,
-            *args,
-            _chain_end(ctx),
-            cond_jaxpr=_threaded(cond_jaxpr, returns_order=False),
-            body_jaxpr=_threaded(body_jaxpr, returns_order=True),
+        order = core.ShapedArray((*cond_jaxpr.out_avals[0].shape, 1), np.dtype(np.uint8))
+        return _lower_threaded(
+            ctx, _default, order, args,
+            cond_jaxpr=_threaded(cond_jaxpr, returns_order=False, order=order),
+            body_jaxpr=_threaded(body_jaxpr, returns_order=True, order=order),
             **params,
-        )
-        return _order_out(ctx, inner, outs)
+        )  # fmt: skip
 
     def cond_rule(
         ctx: mlir.LoweringRuleContext,
@@ -440,16 +524,11 @@ def _thread_loops_and_branches() -> None:
             _is_threaded(b) for b in branches
         ):
             return _default(ctx, index, *args, branches=branches, **params)
-        inner = _with_order(ctx)
-        outs = _default(
-            inner,
-            index,
-            *args,
-            _chain_end(ctx),
+        return _lower_threaded(
+            ctx, _default, _ORDER_AVAL, (index, *args),
             branches=tuple(_threaded(b, returns_order=True) for b in branches),
             **params,
-        )
-        return _order_out(ctx, inner, outs)
+        )  # fmt: skip
 
     rules: list[tuple[Any, Any]] = [(while_p, while_rule), (cond_p, cond_rule)]
     # A scan lowers to a while loop. It must lower in its caller's block, not as a function of
