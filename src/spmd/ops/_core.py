@@ -195,21 +195,23 @@ def _chains(ctx: mlir.LoweringRuleContext) -> list[tuple[Any, Any]]:
     return chains
 
 
+def _chain_at(chains: list[tuple[Any, Any]], block: Any) -> int | None:
+    # Blocks come back as fresh Python wrappers: find ours by equality, not hashing.
+    return next((i for i, (b, _) in enumerate(chains) if b == block), None)
+
+
 def _chain_end(ctx: mlir.LoweringRuleContext) -> Any:
     """The order value the next collective of the current block must take: the previous
     collective's, the one handed in by :data:`chain_enter_p`, or a constant at the start."""
-    block = ir.InsertionPoint.current.block
-    # Blocks come back as fresh Python wrappers: find ours by equality, not hashing.
-    for b, value in _chains(ctx):
-        if b == block:
-            return value
-    return mlir.ir_constant(np.zeros((1,), np.uint8))
+    chains = _chains(ctx)
+    at = _chain_at(chains, ir.InsertionPoint.current.block)
+    return mlir.ir_constant(np.zeros((1,), np.uint8)) if at is None else chains[at][1]
 
 
 def _set_chain_end(ctx: mlir.LoweringRuleContext, value: Any) -> None:
     chains = _chains(ctx)
     block = ir.InsertionPoint.current.block
-    at = next((i for i, (b, _) in enumerate(chains) if b == block), None)
+    at = _chain_at(chains, block)
     if at is None:
         chains.append((block, value))
     else:
@@ -414,6 +416,8 @@ def _lower_threaded(
 
 
 def _is_threaded(closed: core.ClosedJaxpr) -> bool:
+    """Whether ``closed`` is a body :func:`_threaded` made: JAX's lowering of a predicate with
+    ordered effects binds the loop again around it, already carrying the order value."""
     return any(e.primitive is chain_enter_p for e in closed.jaxpr.eqns)
 
 
@@ -520,9 +524,7 @@ def _thread_loops_and_branches() -> None:
         branches: Sequence[core.ClosedJaxpr],
         **params: Any,
     ) -> Any:
-        if not any(_holds_collective(b.jaxpr) for b in branches) or any(
-            _is_threaded(b) for b in branches
-        ):
+        if not any(_holds_collective(b.jaxpr) for b in branches):
             return _default(ctx, index, *args, branches=branches, **params)
         return _lower_threaded(
             ctx, _default, _ORDER_AVAL, (index, *args),
