@@ -131,43 +131,52 @@ SPMD_HD float QMax(Codec c) {
 // Payload bytes of one block (the scale is stored apart, one float32 per block).
 SPMD_HD int PayloadBytes(Codec c) { return c == Codec::kInt4 ? kBlock / 2 : kBlock; }
 
+// Folds one magnitude into a block's running largest magnitude; a NaN sticks (fmaxf would drop
+// it). The result does not depend on the order the values come in.
+SPMD_HD float AmaxFold(float amax, float a) { return (a > amax || a != a) ? a : amax; }
+
+// The scale stored for a block whose largest magnitude is amax, and the factor values are
+// multiplied by before rounding.
+SPMD_HD void BlockScale(Codec c, float amax, float* scale, float* inv) {
+  if (!(amax <= 3.40282347e38f)) {  // NaN or infinity: the block decodes as NaN
+    *scale = FromBits(0x7fc00000u);
+    *inv = 0.0f;
+  } else if (amax < kFlush) {  // zeros, or too small to scale: the block decodes as zeros
+    *scale = 0.0f;
+    *inv = 0.0f;
+  } else {
+    *scale = DivRn(amax, QMax(c));
+    *inv = DivRn(QMax(c), amax);
+  }
+}
+
+// The 8-bit code of value x (fp8, int8) or the 4-bit code in the low bits (int4, stored as q + 8).
+SPMD_HD uint8_t EncodeValue(Codec c, float x, float inv) {
+  if (c == Codec::kInt4) {
+    float q = fminf(fmaxf(Rint(MulRn(x, inv)), -7.0f), 7.0f);
+    return static_cast<uint8_t>(static_cast<int>(q) + 8);
+  }
+  if (c == Codec::kInt8) {
+    float q = fminf(fmaxf(Rint(MulRn(x, inv)), -127.0f), 127.0f);
+    return static_cast<uint8_t>(static_cast<int8_t>(q));
+  }
+  return FloatToE4m3(MulRn(x, inv));
+}
+
 // Encodes n <= kBlock values (the rest of the block counts as zeros); returns the scale.
 SPMD_HD float EncodeBlock(Codec c, const float* v, int n, uint8_t* payload) {
   float amax = 0.0f;
-  for (int i = 0; i < n; ++i) {
-    float a = fabsf(v[i]);
-    amax = (a > amax || a != a) ? a : amax;  // a NaN sticks (fmaxf would drop it)
-  }
-  float qmax = QMax(c);
+  for (int i = 0; i < n; ++i) amax = AmaxFold(amax, fabsf(v[i]));
   float scale, inv;
-  if (!(amax <= 3.40282347e38f)) {  // NaN or infinity: the block decodes as NaN
-    scale = FromBits(0x7fc00000u);
-    inv = 0.0f;
-  } else if (amax < kFlush) {  // zeros, or too small to scale: the block decodes as zeros
-    scale = 0.0f;
-    inv = 0.0f;
-  } else {
-    scale = DivRn(amax, qmax);
-    inv = DivRn(qmax, amax);
-  }
+  BlockScale(c, amax, &scale, &inv);
   if (c == Codec::kInt4) {
     for (int i = 0; i < kBlock; i += 2) {
-      uint8_t pair = 0;
-      for (int k = 0; k < 2; ++k) {
-        float x = i + k < n ? v[i + k] : 0.0f;
-        float q = fminf(fmaxf(Rint(MulRn(x, inv)), -7.0f), 7.0f);
-        pair |= static_cast<uint8_t>(static_cast<int>(q) + 8) << (4 * k);
-      }
-      payload[i / 2] = pair;
-    }
-  } else if (c == Codec::kInt8) {
-    for (int i = 0; i < kBlock; ++i) {
-      float x = i < n ? v[i] : 0.0f;
-      float q = fminf(fmaxf(Rint(MulRn(x, inv)), -127.0f), 127.0f);
-      payload[i] = static_cast<uint8_t>(static_cast<int8_t>(q));
+      uint8_t lo = EncodeValue(c, i < n ? v[i] : 0.0f, inv);
+      uint8_t hi = EncodeValue(c, i + 1 < n ? v[i + 1] : 0.0f, inv);
+      payload[i / 2] = static_cast<uint8_t>(lo | (hi << 4));
     }
   } else {
-    for (int i = 0; i < kBlock; ++i) payload[i] = FloatToE4m3(i < n ? MulRn(v[i], inv) : 0.0f);
+    for (int i = 0; i < kBlock; ++i) payload[i] = EncodeValue(c, i < n ? v[i] : 0.0f, inv);
   }
   return scale;
 }

@@ -141,6 +141,7 @@ struct Args {
   void* out2[kMaxRanks];
   int64_t rows, hidden;
   float eps;
+  bool packed_rows;  // rows in registers (NormRowPacked): see PackedRows
 };
 
 __device__ __forceinline__ int RankOf(const Args& a) { return a.rank < 0 ? blockIdx.y : a.rank; }
@@ -213,30 +214,104 @@ __host__ __device__ __forceinline__ size_t RegionBytes(Codec c, int64_t blocks) 
   return ScalesOffset(c, blocks) + static_cast<size_t>(blocks) * 4;
 }
 
-template <typename T>
-__device__ void EncodeFrom(Codec c, const T* src, int64_t count, int64_t blk, char* region,
-                           int64_t blocks) {
-  float v[codec::kBlock];
-  const int64_t at = blk * codec::kBlock;
-  const int n = static_cast<int>(min(static_cast<int64_t>(codec::kBlock), count - at));
-  for (int i = 0; i < n; ++i) v[i] = ToFloat<T>(src[at + i]);
-  uint8_t* payload = reinterpret_cast<uint8_t*>(region) + blk * codec::PayloadBytes(c);
-  float* scales = reinterpret_cast<float*>(region + ScalesOffset(c, blocks));
-  scales[blk] = codec::EncodeBlock(c, v, n, payload);
+// A codec block of 32 values is handled by 4 neighbouring lanes of a warp, 8 values each: a
+// warp reads and writes 256 consecutive values, and the lanes of a block find its largest
+// magnitude with two shuffles. The unit u = 4 * block + lane-in-block.
+constexpr int kQLanes = 4;
+constexpr int kQVals = codec::kBlock / kQLanes;
+
+__device__ __forceinline__ unsigned QMask() { return 0xfu << (threadIdx.x & 31 & ~(kQLanes - 1)); }
+
+// The block's largest magnitude, from each lane's 8 values (NaN-sticky, order-independent).
+__device__ __forceinline__ float QAmax(const float (&v)[kQVals]) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kQVals; ++i) amax = codec::AmaxFold(amax, fabsf(v[i]));
+  amax = codec::AmaxFold(amax, __shfl_xor_sync(QMask(), amax, 1));
+  return codec::AmaxFold(amax, __shfl_xor_sync(QMask(), amax, 2));
 }
 
-// Decodes block blk of a region into acc: added to it (kAdd), or written as is (the gather, so
-// that a -0 stays -0 as in the CPU reference).
+// This lane's 8 values of unit u (zeros past the end).
+template <typename T>
+__device__ __forceinline__ void QLoad(const T* src, int64_t u, int64_t count,
+                                      float (&v)[kQVals]) {
+  const int64_t at = u * kQVals;
+  if (at + kQVals <= count) {
+    constexpr int kPacks = kQVals * sizeof(T) / 16;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      float part[Pack<T>::kN];
+      LoadPack<T>(reinterpret_cast<const char*>(src + at), k, part);
+#pragma unroll
+      for (int j = 0; j < Pack<T>::kN; ++j) v[k * Pack<T>::kN + j] = part[j];
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kQVals; ++i) v[i] = at + i < count ? ToFloat<T>(src[at + i]) : 0.0f;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void QStore(T* dst, int64_t u, int64_t count, const float (&v)[kQVals]) {
+  const int64_t at = u * kQVals;
+  if (at + kQVals <= count) {
+    constexpr int kPacks = kQVals * sizeof(T) / 16;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      float part[Pack<T>::kN];
+#pragma unroll
+      for (int j = 0; j < Pack<T>::kN; ++j) part[j] = v[k * Pack<T>::kN + j];
+      StorePack<T>(reinterpret_cast<char*>(dst + at), k, part);
+    }
+  } else {
+    for (int i = 0; i < kQVals && at + i < count; ++i) dst[at + i] = FromFloat<T>(v[i]);
+  }
+}
+
+// Encodes this lane's 8 values of unit u into `region` (payload bytes, and the block's scale
+// from its first lane), exactly as codec::EncodeBlock encodes the whole block.
+__device__ __forceinline__ void QEncode(Codec c, const float (&v)[kQVals], int64_t u,
+                                        char* region, int64_t blocks) {
+  float scale, inv;
+  codec::BlockScale(c, QAmax(v), &scale, &inv);
+  const int64_t blk = u / kQLanes;
+  uint8_t* payload = reinterpret_cast<uint8_t*>(region) + blk * codec::PayloadBytes(c);
+  if (c == Codec::kInt4) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int i = 0; i < kQVals; ++i) word |= uint32_t{codec::EncodeValue(c, v[i], inv)} << (4 * i);
+    reinterpret_cast<uint32_t*>(payload)[u % kQLanes] = word;
+  } else {
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      lo |= uint32_t{codec::EncodeValue(c, v[i], inv)} << (8 * i);
+      hi |= uint32_t{codec::EncodeValue(c, v[4 + i], inv)} << (8 * i);
+    }
+    reinterpret_cast<uint2*>(payload)[u % kQLanes] = make_uint2(lo, hi);
+  }
+  if (u % kQLanes == 0) reinterpret_cast<float*>(region + ScalesOffset(c, blocks))[blk] = scale;
+}
+
+// Decodes this lane's 8 values of unit u from `region`: added to acc (kAdd), or written as is
+// (the gather, so that a -0 stays -0 as in the CPU reference).
 template <bool kAdd>
-__device__ __forceinline__ void DecodeBlock(Codec c, const char* region, int64_t blocks,
-                                            int64_t blk, int n, float* acc) {
-  alignas(16) uint8_t payload[codec::kBlock];
-  const int pb = codec::PayloadBytes(c);
-  const uint4* src = reinterpret_cast<const uint4*>(region + blk * pb);
-  for (int k = 0; k < pb / 16; ++k) reinterpret_cast<uint4*>(payload)[k] = __ldcg(src + k);
+__device__ __forceinline__ void QDecode(Codec c, const char* region, int64_t blocks, int64_t u,
+                                        float (&acc)[kQVals]) {
+  const int64_t blk = u / kQLanes;
+  const char* payload = region + blk * codec::PayloadBytes(c);
+  alignas(8) uint8_t bytes[kQVals];
+  if (c == Codec::kInt4) {
+    // Value i of the lane is nibble i of its word: byte i / 2, as DecodeValue reads it.
+    *reinterpret_cast<uint32_t*>(bytes) =
+        __ldcg(reinterpret_cast<const unsigned int*>(payload) + u % kQLanes);
+  } else {
+    *reinterpret_cast<uint2*>(bytes) = __ldcg(reinterpret_cast<const uint2*>(payload) + u % kQLanes);
+  }
   const float scale = __ldcg(reinterpret_cast<const float*>(region + ScalesOffset(c, blocks)) + blk);
-  for (int i = 0; i < n; ++i) {
-    const float v = codec::DecodeValue(c, payload, scale, i);
+#pragma unroll
+  for (int i = 0; i < kQVals; ++i) {
+    const float v = codec::DecodeValue(c, bytes, scale, i);
     acc[i] = kAdd ? codec::AddRn(acc[i], v) : v;
   }
 }
@@ -246,39 +321,45 @@ __global__ void __launch_bounds__(kThreads) QuantizedKernel(Args a, Codec c) {
   const int rank = RankOf(a);
   const Peers& p = a.peers;
   const int64_t blocks = (a.count + codec::kBlock - 1) / codec::kBlock;
+  // Every lane of a codec block takes the same path through the loops below: the units of a
+  // block are consecutive threads (blockDim.x is a multiple of kQLanes) and slices hold whole
+  // blocks.
   const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const T* in = static_cast<const T*>(a.in[Slot(a)]);
   // Encode this rank's input into its region A, slice by slice with the reading phase's map.
   for (int s = 0; s < p.world; ++s) {
     const Slice sl = SliceOf(blocks, p.world, s);
-    for (int64_t b = sl.lo + first; b < sl.hi; b += stride) {
-      EncodeFrom<T>(c, in, a.count, b, p.data[rank], blocks);
+    for (int64_t u = sl.lo * kQLanes + first; u < sl.hi * kQLanes; u += stride) {
+      float v[kQVals];
+      QLoad<T>(in, u, a.count, v);
+      QEncode(c, v, u, p.data[rank], blocks);
     }
   }
   Barrier(p, rank, a.timeout_ns);
-  // Reduce this rank's slice of blocks from every rank's A; encode the sum into its region B.
+  // Reduce this rank's slice of blocks from every rank's A, in rank order; encode the sum into
+  // its region B.
   const Slice mine = SliceOf(blocks, p.world, rank);
-  for (int64_t b = mine.lo + first; b < mine.hi; b += stride) {
-    const int n = static_cast<int>(min(static_cast<int64_t>(codec::kBlock), a.count - b * codec::kBlock));
-    float acc[codec::kBlock];
-    for (int i = 0; i < codec::kBlock; ++i) acc[i] = 0.0f;
-    for (int r = 0; r < p.world; ++r) DecodeBlock<true>(c, p.data[r], blocks, b, n, acc);
-    char* region = p.data[rank] + p.cap;
-    uint8_t* payload = reinterpret_cast<uint8_t*>(region) + b * codec::PayloadBytes(c);
-    reinterpret_cast<float*>(region + ScalesOffset(c, blocks))[b] =
-        codec::EncodeBlock(c, acc, n, payload);
+  for (int64_t u = mine.lo * kQLanes + first; u < mine.hi * kQLanes; u += stride) {
+    float acc[kQVals];
+#pragma unroll
+    for (int i = 0; i < kQVals; ++i) acc[i] = 0.0f;
+    for (int r = 0; r < p.world; ++r) QDecode<true>(c, p.data[r], blocks, u, acc);
+#pragma unroll
+    for (int i = 0; i < kQVals; ++i) {
+      if (u * kQVals + i >= a.count) acc[i] = 0.0f;  // past the end counts as zeros
+    }
+    QEncode(c, acc, u, p.data[rank] + p.cap, blocks);
   }
   Barrier(p, rank, a.timeout_ns);
   // Gather: decode every slice from its owner's B.
   T* out = static_cast<T*>(a.out[Slot(a)]);
   for (int s = 0; s < p.world; ++s) {
     const Slice sl = SliceOf(blocks, p.world, s);
-    for (int64_t b = sl.lo + first; b < sl.hi; b += stride) {
-      const int n = static_cast<int>(min(static_cast<int64_t>(codec::kBlock), a.count - b * codec::kBlock));
-      float v[codec::kBlock];
-      DecodeBlock<false>(c, p.data[s] + p.cap, blocks, b, n, v);
-      for (int i = 0; i < n; ++i) out[b * codec::kBlock + i] = FromFloat<T>(v[i]);
+    for (int64_t u = sl.lo * kQLanes + first; u < sl.hi * kQLanes; u += stride) {
+      float v[kQVals];
+      QDecode<false>(c, p.data[s] + p.cap, blocks, u, v);
+      QStore<T>(out, u, a.count, v);
     }
   }
   Barrier(p, rank, a.timeout_ns);
@@ -305,26 +386,90 @@ __device__ float BlockSum(float v) {
 }
 
 // One row: the all-reduced value (rounded to T as the all-reduce returns it) plus the residual,
-// rounded to T, into res_out; then the norm of that row into normed.
+// rounded to T, into res_out; then the norm of that row into normed. The all-reduced value is
+// the rank-order sum of the peers' region A (`summed` null) or read from `summed` (the two-shot
+// owner's region B, or res_out itself on the unfused path).
+//
+// Rows of whole 16-byte packs (hidden * sizeof(T) a multiple of 16, at most kRowPacks packs per
+// thread) keep the row in registers between the sum and the norm; other rows go element by
+// element and read res_out back.
+constexpr int kMaxHidden = 16384;  // FusedEligible; spmd/ops/_cuda.py, FUSED_MAX_HIDDEN
+
 template <typename T>
-__device__ void NormRow(const Args& a, int64_t row, const T* residual, const T* weight, T* normed,
-                        T* res_out, bool reduce) {
+constexpr int kRowPacks = (kMaxHidden * sizeof(T) / 16 + kThreads - 1) / kThreads;
+
+template <typename T>
+__device__ void NormRowPacked(const Args& a, int64_t row, const T* summed, const T* residual,
+                              const T* weight, T* normed, T* res_out) {
+  using P = Pack<T>;
+  const Peers& p = a.peers;
+  const int64_t packs = a.hidden / P::kN;
+  const int64_t base = row * packs;
+  uint4 kept[kRowPacks<T>];
+  float sumsq = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kRowPacks<T>; ++k) {
+    const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+    if (j >= packs) continue;  // (not break: the loop stays unrolled, `kept` in registers)
+    float acc[P::kN], v[P::kN];
+    if (summed == nullptr) {
+      LoadPack<T>(p.data[0], base + j, acc);
+      for (int r = 1; r < p.world; ++r) {
+        LoadPack<T>(p.data[r], base + j, v);
+#pragma unroll
+        for (int e = 0; e < P::kN; ++e) acc[e] += v[e];
+      }
+    } else {
+      LoadPack<T>(reinterpret_cast<const char*>(summed), base + j, acc);
+    }
+    LoadPack<T>(reinterpret_cast<const char*>(residual), base + j, v);
+    P out;
+#pragma unroll
+    for (int e = 0; e < P::kN; ++e) {
+      out.v[e] = FromFloat<T>(ToFloat<T>(FromFloat<T>(acc[e])) + v[e]);
+      const float f = ToFloat<T>(out.v[e]);
+      sumsq += f * f;
+    }
+    reinterpret_cast<uint4*>(res_out)[base + j] = out.raw;
+    kept[k] = out.raw;
+  }
+  const float inv = rsqrtf(BlockSum(sumsq) / static_cast<float>(a.hidden) + a.eps);
+#pragma unroll
+  for (int k = 0; k < kRowPacks<T>; ++k) {
+    const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+    if (j >= packs) continue;
+    P x, n;
+    x.raw = kept[k];
+    float w[P::kN];
+    LoadPack<T>(reinterpret_cast<const char*>(weight), j, w);
+#pragma unroll
+    for (int e = 0; e < P::kN; ++e) n.v[e] = FromFloat<T>(ToFloat<T>(x.v[e]) * inv * w[e]);
+    reinterpret_cast<uint4*>(normed)[base + j] = n.raw;
+  }
+}
+
+template <typename T>
+__device__ void NormRow(const Args& a, int64_t row, const T* summed, const T* residual,
+                        const T* weight, T* normed, T* res_out) {
+  if (a.packed_rows) {
+    NormRowPacked<T>(a, row, summed, residual, weight, normed, res_out);
+    return;
+  }
   const Peers& p = a.peers;
   const int64_t h = a.hidden;
   float sumsq = 0.0f;
   for (int64_t col = threadIdx.x; col < h; col += blockDim.x) {
     const int64_t i = row * h + col;
-    float v;
-    if (reduce) {
-      float acc = ToFloat<T>(__ldcg(reinterpret_cast<const T*>(p.data[0]) + i));
+    float acc;
+    if (summed == nullptr) {
+      acc = ToFloat<T>(__ldcg(reinterpret_cast<const T*>(p.data[0]) + i));
       for (int r = 1; r < p.world; ++r) {
         acc += ToFloat<T>(__ldcg(reinterpret_cast<const T*>(p.data[r]) + i));
       }
-      v = ToFloat<T>(FromFloat<T>(acc));
     } else {
-      v = ToFloat<T>(res_out[i]);  // already summed (unfused path: res_out holds allreduce(x))
+      acc = ToFloat<T>(__ldcg(summed + i));
     }
-    const T out = FromFloat<T>(v + ToFloat<T>(residual[i]));
+    const T out = FromFloat<T>(ToFloat<T>(FromFloat<T>(acc)) + ToFloat<T>(residual[i]));
     res_out[i] = out;
     const float f = ToFloat<T>(out);
     sumsq += f * f;
@@ -342,8 +487,9 @@ __global__ void __launch_bounds__(kThreads) FusedOneShotKernel(Args a) {
   const int slot = Slot(a);
   Barrier(a.peers, rank, a.timeout_ns);
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    NormRow<T>(a, row, static_cast<const T*>(a.residual[slot]), static_cast<const T*>(a.weight[slot]),
-               static_cast<T*>(a.out[slot]), static_cast<T*>(a.out2[slot]), true);
+    NormRow<T>(a, row, nullptr, static_cast<const T*>(a.residual[slot]),
+               static_cast<const T*>(a.weight[slot]), static_cast<T*>(a.out[slot]),
+               static_cast<T*>(a.out2[slot]));
   }
   Barrier(a.peers, rank, a.timeout_ns);
 }
@@ -359,15 +505,32 @@ __global__ void __launch_bounds__(kThreads) FusedTwoShotKernel(Args a) {
   const Peers& p = a.peers;
   Barrier(p, rank, a.timeout_ns);
   const Slice mine = SliceOf(a.rows, p.world, rank);
-  T* sum_b = reinterpret_cast<T*>(p.data[rank] + p.cap);
-  for (int64_t row = mine.lo + blockIdx.x; row < mine.hi; row += gridDim.x) {
-    for (int64_t col = threadIdx.x; col < a.hidden; col += blockDim.x) {
-      const int64_t i = row * a.hidden + col;
-      float acc = ToFloat<T>(__ldcg(reinterpret_cast<const T*>(p.data[0]) + i));
-      for (int r = 1; r < p.world; ++r) {
-        acc += ToFloat<T>(__ldcg(reinterpret_cast<const T*>(p.data[r]) + i));
+  char* sum_b = p.data[rank] + p.cap;
+  if ((a.hidden * static_cast<int64_t>(sizeof(T))) % 16 == 0) {
+    using P = Pack<T>;
+    const int64_t packs = a.hidden / P::kN;
+    for (int64_t row = mine.lo + blockIdx.x; row < mine.hi; row += gridDim.x) {
+      for (int64_t j = row * packs + threadIdx.x; j < (row + 1) * packs; j += blockDim.x) {
+        float acc[P::kN], v[P::kN];
+        LoadPack<T>(p.data[0], j, acc);
+        for (int r = 1; r < p.world; ++r) {
+          LoadPack<T>(p.data[r], j, v);
+#pragma unroll
+          for (int e = 0; e < P::kN; ++e) acc[e] += v[e];
+        }
+        StorePack<T>(sum_b, j, acc);
       }
-      sum_b[i] = FromFloat<T>(acc);
+    }
+  } else {
+    for (int64_t row = mine.lo + blockIdx.x; row < mine.hi; row += gridDim.x) {
+      for (int64_t col = threadIdx.x; col < a.hidden; col += blockDim.x) {
+        const int64_t i = row * a.hidden + col;
+        float acc = ToFloat<T>(__ldcg(reinterpret_cast<const T*>(p.data[0]) + i));
+        for (int r = 1; r < p.world; ++r) {
+          acc += ToFloat<T>(__ldcg(reinterpret_cast<const T*>(p.data[r]) + i));
+        }
+        reinterpret_cast<T*>(sum_b)[i] = FromFloat<T>(acc);
+      }
     }
   }
   Barrier(p, rank, a.timeout_ns);
@@ -379,12 +542,7 @@ __global__ void __launch_bounds__(kThreads) FusedTwoShotKernel(Args a) {
     const Slice sl = SliceOf(a.rows, p.world, s);
     const T* sb = reinterpret_cast<const T*>(p.data[s] + p.cap);
     for (int64_t row = sl.lo + blockIdx.x; row < sl.hi; row += gridDim.x) {
-      // Each thread copies the columns it then reads back in NormRow: no sync needed.
-      for (int64_t col = threadIdx.x; col < a.hidden; col += blockDim.x) {
-        const int64_t i = row * a.hidden + col;
-        res_out[i] = __ldcg(sb + i);
-      }
-      NormRow<T>(a, row, residual, weight, normed, res_out, false);
+      NormRow<T>(a, row, sb, residual, weight, normed, res_out);
     }
   }
   Barrier(p, rank, a.timeout_ns);
@@ -393,9 +551,10 @@ __global__ void __launch_bounds__(kThreads) FusedTwoShotKernel(Args a) {
 // The unfused path's norm: res_out holds allreduce(x) on entry.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) RmsNormKernel(Args a) {
+  T* res_out = static_cast<T*>(a.out2[0]);
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    NormRow<T>(a, row, static_cast<const T*>(a.residual[0]), static_cast<const T*>(a.weight[0]),
-               static_cast<T*>(a.out[0]), static_cast<T*>(a.out2[0]), false);
+    NormRow<T>(a, row, res_out, static_cast<const T*>(a.residual[0]),
+               static_cast<const T*>(a.weight[0]), static_cast<T*>(a.out[0]), res_out);
   }
 }
 
@@ -410,11 +569,8 @@ Status CudaCheck(cudaError_t e, const char* what) {
   return Status::Error(std::string(what) + " failed: " + cudaGetErrorString(e));
 }
 
-int Blocks(const Call& call, int64_t units) {
-  int cap = call.max_blocks > 0 ? std::min(call.max_blocks, kMaxBlocks) : kMaxBlocks;
-  int64_t want = (units + kThreads - 1) / kThreads;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(cap, want)));
-}
+// Blocks that give each thread at least one of `units`.
+int64_t BlocksFor(int64_t units) { return (units + kThreads - 1) / kThreads; }
 
 Args MakeArgs(const Call& call, int64_t count) {
   Args a{};
@@ -439,10 +595,32 @@ Status Stage(const Call& call, const void* const* in, size_t bytes) {
   return Status::Ok();
 }
 
+// At most `want` blocks per rank (at least one), and no more than kDefaultBlocks, or in
+// simulation mode no more than all ranks' blocks of this kernel can be resident at once: a block
+// waits at its barriers for the same block of every other rank, so they must run together.
 template <typename Kernel>
-Status Launch(const Call& call, Kernel kernel, int blocks, const Args& a) {
-  dim3 grid(blocks, Ranks(call));
-  kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(call.stream)>>>(a);
+Status GridFor(const Call& call, Kernel kernel, int64_t want, dim3* grid) {
+  int64_t cap = kDefaultBlocks;
+  if (call.rank < 0) {
+    int device = 0, sms = 0, per_sm = 0;
+    SPMD_RETURN_IF_ERROR(CudaCheck(cudaGetDevice(&device), "cudaGetDevice"));
+    SPMD_RETURN_IF_ERROR(CudaCheck(
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute"));
+    SPMD_RETURN_IF_ERROR(
+        CudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0),
+                  "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
+    cap = std::min<int64_t>(kMaxBlocks, per_sm * sms / call.peers->world);
+  }
+  if (call.max_blocks > 0) cap = std::min<int64_t>(cap, call.max_blocks);
+  *grid = dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min(cap, want))), Ranks(call));
+  return Status::Ok();
+}
+
+template <typename Kernel, typename... Extra>
+Status Launch(const Call& call, Kernel kernel, int64_t want, const Args& a, Extra... extra) {
+  dim3 grid;
+  SPMD_RETURN_IF_ERROR(GridFor(call, kernel, want, &grid));
+  kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(call.stream)>>>(a, extra...);
   return CudaCheck(cudaGetLastError(), "launching the custom all-reduce kernel");
 }
 
@@ -453,9 +631,9 @@ Status AllReduceT(const Call& call, Algo algo, const void* const* in, void* cons
   Args a = MakeArgs(call, static_cast<int64_t>(count));
   for (int k = 0; k < Ranks(call); ++k) a.out[k] = out[k];
   int64_t packs = static_cast<int64_t>(count * sizeof(T) / 16);
-  if (algo == Algo::kOneShot) return Launch(call, OneShotKernel<T>, Blocks(call, packs), a);
+  if (algo == Algo::kOneShot) return Launch(call, OneShotKernel<T>, BlocksFor(packs), a);
   return Launch(call, TwoShotKernel<T>,
-                Blocks(call, (packs + call.peers->world - 1) / call.peers->world), a);
+                BlocksFor((packs + call.peers->world - 1) / call.peers->world), a);
 }
 
 template <typename T>
@@ -467,9 +645,27 @@ Status QuantizedT(const Call& call, Codec c, const void* const* in, void* const*
     a.out[k] = out[k];
   }
   int64_t blocks = static_cast<int64_t>((count + codec::kBlock - 1) / codec::kBlock);
-  dim3 grid(Blocks(call, (blocks + call.peers->world - 1) / call.peers->world), Ranks(call));
-  QuantizedKernel<T><<<grid, kThreads, 0, static_cast<cudaStream_t>(call.stream)>>>(a, c);
-  return CudaCheck(cudaGetLastError(), "launching the quantized all-reduce kernel");
+  // One thread per kQLanes-th of a codec block.
+  return Launch(call, QuantizedKernel<T>,
+                BlocksFor((blocks * kQLanes + call.peers->world - 1) / call.peers->world), a, c);
+}
+
+bool Aligned(const void* const* ptrs, int n) {
+  for (int k = 0; k < n; ++k) {
+    if (reinterpret_cast<uintptr_t>(ptrs[k]) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// Whether the norm keeps each row in registers: whole 16-byte packs, at most kRowPacks per
+// thread, every pointer 16-byte aligned.
+template <typename T>
+bool PackedRows(size_t hidden, const void* const* residual,
+                const void* const* weight, void* const* normed, void* const* residual_out,
+                int ranks) {
+  return (hidden * sizeof(T)) % 16 == 0 && hidden * sizeof(T) / 16 <= size_t{kRowPacks<T>} * kThreads &&
+         Aligned(residual, ranks) && Aligned(weight, ranks) && Aligned(normed, ranks) &&
+         Aligned(residual_out, ranks);
 }
 
 template <typename T>
@@ -487,15 +683,13 @@ Status FusedT(const Call& call, Algo algo, const void* const* x, const void* con
     a.out[k] = normed[k];
     a.out2[k] = residual_out[k];
   }
-  int cap = call.max_blocks > 0 ? std::min(call.max_blocks, kMaxBlocks) : kMaxBlocks;
-  if (algo == Algo::kOneShot) {
-    int blocks = static_cast<int>(std::max<size_t>(1, std::min<size_t>(cap, rows)));
-    return Launch(call, FusedOneShotKernel<T>, blocks, a);
-  }
-  size_t per = (rows + call.peers->world - 1) / call.peers->world;
-  int blocks = static_cast<int>(std::max<size_t>(1, std::min<size_t>(cap, per)));
-  return Launch(call, FusedTwoShotKernel<T>, blocks, a);
+  a.packed_rows = PackedRows<T>(hidden, residual, weight, normed, residual_out, Ranks(call));
+  // One row per block.
+  if (algo == Algo::kOneShot) return Launch(call, FusedOneShotKernel<T>, a.rows, a);
+  return Launch(call, FusedTwoShotKernel<T>, (a.rows + call.peers->world - 1) / call.peers->world,
+                a);
 }
+
 
 }  // namespace
 
@@ -531,7 +725,7 @@ Status Eligible(const Peers& p, Algo algo, Codec c, DType t, size_t bytes) {
 
 bool FusedEligible(const Peers& p, Algo algo, DType t, size_t rows, size_t hidden) {
   size_t plane = rows * hidden * DTypeBytes(t);
-  if (p.world < 2 || p.world > kMaxRanks || hidden == 0 || hidden > 16384) return false;
+  if (p.world < 2 || p.world > kMaxRanks || hidden == 0 || hidden > kMaxHidden) return false;
   if (algo == Algo::kOneShot) return plane <= p.cap;
   if (algo == Algo::kTwoShot) return plane <= p.cap;  // region B holds the summed rows
   return false;
@@ -616,12 +810,16 @@ Status RmsNorm(void* stream, DType t, const void* summed, const void* residual, 
   int blocks = static_cast<int>(std::min<size_t>(rows, 1024));
   switch (t) {
     case DType::kF32:
+      a.packed_rows = PackedRows<float>(hidden, &residual, &weight, &normed, &residual_out, 1);
       RmsNormKernel<float><<<blocks, kThreads, 0, s>>>(a);
       break;
     case DType::kF16:
+      a.packed_rows = PackedRows<__half>(hidden, &residual, &weight, &normed, &residual_out, 1);
       RmsNormKernel<__half><<<blocks, kThreads, 0, s>>>(a);
       break;
     case DType::kBF16:
+      a.packed_rows =
+          PackedRows<__nv_bfloat16>(hidden, &residual, &weight, &normed, &residual_out, 1);
       RmsNormKernel<__nv_bfloat16><<<blocks, kThreads, 0, s>>>(a);
       break;
   }

@@ -34,7 +34,8 @@ namespace spmd {
 namespace car {
 
 constexpr int kMaxRanks = 8;
-constexpr int kMaxBlocks = 64;  // blocks per rank and launch
+constexpr int kMaxBlocks = 128;     // blocks per rank and launch, at most (the barrier flags)
+constexpr int kDefaultBlocks = 64;  // blocks per rank and launch when a rank has its own GPU
 constexpr int kThreads = 512;
 
 // At the start of every rank's buffer. 256-byte aligned size; data follows.
@@ -74,7 +75,9 @@ struct Call {
   int rank;
   void* stream;
   uint64_t timeout_ns;
-  int max_blocks;  // 0: kMaxBlocks (simulation: capped so all ranks' blocks are co-resident)
+  int max_blocks;  // a cap on blocks per rank, or 0: kDefaultBlocks with a GPU per rank; in
+                  // simulation as many as fit at once on the device for all ranks (their
+                  // blocks meet at barriers, so they must run together), at most kMaxBlocks
 };
 
 // Whether `bytes` of `dtype` can take `algo` (sizes a multiple of 16 bytes, within the cap);

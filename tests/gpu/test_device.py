@@ -118,6 +118,8 @@ def _run(code: str, env: dict[str, str], nprocs: int = 1) -> subprocess.Complete
     cmd = [sys.executable, "-c", textwrap.dedent(code)]
     if nprocs > 1:
         cmd = [sys.executable, "-m", "spmd.cli.run", "-n", str(nprocs), *cmd]
+        # The ranks share the one GPU: JAX must not reserve most of its memory in each.
+        env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **env}
     return subprocess.run(
         cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=300
     )
@@ -132,8 +134,28 @@ _NCCL_WORLD_OF_ONE = """
         y = f(x)
     np.testing.assert_array_equal(np.asarray(y), np.arange(4096) * 2.0 + 1.0)
     assert "spmd_cuda_allreduce" in f.lower(x).as_text()
-    g = jax.jit(lambda x: spmd.allgather(x))
-    np.testing.assert_array_equal(np.asarray(g(x)), np.arange(4096))
+    # Every NCCL handler with a group of one (NCCL refuses two ranks on one GPU).
+    m = x.reshape(64, 64)
+    i = jnp.arange(-512, 512, dtype=jnp.int32)
+    h = jnp.arange(1024, dtype=jnp.bfloat16)
+    calls = {
+        "allgather": (lambda: spmd.allgather(m, axis=1), m),
+        "allgatherv": (lambda: spmd.allgatherv(m, sizes=[64]), m),
+        "reduce_scatter": (lambda: spmd.reduce_scatter(m, axis=1), m),
+        "reduce_scatterv": (lambda: spmd.reduce_scatterv(m, sizes=[64]), m),
+        "broadcast": (lambda: spmd.broadcast([m, i]), [m, i]),
+        "all_to_all": (lambda: spmd.all_to_all(m, split_axis=0, concat_axis=1), m),
+        "sendrecv": (lambda: spmd.sendrecv(m, src=0, dst=0), m),
+        "allreduce max int32": (lambda: spmd.allreduce(i, op="max"), i),
+        "allreduce prod int32": (lambda: spmd.allreduce(i, op="prod"), i),
+        "allreduce avg bfloat16": (lambda: spmd.allreduce(h, op="avg"), h),
+        "allreduce min bool": (lambda: spmd.allreduce(i > 0, op="min"), i > 0),
+    }
+    for name, (call, want) in calls.items():
+        text = jax.jit(call).lower().as_text()
+        assert "spmd_cuda_" in text, name
+        for got, w in zip(jax.tree.leaves(jax.jit(call)()), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(w), err_msg=name)
     print("ok", spmd.ops.get_backend())
 """
 
@@ -170,3 +192,71 @@ def test_ipc_exchange_between_processes_sharing_the_gpu(nprocs):
     done = _run(_IPC_EXCHANGE, {"SPMD_CUSTOM_AR": "force", "SPMD_BIND_DEVICE": "0"}, nprocs)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("ok") == nprocs and "custom" in done.stdout
+
+
+_CUSTOM_BETWEEN_PROCESSES = """
+    import functools, re
+    import jax, jax.numpy as jnp, ml_dtypes, numpy as np, spmd
+    from spmd._native_lib import native
+    from spmd.ops import _cuda
+    comm = spmd.init()
+    n, r = comm.size, comm.rank
+
+    def inputs(shape, dtype, seed):  # every rank's input, known to every rank
+        return [np.random.default_rng(seed * 16 + k).standard_normal(shape).astype(dtype)
+                for k in range(n)]
+
+    def rank_order(xs):
+        acc = xs[0].astype(np.float32)
+        for x in xs[1:]:
+            acc = acc + x.astype(np.float32)
+        return acc
+
+    def algo(f, *args):  # the chain's choice, as compiled into the program
+        found = re.search(r"algos\\s*=\\s*array<i64:\\s*(\\d+)", f.lower(*args).as_text())
+        return int(found.group(1))
+
+    bf16 = ml_dtypes.bfloat16
+    cases = [(4096, np.float32, "one_shot"), (4 << 20, np.float32, "two_shot"),
+             (64 << 10, bf16, "one_shot"), (3 << 20, bf16, "two_shot")]
+    for count, dtype, want in cases:
+        xs = inputs(count, dtype, count)
+        f = jax.jit(spmd.allreduce)
+        assert algo(f, xs[r]) == _cuda.ALGOS[want], (count, dtype, want)
+        for _ in range(3):  # the barrier counters carry over between calls
+            y = np.asarray(f(jnp.asarray(xs[r])))
+            np.testing.assert_array_equal(y, rank_order(xs).astype(dtype))
+
+    for codec in _cuda.CODECS:
+        xs = inputs(1 << 20, np.float32, 5)  # 4 MiB: above quantize_min at 2 and 4 ranks
+        f = jax.jit(functools.partial(spmd.allreduce, quantize=codec))
+        assert algo(f, xs[r]) == _cuda.ALGOS["quantized"], codec
+        ref = native().quant_allreduce_reference(_cuda.CODECS[codec], n, np.stack(xs).tobytes())
+        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(xs[r]))),
+                                      np.frombuffer(ref, np.float32))
+
+    for rows in (8, 512):  # 64 KiB: fused one-shot; 4 MiB: fused two-shot
+        xs = inputs((rows, 4096), bf16, rows)
+        res = inputs((rows, 4096), bf16, rows + 1)[r]
+        w = np.random.default_rng(r).uniform(0.5, 1.5, 4096).astype(bf16)
+        normed, res_out = jax.jit(spmd.ops.allreduce_rmsnorm)(xs[r], res, w)
+        out = (rank_order(xs).astype(bf16).astype(np.float32) + res.astype(np.float32))
+        np.testing.assert_array_equal(np.asarray(res_out), out.astype(bf16))
+        o32 = out.astype(bf16).astype(np.float32)
+        want = o32 / np.sqrt(np.mean(o32 * o32, -1, keepdims=True) + 1e-6) * w.astype(np.float32)
+        np.testing.assert_allclose(np.asarray(normed).astype(np.float32), want, rtol=2e-2,
+                                   atol=2e-2)
+    print("ok", r, flush=True)
+    spmd.finalize()
+"""
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_custom_allreduce_between_processes_sharing_the_gpu(nprocs):
+    """The custom all-reduce, quantized all-reduce and fused RMSNorm inside jit between real
+    processes: one-shot and two-shot, chosen by the chain, bit-identical to the rank-order sum.
+    The processes share one GPU, so their kernels take turns (slow, but the barriers hold)."""
+    env = {"SPMD_CUSTOM_AR": "force", "SPMD_BIND_DEVICE": "0", "SPMD_TIMEOUT": "120"}
+    done = _run(_CUSTOM_BETWEEN_PROCESSES, env, nprocs)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("ok") == nprocs

@@ -21,6 +21,7 @@ from jax._src.ad_util import Zero
 from jax._src.interpreters import ad, batching
 
 from .._errors import SpmdError, SpmdTypeError
+from . import _cuda
 from ._core import (
     REDUCE_OPS,
     arg_aval,
@@ -60,7 +61,7 @@ def allgather(x: Any, axis: int = 0, *, rank_list: Any = None, group: Any = None
         check_axis(axis, v.ndim, "axis", "allgather", ref, p)
         for v, p in zip(leaves, paths, strict=True)
     ]
-    if ref.size == 1:
+    if ref.size == 1 and not _cuda.self_calls():
         return jax.tree_util.tree_unflatten(treedef, leaves)
     moved = [jnp.moveaxis(v, a, 0) for v, a in zip(leaves, axes, strict=True)]
     outs = bind(allgather_p, *moved, group=ref, sizes=())
@@ -84,7 +85,7 @@ def allgatherv(x: Any, sizes: Sequence[int], *, rank_list: Any = None, group: An
                 f"says this rank (position {ref.rank} in the group) passes {sz[ref.rank]} rows "
                 "along axis 0"
             )
-    if ref.size == 1:
+    if ref.size == 1 and not _cuda.self_calls():
         return jax.tree_util.tree_unflatten(treedef, leaves)
     return jax.tree_util.tree_unflatten(treedef, bind(allgather_p, *leaves, group=ref, sizes=sz))
 
@@ -110,7 +111,7 @@ def reduce_scatter(
                 "reduce_scatterv with explicit sizes"
             )
         axes.append(a)
-    if ref.size == 1:
+    if ref.size == 1 and not _cuda.self_calls():
         return jax.tree_util.tree_unflatten(treedef, leaves)
     native, sent = to_sum(op, [jnp.moveaxis(v, a, 0) for v, a in zip(leaves, axes, strict=True)])
     outs = from_sum(
@@ -136,7 +137,7 @@ def reduce_scatterv(
                 f"rank {ref.world_rank}: reduce_scatterv: {p} has shape {v.shape}, but "
                 f"sizes={list(sz)} adds up to {sum(sz)} rows along axis 0"
             )
-    if ref.size == 1:
+    if ref.size == 1 and not _cuda.self_calls():
         return jax.tree_util.tree_unflatten(treedef, leaves)
     native, sent = to_sum(op, leaves)
     outs = bind(reduce_scatter_p, *sent, group=ref, op=native, sizes=sz)

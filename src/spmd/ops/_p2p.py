@@ -20,6 +20,7 @@ from jax._src import core
 from jax._src.interpreters import ad, batching
 
 from .._errors import SpmdError
+from . import _cuda
 from ._core import (
     arg_aval,
     batch_first,
@@ -100,7 +101,7 @@ def sendrecv(x: Any, src: int, dst: int, *, rank_list: Any = None, group: Any = 
     leaves, treedef, _ = flatten(x, "sendrecv", ref)
     s = check_rank(src, "src", "sendrecv", ref)
     d = check_rank(dst, "dst", "sendrecv", ref)
-    if ref.size == 1:
+    if ref.size == 1 and not _cuda.self_calls():
         return jax.tree_util.tree_unflatten(treedef, leaves)
     outs = [bind(sendrecv_p, leaf, group=ref, src=s, dst=d)[0] for leaf in leaves]
     return jax.tree_util.tree_unflatten(treedef, outs)
