@@ -142,9 +142,15 @@ def main(argv: list[str]) -> int:
         f"# Custom all-reduce on {name} (sm_{major}{minor}, {sms} SMs), simulation mode",
         "",
         "All ranks run as blocks of one launch on one GPU, so the GPU's memory bandwidth is",
-        "shared by all of them: compare each kernel with the copy roofline of the same bytes.",
+        "shared by all of them: each call is compared with a device-to-device copy that moves",
+        "the same bytes (the roofline; `/ roofline` is the copy's time over the call's, 1.0 =",
+        "memory speed). Above 1.0 the call reads data still in the L2 cache: in simulation every",
+        "rank reads the same buffers, which on real GPUs are the peers' over NVLink. So this",
+        "measures the kernels, not the one-shot/two-shot trade-off of a real node, whose cost is",
+        "the bytes read from peers ((n-1) x size one-shot, 2(n-1)/n x size two-shot).",
         f"Mean of {args.iters} calls after one warm-up; bfloat16. Command: "
-        f"`python benchmarks/gpu.py --world {' '.join(map(str, args.world))}`.",
+        f"`python benchmarks/gpu.py --world {' '.join(map(str, args.world))} "
+        f"--iters {args.iters}`.",
         "",
         "## All-reduce kernels against the device-to-device copy roofline",
         "",

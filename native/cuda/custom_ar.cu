@@ -4,7 +4,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "custom_ar.h"
 
@@ -142,10 +145,39 @@ struct Args {
   int64_t rows, hidden;
   float eps;
   bool packed_rows;  // rows in registers (NormRowPacked): see PackedRows
+  bool staged;       // the host copied the input into region A (else the kernel does: StagePacks)
 };
 
 __device__ __forceinline__ int RankOf(const Args& a) { return a.rank < 0 ? blockIdx.y : a.rank; }
 __device__ __forceinline__ int Slot(const Args& a) { return a.rank < 0 ? blockIdx.y : 0; }
+
+// Copies 16-byte packs lo + first, lo + first + stride, ... < hi of this rank's input into its
+// region A, with the map its peers' same block reads them with after the next barrier. One
+// launch per call instead of a copy and a launch.
+__device__ __forceinline__ void StagePacks(const Args& a, int rank, int64_t lo, int64_t hi,
+                                           int64_t first, int64_t stride) {
+  const uint4* src = static_cast<const uint4*>(a.in[Slot(a)]);
+  uint4* dst = reinterpret_cast<uint4*>(a.peers.data[rank]);
+  for (int64_t i = lo + first; i < hi; i += stride) dst[i] = src[i];
+}
+
+// The same, for every slice of `units` (the two-shot phases' map).
+__device__ __forceinline__ void StageSlices(const Args& a, int rank, int64_t units, int64_t first,
+                                            int64_t stride) {
+  for (int s = 0; s < a.peers.world; ++s) {
+    const Slice sl = SliceOf(units, a.peers.world, s);
+    StagePacks(a, rank, sl.lo, sl.hi, first, stride);
+  }
+}
+
+// Whole rows row0, row0 + gridDim.x, ... < row1 (the fused kernels' map; rows of whole packs).
+template <typename T>
+__device__ __forceinline__ void StageRows(const Args& a, int rank, int64_t row0, int64_t row1) {
+  const int64_t packs = a.hidden / Pack<T>::kN;
+  for (int64_t row = row0 + blockIdx.x; row < row1; row += gridDim.x) {
+    StagePacks(a, rank, row * packs, (row + 1) * packs, threadIdx.x, blockDim.x);
+  }
+}
 
 // -- one-shot and two-shot ----------------------------------------------------------------------
 
@@ -154,11 +186,13 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(Args a) {
   using P = Pack<T>;
   const int rank = RankOf(a);
   const Peers& p = a.peers;
-  Barrier(p, rank, a.timeout_ns);
   const int64_t packs = a.count / P::kN;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  if (!a.staged) StagePacks(a, rank, 0, packs, first, stride);
+  Barrier(p, rank, a.timeout_ns);
   char* out = static_cast<char*>(a.out[Slot(a)]);
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < packs;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t i = first; i < packs; i += stride) {
     float acc[P::kN], v[P::kN];
     LoadPack<T>(p.data[0], i, acc);
     for (int r = 1; r < p.world; ++r) {
@@ -179,6 +213,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(Args a) {
   const int64_t packs = a.count / P::kN;
   const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  if (!a.staged) StageSlices(a, rank, packs, first, stride);
   Barrier(p, rank, a.timeout_ns);
   // Reduce-scatter: this rank's slice, from every rank, into its own buffer (in place: peers
   // read only their own slices of it).
@@ -485,6 +520,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) FusedOneShotKernel(Args a) {
   const int rank = RankOf(a);
   const int slot = Slot(a);
+  if (!a.staged) StageRows<T>(a, rank, 0, a.rows);
   Barrier(a.peers, rank, a.timeout_ns);
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     NormRow<T>(a, row, nullptr, static_cast<const T*>(a.residual[slot]),
@@ -503,6 +539,12 @@ __global__ void __launch_bounds__(kThreads) FusedTwoShotKernel(Args a) {
   const int rank = RankOf(a);
   const int slot = Slot(a);
   const Peers& p = a.peers;
+  if (!a.staged) {
+    for (int s = 0; s < p.world; ++s) {
+      const Slice sl = SliceOf(a.rows, p.world, s);
+      StageRows<T>(a, rank, sl.lo, sl.hi);
+    }
+  }
   Barrier(p, rank, a.timeout_ns);
   const Slice mine = SliceOf(a.rows, p.world, rank);
   char* sum_b = p.data[rank] + p.cap;
@@ -583,6 +625,13 @@ Args MakeArgs(const Call& call, int64_t count) {
 
 int Ranks(const Call& call) { return call.rank < 0 ? call.peers->world : 1; }
 
+bool Aligned(const void* const* ptrs, int n) {
+  for (int k = 0; k < n; ++k) {
+    if (reinterpret_cast<uintptr_t>(ptrs[k]) % 16 != 0) return false;
+  }
+  return true;
+}
+
 // Copies each (simulated) rank's input into its buffer's region A.
 Status Stage(const Call& call, const void* const* in, size_t bytes) {
   cudaStream_t s = static_cast<cudaStream_t>(call.stream);
@@ -595,6 +644,28 @@ Status Stage(const Call& call, const void* const* in, size_t bytes) {
   return Status::Ok();
 }
 
+// How many blocks of `kernel` the current device runs at once (cached per device and kernel: the
+// simulation's launches ask on every call).
+Status ResidentBlocks(const void* kernel, int* blocks) {
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, int> cache;
+  int device = 0;
+  SPMD_RETURN_IF_ERROR(CudaCheck(cudaGetDevice(&device), "cudaGetDevice"));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find({device, kernel});
+  if (it == cache.end()) {
+    int sms = 0, per_sm = 0;
+    SPMD_RETURN_IF_ERROR(CudaCheck(
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute"));
+    SPMD_RETURN_IF_ERROR(
+        CudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0),
+                  "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
+    it = cache.emplace(std::make_pair(device, kernel), per_sm * sms).first;
+  }
+  *blocks = it->second;
+  return Status::Ok();
+}
+
 // At most `want` blocks per rank (at least one), and no more than kDefaultBlocks, or in
 // simulation mode no more than all ranks' blocks of this kernel can be resident at once: a block
 // waits at its barriers for the same block of every other rank, so they must run together.
@@ -602,14 +673,9 @@ template <typename Kernel>
 Status GridFor(const Call& call, Kernel kernel, int64_t want, dim3* grid) {
   int64_t cap = kDefaultBlocks;
   if (call.rank < 0) {
-    int device = 0, sms = 0, per_sm = 0;
-    SPMD_RETURN_IF_ERROR(CudaCheck(cudaGetDevice(&device), "cudaGetDevice"));
-    SPMD_RETURN_IF_ERROR(CudaCheck(
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute"));
-    SPMD_RETURN_IF_ERROR(
-        CudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0),
-                  "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
-    cap = std::min<int64_t>(kMaxBlocks, per_sm * sms / call.peers->world);
+    int resident = 0;
+    SPMD_RETURN_IF_ERROR(ResidentBlocks(reinterpret_cast<const void*>(kernel), &resident));
+    cap = std::min<int64_t>(kMaxBlocks, resident / call.peers->world);
   }
   if (call.max_blocks > 0) cap = std::min<int64_t>(cap, call.max_blocks);
   *grid = dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min(cap, want))), Ranks(call));
@@ -627,9 +693,13 @@ Status Launch(const Call& call, Kernel kernel, int64_t want, const Args& a, Extr
 template <typename T>
 Status AllReduceT(const Call& call, Algo algo, const void* const* in, void* const* out,
                   size_t count) {
-  SPMD_RETURN_IF_ERROR(Stage(call, in, count * sizeof(T)));
   Args a = MakeArgs(call, static_cast<int64_t>(count));
-  for (int k = 0; k < Ranks(call); ++k) a.out[k] = out[k];
+  for (int k = 0; k < Ranks(call); ++k) {
+    a.in[k] = in[k];
+    a.out[k] = out[k];
+  }
+  a.staged = !Aligned(in, Ranks(call));  // the kernel stages 16 bytes at a time
+  if (a.staged) SPMD_RETURN_IF_ERROR(Stage(call, in, count * sizeof(T)));
   int64_t packs = static_cast<int64_t>(count * sizeof(T) / 16);
   if (algo == Algo::kOneShot) return Launch(call, OneShotKernel<T>, BlocksFor(packs), a);
   return Launch(call, TwoShotKernel<T>,
@@ -650,13 +720,6 @@ Status QuantizedT(const Call& call, Codec c, const void* const* in, void* const*
                 BlocksFor((blocks * kQLanes + call.peers->world - 1) / call.peers->world), a, c);
 }
 
-bool Aligned(const void* const* ptrs, int n) {
-  for (int k = 0; k < n; ++k) {
-    if (reinterpret_cast<uintptr_t>(ptrs[k]) % 16 != 0) return false;
-  }
-  return true;
-}
-
 // Whether the norm keeps each row in registers: whole 16-byte packs, at most kRowPacks per
 // thread, every pointer 16-byte aligned.
 template <typename T>
@@ -672,7 +735,6 @@ template <typename T>
 Status FusedT(const Call& call, Algo algo, const void* const* x, const void* const* residual,
               const void* const* weight, float eps, size_t rows, size_t hidden,
               void* const* normed, void* const* residual_out) {
-  SPMD_RETURN_IF_ERROR(Stage(call, x, rows * hidden * sizeof(T)));
   Args a = MakeArgs(call, static_cast<int64_t>(rows * hidden));
   a.rows = static_cast<int64_t>(rows);
   a.hidden = static_cast<int64_t>(hidden);
@@ -684,6 +746,9 @@ Status FusedT(const Call& call, Algo algo, const void* const* x, const void* con
     a.out2[k] = residual_out[k];
   }
   a.packed_rows = PackedRows<T>(hidden, residual, weight, normed, residual_out, Ranks(call));
+  for (int k = 0; k < Ranks(call); ++k) a.in[k] = x[k];
+  a.staged = (hidden * sizeof(T)) % 16 != 0 || !Aligned(x, Ranks(call));
+  if (a.staged) SPMD_RETURN_IF_ERROR(Stage(call, x, rows * hidden * sizeof(T)));
   // One row per block.
   if (algo == Algo::kOneShot) return Launch(call, FusedOneShotKernel<T>, a.rows, a);
   return Launch(call, FusedTwoShotKernel<T>, (a.rows + call.peers->world - 1) / call.peers->world,

@@ -160,12 +160,12 @@ _NCCL_WORLD_OF_ONE = """
 """
 
 
+_GRAPHS = "--xla_gpu_enable_command_buffer=CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+
+
 @pytest.mark.parametrize(
-    "xla_flags",
-    ["--xla_gpu_enable_command_buffer=", "--xla_gpu_enable_command_buffer=CUSTOM_CALL "
-     "--xla_gpu_graph_min_graph_size=1"],
-    ids=["no-graphs", "cuda-graphs"],
-)  # fmt: skip
+    "xla_flags", ["--xla_gpu_enable_command_buffer=", _GRAPHS], ids=["no-graphs", "cuda-graphs"]
+)
 def test_nccl_world_of_one_inside_jit(xla_flags):
     done = _run(_NCCL_WORLD_OF_ONE, {"SPMD_GPU_BACKEND": "nccl", "XLA_FLAGS": xla_flags})
     assert done.returncode == 0, done.stdout + done.stderr
@@ -251,12 +251,19 @@ _CUSTOM_BETWEEN_PROCESSES = """
 """
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
-def test_custom_allreduce_between_processes_sharing_the_gpu(nprocs):
+@pytest.mark.parametrize(
+    "nprocs,xla_flags",
+    [(2, ""), (4, ""), (2, _GRAPHS)],
+    ids=["2-ranks", "4-ranks", "2-ranks-cuda-graphs"],
+)
+def test_custom_allreduce_between_processes_sharing_the_gpu(nprocs, xla_flags):
     """The custom all-reduce, quantized all-reduce and fused RMSNorm inside jit between real
-    processes: one-shot and two-shot, chosen by the chain, bit-identical to the rank-order sum.
+    processes: one-shot and two-shot, chosen by the chain, bit-identical to the rank-order sum,
+    also when XLA replays them from CUDA graphs (the barriers count their epochs on the device).
     The processes share one GPU, so their kernels take turns (slow, but the barriers hold)."""
     env = {"SPMD_CUSTOM_AR": "force", "SPMD_BIND_DEVICE": "0", "SPMD_TIMEOUT": "120"}
+    if xla_flags:
+        env["XLA_FLAGS"] = xla_flags
     done = _run(_CUSTOM_BETWEEN_PROCESSES, env, nprocs)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("ok") == nprocs
