@@ -4,8 +4,10 @@ the reason elsewhere. On one GPU:
 - the custom all-reduce's kernels (one-shot, two-shot, quantized, fused RMSNorm) over 2-8 ranks
   simulated in one process and one launch (custom_ar.h's simulation mode), against NumPy and the
   CPU reference of the codecs;
-- NCCL with a world of one inside jit, with and without CUDA graphs (command buffers);
-- the IPC handle exchange and peer-access check between processes sharing the GPU.
+- every NCCL collective with a world of one inside jit, with and without CUDA graphs (command
+  buffers);
+- the IPC handle exchange and peer-access check between processes sharing the GPU, and the
+  custom, quantized and fused all-reduce between them inside jit.
 """
 
 from __future__ import annotations
