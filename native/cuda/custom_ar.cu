@@ -68,6 +68,18 @@ __device__ __forceinline__ void LoadPack(const char* base, int64_t i, float (&ou
   for (int k = 0; k < Pack<T>::kN; ++k) out[k] = ToFloat<T>(p.v[k]);
 }
 
+// The rank-order float32 sum of pack i of every rank's region A.
+template <typename T>
+__device__ __forceinline__ void SumPack(const Peers& p, int64_t i, float (&acc)[Pack<T>::kN]) {
+  float v[Pack<T>::kN];
+  LoadPack<T>(p.data[0], i, acc);
+  for (int r = 1; r < p.world; ++r) {
+    LoadPack<T>(p.data[r], i, v);
+#pragma unroll
+    for (int k = 0; k < Pack<T>::kN; ++k) acc[k] += v[k];
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void StorePack(char* base, int64_t i, const float (&in)[Pack<T>::kN]) {
   Pack<T> p;
@@ -193,13 +205,8 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(Args a) {
   Barrier(p, rank, a.timeout_ns);
   char* out = static_cast<char*>(a.out[Slot(a)]);
   for (int64_t i = first; i < packs; i += stride) {
-    float acc[P::kN], v[P::kN];
-    LoadPack<T>(p.data[0], i, acc);
-    for (int r = 1; r < p.world; ++r) {
-      LoadPack<T>(p.data[r], i, v);
-#pragma unroll
-      for (int k = 0; k < P::kN; ++k) acc[k] += v[k];
-    }
+    float acc[P::kN];
+    SumPack<T>(p, i, acc);
     StorePack<T>(out, i, acc);
   }
   Barrier(p, rank, a.timeout_ns);  // nobody restages its buffer while a peer still reads it
@@ -219,13 +226,8 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(Args a) {
   // read only their own slices of it).
   const Slice mine = SliceOf(packs, p.world, rank);
   for (int64_t i = mine.lo + first; i < mine.hi; i += stride) {
-    float acc[P::kN], v[P::kN];
-    LoadPack<T>(p.data[0], i, acc);
-    for (int r = 1; r < p.world; ++r) {
-      LoadPack<T>(p.data[r], i, v);
-#pragma unroll
-      for (int k = 0; k < P::kN; ++k) acc[k] += v[k];
-    }
+    float acc[P::kN];
+    SumPack<T>(p, i, acc);
     StorePack<T>(p.data[rank], i, acc);
   }
   Barrier(p, rank, a.timeout_ns);
@@ -448,12 +450,7 @@ __device__ void NormRowPacked(const Args& a, int64_t row, const T* summed, const
     if (j >= packs) continue;  // (not break: the loop stays unrolled, `kept` in registers)
     float acc[P::kN], v[P::kN];
     if (summed == nullptr) {
-      LoadPack<T>(p.data[0], base + j, acc);
-      for (int r = 1; r < p.world; ++r) {
-        LoadPack<T>(p.data[r], base + j, v);
-#pragma unroll
-        for (int e = 0; e < P::kN; ++e) acc[e] += v[e];
-      }
+      SumPack<T>(p, base + j, acc);
     } else {
       LoadPack<T>(reinterpret_cast<const char*>(summed), base + j, acc);
     }
@@ -553,13 +550,8 @@ __global__ void __launch_bounds__(kThreads) FusedTwoShotKernel(Args a) {
     const int64_t packs = a.hidden / P::kN;
     for (int64_t row = mine.lo + blockIdx.x; row < mine.hi; row += gridDim.x) {
       for (int64_t j = row * packs + threadIdx.x; j < (row + 1) * packs; j += blockDim.x) {
-        float acc[P::kN], v[P::kN];
-        LoadPack<T>(p.data[0], j, acc);
-        for (int r = 1; r < p.world; ++r) {
-          LoadPack<T>(p.data[r], j, v);
-#pragma unroll
-          for (int e = 0; e < P::kN; ++e) acc[e] += v[e];
-        }
+        float acc[P::kN];
+        SumPack<T>(p, j, acc);
         StorePack<T>(sum_b, j, acc);
       }
     }
