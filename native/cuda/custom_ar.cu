@@ -158,6 +158,7 @@ struct Args {
   float eps;
   bool packed_rows;  // rows in registers (NormRowPacked): see PackedRows
   bool staged;       // the host copied the input into region A (else the kernel does: StagePacks)
+  bool packed_io;    // quantized: the input and output are 16-byte aligned (16-byte accesses)
 };
 
 __device__ __forceinline__ int RankOf(const Args& a) { return a.rank < 0 ? blockIdx.y : a.rank; }
@@ -268,19 +269,21 @@ __device__ __forceinline__ float QAmax(const float (&v)[kQVals]) {
   return codec::AmaxFold(amax, __shfl_xor_sync(QMask(), amax, 2));
 }
 
-// This lane's 8 values of unit u (zeros past the end).
+// Pack k of a lane's 8 values, as the array LoadPack and StorePack take.
+template <typename T, typename F>
+__device__ __forceinline__ F (&PackOf(F (&v)[kQVals], int k))[Pack<T>::kN] {
+  return *reinterpret_cast<F(*)[Pack<T>::kN]>(v + k * Pack<T>::kN);
+}
+
+// This lane's 8 values of unit u (zeros past the end). `packed`: 16-byte loads (src aligned).
 template <typename T>
-__device__ __forceinline__ void QLoad(const T* src, int64_t u, int64_t count,
+__device__ __forceinline__ void QLoad(const T* src, int64_t u, int64_t count, bool packed,
                                       float (&v)[kQVals]) {
   const int64_t at = u * kQVals;
-  if (at + kQVals <= count) {
-    constexpr int kPacks = kQVals * sizeof(T) / 16;
+  if (packed && at + kQVals <= count) {
 #pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      float part[Pack<T>::kN];
-      LoadPack<T>(reinterpret_cast<const char*>(src + at), k, part);
-#pragma unroll
-      for (int j = 0; j < Pack<T>::kN; ++j) v[k * Pack<T>::kN + j] = part[j];
+    for (int k = 0; k < kQVals / Pack<T>::kN; ++k) {
+      LoadPack<T>(reinterpret_cast<const char*>(src + at), k, PackOf<T>(v, k));
     }
   } else {
 #pragma unroll
@@ -289,16 +292,13 @@ __device__ __forceinline__ void QLoad(const T* src, int64_t u, int64_t count,
 }
 
 template <typename T>
-__device__ __forceinline__ void QStore(T* dst, int64_t u, int64_t count, const float (&v)[kQVals]) {
+__device__ __forceinline__ void QStore(T* dst, int64_t u, int64_t count, bool packed,
+                                       const float (&v)[kQVals]) {
   const int64_t at = u * kQVals;
-  if (at + kQVals <= count) {
-    constexpr int kPacks = kQVals * sizeof(T) / 16;
+  if (packed && at + kQVals <= count) {
 #pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      float part[Pack<T>::kN];
-#pragma unroll
-      for (int j = 0; j < Pack<T>::kN; ++j) part[j] = v[k * Pack<T>::kN + j];
-      StorePack<T>(reinterpret_cast<char*>(dst + at), k, part);
+    for (int k = 0; k < kQVals / Pack<T>::kN; ++k) {
+      StorePack<T>(reinterpret_cast<char*>(dst + at), k, PackOf<T>(v, k));
     }
   } else {
     for (int i = 0; i < kQVals && at + i < count; ++i) dst[at + i] = FromFloat<T>(v[i]);
@@ -369,7 +369,7 @@ __global__ void __launch_bounds__(kThreads) QuantizedKernel(Args a, Codec c) {
     const Slice sl = SliceOf(blocks, p.world, s);
     for (int64_t u = sl.lo * kQLanes + first; u < sl.hi * kQLanes; u += stride) {
       float v[kQVals];
-      QLoad<T>(in, u, a.count, v);
+      QLoad<T>(in, u, a.count, a.packed_io, v);
       QEncode(c, v, u, p.data[rank], blocks);
     }
   }
@@ -396,7 +396,7 @@ __global__ void __launch_bounds__(kThreads) QuantizedKernel(Args a, Codec c) {
     for (int64_t u = sl.lo * kQLanes + first; u < sl.hi * kQLanes; u += stride) {
       float v[kQVals];
       QDecode<false>(c, p.data[s] + p.cap, blocks, u, v);
-      QStore<T>(out, u, a.count, v);
+      QStore<T>(out, u, a.count, a.packed_io, v);
     }
   }
   Barrier(p, rank, a.timeout_ns);
@@ -706,6 +706,7 @@ Status QuantizedT(const Call& call, Codec c, const void* const* in, void* const*
     a.in[k] = in[k];
     a.out[k] = out[k];
   }
+  a.packed_io = Aligned(in, Ranks(call)) && Aligned(out, Ranks(call));
   int64_t blocks = static_cast<int64_t>((count + codec::kBlock - 1) / codec::kBlock);
   // One thread per kQLanes-th of a codec block.
   return Launch(call, QuantizedKernel<T>,

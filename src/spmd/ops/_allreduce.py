@@ -71,7 +71,7 @@ def allreduce(
     leaves, treedef, _ = flatten(x, "allreduce", ref)
     check_reduce_op(op, "allreduce", ref, leaves)
     quantize = _cuda.check_quantize(quantize, f"rank {ref.world_rank}: allreduce: ")
-    if ref.size == 1 and not _cuda.self_calls():
+    if _cuda.alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
     native, sent = to_sum(op, leaves)
     outs = bind(allreduce_p, *sent, group=ref, op=native, quantize=quantize)

@@ -41,7 +41,7 @@ def broadcast(x: Any, root: int = 0, *, rank_list: Any = None, group: Any = None
     ref = resolve(rank_list, group)
     leaves, treedef, _ = flatten(x, "broadcast", ref)
     r = check_rank(root, "root", "broadcast", ref)
-    if ref.size == 1 and not _cuda.self_calls():
+    if _cuda.alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
     return jax.tree_util.tree_unflatten(treedef, bind(broadcast_p, *leaves, group=ref, root=r))
 

@@ -282,10 +282,10 @@ def set_gpu_backend(name: str) -> None:
     _forced = None if name == "auto" else name
 
 
-def self_calls() -> bool:
-    """Whether a group of one still calls its handler: only with NCCL forced on a GPU, to check
-    NCCL on a single GPU (otherwise a group of one returns its input without a call)."""
-    return gpu_active() and config().backend == "nccl"
+def alone(ref: Any) -> bool:
+    """Whether a collective over the group ``ref`` returns its input without a call: a group of
+    one, except on a GPU with NCCL forced, so that a single GPU checks every NCCL handler."""
+    return bool(ref.size == 1) and not (gpu_active() and config().backend == "nccl")
 
 
 def registered(gid: int, where: str = "") -> GpuGroup:

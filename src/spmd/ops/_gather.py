@@ -61,7 +61,7 @@ def allgather(x: Any, axis: int = 0, *, rank_list: Any = None, group: Any = None
         check_axis(axis, v.ndim, "axis", "allgather", ref, p)
         for v, p in zip(leaves, paths, strict=True)
     ]
-    if ref.size == 1 and not _cuda.self_calls():
+    if _cuda.alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
     moved = [jnp.moveaxis(v, a, 0) for v, a in zip(leaves, axes, strict=True)]
     outs = bind(allgather_p, *moved, group=ref, sizes=())
@@ -85,7 +85,7 @@ def allgatherv(x: Any, sizes: Sequence[int], *, rank_list: Any = None, group: An
                 f"says this rank (position {ref.rank} in the group) passes {sz[ref.rank]} rows "
                 "along axis 0"
             )
-    if ref.size == 1 and not _cuda.self_calls():
+    if _cuda.alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
     return jax.tree_util.tree_unflatten(treedef, bind(allgather_p, *leaves, group=ref, sizes=sz))
 
@@ -111,7 +111,7 @@ def reduce_scatter(
                 "reduce_scatterv with explicit sizes"
             )
         axes.append(a)
-    if ref.size == 1 and not _cuda.self_calls():
+    if _cuda.alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
     native, sent = to_sum(op, [jnp.moveaxis(v, a, 0) for v, a in zip(leaves, axes, strict=True)])
     outs = from_sum(
@@ -137,7 +137,7 @@ def reduce_scatterv(
                 f"rank {ref.world_rank}: reduce_scatterv: {p} has shape {v.shape}, but "
                 f"sizes={list(sz)} adds up to {sum(sz)} rows along axis 0"
             )
-    if ref.size == 1 and not _cuda.self_calls():
+    if _cuda.alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
     native, sent = to_sum(op, leaves)
     outs = bind(reduce_scatter_p, *sent, group=ref, op=native, sizes=sz)

@@ -75,7 +75,7 @@ def allreduce_rmsnorm(
             f"{x.dtype}[{x.shape[-1]}] (hidden = x.shape[-1])"
         )
     eps = float(eps)
-    if ref.size == 1 and not _cuda.self_calls():
+    if _cuda.alone(ref):
         return _norm(x + residual, weight, eps)
     normed, out = bind(allreduce_rmsnorm_p, x, residual, weight, group=ref, eps=eps)
     return normed, out
