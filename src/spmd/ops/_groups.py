@@ -27,7 +27,7 @@ from .._errors import SpmdError
 from .._native_lib import native
 from ..runtime import Communicator, get_communicator, this_rank
 from ..runtime._env import timeout_seconds
-from ..runtime._state import on_finalize
+from ..runtime._state import on_finalize, world_data_comm
 
 BACKENDS = {"shm": 0, "mpi": 1, "hier": 2}
 BACKEND_NAMES = ("auto", *BACKENDS)
@@ -90,7 +90,9 @@ class _Registered:
     comm: Communicator
     backend: str
     available: tuple[str, ...]
-    mpi_comms: list[Any]
+    mpi_comms: list[Any]  # the MPI communicators this module made (and frees)
+    data: Any = None  # the MPI communicator of the group's data, if it has MPI
+    complete: bool = False  # shared memory attached and backend chosen (see _complete)
 
 
 _lock = threading.RLock()
@@ -194,45 +196,61 @@ def _attach_shm(gid: int, which: int, comm: Communicator, members: list[int]) ->
 
 
 def _register(comm: Communicator, gid: int) -> _Registered:
+    """Create the native group and attach MPI: all that point-to-point calls need. For the world
+    this involves no other rank (its MPI communicator was made in spmd.init); for a sub-group,
+    making its communicator is collective over the group."""
     _register_handlers()
-    mpi = comm.mpi_comm()
     debug = os.environ.get("SPMD_DEBUG", "") not in ("", "0")
     native().group_create(
         gid, comm.rank, comm.size, list(comm.ranks), timeout_seconds(), debug, ONE_SHOT_MAX
     )
-    nodes = _node_layout(comm)
-    available = []
-    mpi_comms: list[Any] = []
-    if len(nodes) == 1:
-        _attach_shm(gid, 0, comm, list(range(comm.size)))
-        available.append("shm")
+    reg = _Registered(comm, "", (), [])
+    mpi = comm.mpi_comm()
     if mpi is not None:
         _load_mpi()
         from mpi4py import MPI
 
-        data = mpi.Dup()  # collectives never match the bootstrap's messages
-        mpi_comms.append(data)
+        data = world_data_comm() if comm is get_communicator() else None
+        if data is None:
+            data = mpi.Dup()  # collectives never match the bootstrap's messages
+            reg.mpi_comms.append(data)
+        reg.data = data
         native().group_attach_mpi(
             gid, 0, MPI._handleof(data), comm.rank, comm.size, list(comm.ranks)
         )
+    return reg
+
+
+def _complete(gid: int, reg: _Registered) -> None:
+    """Attach shared memory (and the hierarchical path) and choose the backend: collective over
+    the group, on its first call other than a point-to-point one."""
+    comm = reg.comm
+    nodes = _node_layout(comm)
+    available = []
+    if len(nodes) == 1:
+        _attach_shm(gid, 0, comm, list(range(comm.size)))
+        available.append("shm")
+    if reg.data is not None:
+        from mpi4py import MPI
+
         available.append("mpi")
         if len(nodes) > 1 and any(len(m) > 1 for m in nodes.values()):
             local = nodes[comm.node_ids[comm.world_rank]]
             for members in nodes.values():  # every node's segment, one node at a time
                 _attach_shm(gid, 1, comm, members)
             leader = local[0] == comm.rank
-            leaders = data.Split(0 if leader else MPI.UNDEFINED, comm.rank)
+            leaders = reg.data.Split(0 if leader else MPI.UNDEFINED, comm.rank)
             if leader:
-                mpi_comms.append(leaders)
+                reg.mpi_comms.append(leaders)
                 leader_ranks = [comm.ranks[m[0]] for m in nodes.values()]
                 native().group_attach_mpi(
                     gid, 1, MPI._handleof(leaders), leaders.Get_rank(), leaders.Get_size(),
                     leader_ranks,
                 )  # fmt: skip
             available.append("hier")
-    reg = _Registered(comm, "", tuple(available), mpi_comms)
+    reg.available = tuple(available)
     _apply_backend(gid, reg)
-    return reg
+    reg.complete = True
 
 
 def _auto_backend(reg: _Registered) -> str:
@@ -267,16 +285,21 @@ def _finalize() -> None:
         _gpu_checked.clear()
 
 
-def group_ref(comm: Communicator) -> GroupRef:
-    """The GroupRef of ``comm``, registering the group with the native layer on first use."""
+def group_ref(comm: Communicator, p2p: bool = False) -> GroupRef:
+    """The GroupRef of ``comm``, registering the group with the native layer on first use: in
+    full (collective over the group), or with ``p2p`` only what point-to-point calls need."""
     with _lock:
         key = (comm.groups, comm.group_id)
         gid = _ids.get(key)
         if gid is None:
             gid = _ids[key] = next(_next_id)
-        if comm.size > 1 and gid not in _registered:
-            on_finalize(_finalize)
-            _registered[gid] = _register(comm, gid)
+        if comm.size > 1:
+            reg = _registered.get(gid)
+            if reg is None:
+                on_finalize(_finalize)
+                reg = _registered[gid] = _register(comm, gid)
+            if not p2p and not reg.complete:
+                _complete(gid, reg)
         if gid not in _gpu_checked:
             on_finalize(_finalize)
             _gpu_checked.add(gid)
@@ -314,9 +337,10 @@ def communicator(rank_list: Any = None, group: Any = None, where: str = "") -> C
     )
 
 
-def resolve(rank_list: Any = None, group: Any = None) -> GroupRef:
-    """The group of an op call from its ``rank_list=`` or ``group=`` argument."""
-    return group_ref(communicator(rank_list, group))
+def resolve(rank_list: Any = None, group: Any = None, p2p: bool = False) -> GroupRef:
+    """The group of an op call from its ``rank_list=`` or ``group=`` argument (``p2p``: for a
+    point-to-point call, see :func:`group_ref`)."""
+    return group_ref(communicator(rank_list, group), p2p)
 
 
 def set_backend(name: str) -> None:
@@ -352,11 +376,13 @@ def set_backend(name: str) -> None:
         _forced = name
         try:
             for gid, reg in _registered.items():
-                _apply_backend(gid, reg)
+                if reg.complete:  # the others choose when they complete
+                    _apply_backend(gid, reg)
         except SpmdError:
             _forced = previous
             for gid, reg in _registered.items():
-                _apply_backend(gid, reg)
+                if reg.complete:
+                    _apply_backend(gid, reg)
             raise
 
 

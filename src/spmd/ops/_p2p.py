@@ -7,6 +7,12 @@ program has no input the value depends on, so JAX treats the received value as a
 and no tangent or cotangent crosses ranks (send's JVP sends only the primal, keeping both sides'
 messages matched). Differentiate through point-to-point transfers with ``sendrecv``.
 
+Under ``jax.vmap`` a batched ``send`` sends the whole batch at once, and a ``recv`` whose
+``like`` is batched receives a whole batch (batch axis first), so a vmapped function that sends
+on one rank and receives on another pairs up. The primitive sees the batch through an "anchor":
+a zero-size slice of ``like`` passed as its operand (never to the native call), which vmap
+batches like any other value.
+
 Point-to-point operations run over MPI (the file-store communicator has none).
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax._src import core
 from jax._src.interpreters import ad, batching
@@ -61,7 +68,7 @@ def _check_peer(value: Any, what: str, name: str, ref: GroupRef) -> int:
 def send(x: Any, dst: int, *, rank_list: Any = None, group: Any = None) -> None:
     """Send ``x`` (array or pytree) to the rank at position ``dst`` of the group, which must
     call :func:`recv` with ``src`` = this rank. Returns once ``x`` was handed over."""
-    ref = resolve(rank_list, group)
+    ref = resolve(rank_list, group, p2p=True)
     leaves, _, _ = flatten(x, "send", ref)
     d = _check_peer(dst, "dst", "send", ref)
     for leaf in leaves:
@@ -71,33 +78,36 @@ def send(x: Any, dst: int, *, rank_list: Any = None, group: Any = None) -> None:
 def recv(like: Any, src: int, *, rank_list: Any = None, group: Any = None) -> Any:
     """Receive from the rank at position ``src`` an array (or pytree) shaped like ``like``
     (arrays or ``jax.ShapeDtypeStruct``s; their values are not used)."""
-    ref = resolve(rank_list, group)
+    ref = resolve(rank_list, group, p2p=True)
     s = _check_peer(src, "src", "recv", ref)
     with_path, treedef = jax.tree_util.tree_flatten_with_path(like)
     specs = []
     for path, v in with_path:
         name = "like" + jax.tree_util.keystr(path)
-        if isinstance(v, batching.BatchTracer):
-            raise SpmdError(
-                f"rank {ref.world_rank}: recv: {name} is batched by jax.vmap; recv takes no "
-                "array to batch, so call it outside vmap with the whole batch's shape"
-            )
         # As send sees it: numpy's float64 is float32 without jax_enable_x64.
         dtype = jax.dtypes.canonicalize_dtype(getattr(v, "dtype", None) or np.asarray(v).dtype)
         check_dtype(dtype, "recv", name, ref)
-        specs.append(jax.ShapeDtypeStruct(np.shape(v), dtype))
+        specs.append((_anchor(v), tuple(np.shape(v)), np.dtype(dtype)))
     outs = [
-        bind(recv_p, group=ref, src=s, shape=tuple(sp.shape), dtype=np.dtype(sp.dtype))[0]
-        for sp in specs
+        bind(recv_p, *anchor, group=ref, src=s, shape=shape, dtype=dtype)[0]
+        for anchor, shape, dtype in specs
     ]
     return jax.tree_util.tree_unflatten(treedef, outs)
+
+
+def _anchor(like: Any) -> list[Any]:
+    """A traced ``like`` as a zero-size array that carries its batch axes (none for concrete
+    arrays and shape descriptions, which no transform batches)."""
+    if isinstance(like, core.Tracer):
+        return [jnp.reshape(like, (-1,))[:0]]
+    return []
 
 
 def sendrecv(x: Any, src: int, dst: int, *, rank_list: Any = None, group: Any = None) -> Any:
     """Send ``x`` to position ``dst`` of the group and return what position ``src`` sent this
     rank (shaped like ``x``), at once; e.g. a ring shift: ``sendrecv(x, src=(r - 1) % n,
     dst=(r + 1) % n)``. Differentiable (the cotangent travels back from dst)."""
-    ref = resolve(rank_list, group)
+    ref = resolve(rank_list, group, p2p=True)
     leaves, treedef, _ = flatten(x, "sendrecv", ref)
     s = check_rank(src, "src", "sendrecv", ref)
     d = check_rank(dst, "dst", "sendrecv", ref)
@@ -121,12 +131,14 @@ sendrecv_p.def_abstract_eval(
     lambda x, *, group, src, dst: [core.ShapedArray(x.shape, x.dtype, weak_type=x.weak_type)]
 )
 send_p.def_abstract_eval(lambda x, *, group, dst: [_DONE])
-recv_p.def_abstract_eval(lambda *, group, src, shape, dtype: [core.ShapedArray(shape, dtype)])
+recv_p.def_abstract_eval(lambda *anchor, group, src, shape, dtype: [core.ShapedArray(shape, dtype)])
 barrier_p.def_abstract_eval(lambda *, group: [_DONE])
 
 register_lowering(sendrecv_p, "spmd_sendrecv", src=lambda src, **_: src, dst=lambda dst, **_: dst)
 register_lowering(send_p, "spmd_sendrecv", src=lambda **_: -1, dst=lambda dst, **_: dst)
-register_lowering(recv_p, "spmd_sendrecv", src=lambda src, **_: src, dst=lambda **_: -1)
+register_lowering(
+    recv_p, "spmd_sendrecv", operands=False, src=lambda src, **_: src, dst=lambda **_: -1
+)
 register_lowering(barrier_p, "spmd_barrier")
 
 
@@ -140,14 +152,20 @@ def _sendrecv_transpose(
     )
 
 
-def _send_jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, dst: int) -> Any:
-    outs = send_p.bind(*primals, group=group, dst=dst)
-    return outs, [zero_tangent(o) for o in outs]
+def _constant_jvp(prim: core.Primitive) -> Any:
+    """JVP of a one-sided transfer: the primal call alone; its results have zero tangents."""
+
+    def jvp(primals: list[Any], tangents: list[Any], **params: Any) -> Any:
+        outs = prim.bind(*primals, **params)
+        return outs, [zero_tangent(o) for o in outs]
+
+    return jvp
 
 
 ad.primitive_jvps[sendrecv_p] = linear_jvp(sendrecv_p)
 ad.primitive_transposes[sendrecv_p] = _sendrecv_transpose
-ad.primitive_jvps[send_p] = _send_jvp
+ad.primitive_jvps[send_p] = _constant_jvp(send_p)
+ad.primitive_jvps[recv_p] = _constant_jvp(recv_p)
 
 
 def _sendrecv_batch(args: list[Any], dims: list[Any], **params: Any) -> Any:
@@ -159,5 +177,15 @@ def _send_batch(args: list[Any], dims: list[Any], **params: Any) -> Any:
     return send_p.bind(*batch_first(args, dims)[0], **params), [None]
 
 
+def _recv_batch(args: list[Any], dims: list[Any], *, shape: tuple[int, ...], **params: Any) -> Any:
+    # Receive the whole batch: as many values as the anchor's batch axis holds, batch axis
+    # first. The anchor stays an operand (batch axis first too), so that an enclosing vmap
+    # batches this call in turn.
+    (anchor,), (d,) = args, dims
+    anchor = batching.moveaxis(anchor, d, 0)
+    return recv_p.bind(anchor, shape=(anchor.shape[0], *shape), **params), [0]
+
+
 batching.primitive_batchers[sendrecv_p] = _sendrecv_batch
 batching.primitive_batchers[send_p] = _send_batch
+batching.primitive_batchers[recv_p] = _recv_batch

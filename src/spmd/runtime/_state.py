@@ -31,6 +31,7 @@ class _Runtime:
         self.name: CommunicatorName = launch.communicator or "void"
         self.timeout = _timeout_seconds()
         self.mpi_world: Any = None
+        self.mpi_data: Any = None
         self.store: FileStore | None = None
         self.pool: dict[Groups, Communicator] = {}
 
@@ -49,6 +50,10 @@ class _Runtime:
                     "(README, 'Using a system MPI')."
                 )
             bootstrap: Transport = MpiTransport(self.mpi_world, rank, range(size), self.timeout)
+            # The world's data communicator, for spmd.ops (its collectives never match the
+            # bootstrap's exchanges). Made here, where every rank takes part, so that a send
+            # between two ranks never waits for a third that makes no call.
+            self.mpi_data: Any = self.mpi_world.Dup()
         elif launch.communicator == "void" and launch.size and launch.size > 1:
             rank, size = launch.rank, launch.size
             assert launch.store_path is not None
@@ -110,6 +115,7 @@ class _Runtime:
         if self.mpi_world is not None:
             from mpi4py import MPI
 
+            self.mpi_data.Free()
             self.mpi_world.Free()
             if not MPI.Is_finalized():
                 MPI.Finalize()
@@ -206,6 +212,11 @@ def on_finalize(callback: Callable[[], None]) -> None:
     with _lock:
         if callback not in _finalizers:
             _finalizers.append(callback)
+
+
+def world_data_comm() -> Any:
+    """The world's MPI communicator for collectives' data (None without MPI or before init)."""
+    return _runtime.mpi_data if _runtime is not None else None
 
 
 def is_initialized() -> bool:
