@@ -181,8 +181,7 @@ def _recv_batch(args: list[Any], dims: list[Any], *, shape: tuple[int, ...], **p
     # Receive the whole batch: as many values as the anchor's batch axis holds, batch axis
     # first. The anchor stays an operand (batch axis first too), so that an enclosing vmap
     # batches this call in turn.
-    (anchor,), (d,) = args, dims
-    anchor = batching.moveaxis(anchor, d, 0)
+    (anchor,), _ = batch_first(args, dims)
     return recv_p.bind(anchor, shape=(anchor.shape[0], *shape), **params), [0]
 
 

@@ -53,7 +53,7 @@ class _Runtime:
             # The world's data communicator, for spmd.ops (its collectives never match the
             # bootstrap's exchanges). Made here, where every rank takes part, so that a send
             # between two ranks never waits for a third that makes no call.
-            self.mpi_data: Any = self.mpi_world.Dup()
+            self.mpi_data = self.mpi_world.Dup()
         elif launch.communicator == "void" and launch.size and launch.size > 1:
             rank, size = launch.rank, launch.size
             assert launch.store_path is not None
