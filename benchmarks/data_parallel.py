@@ -14,11 +14,12 @@ against ``@data_parallel`` (results tagged ``-zero``).
 
 Each implementation runs as its own job (this script with ``--worker``): spmd under
 ``spmd-run -n N`` (which pins each rank to its share of the cores; once more with
-``SPMD_BIND=none``), one process alone with the machine, torch DDP under ``spmd-run -n N`` with a
-gloo process group (and torch alone at the global batch, the reference of torch's own scaling),
-N ranks training with no communication at all (the ceiling that any data-parallel
-implementation meets on this machine), and the same with one 4-byte allreduce per step (what
-making the ranks wait for each other costs, before any gradient moves).
+``compression="bf16"``, once with ``SPMD_BIND=none``), one process alone with the machine,
+torch DDP under ``spmd-run -n N`` with a gloo process group (and torch alone at the global
+batch, the reference of torch's own scaling), N ranks training with no communication at all
+(the ceiling that any data-parallel implementation meets on this machine), and the same with
+one 4-byte allreduce per step (what making the ranks wait for each other costs, before any
+gradient moves).
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ def worker_spmd(args: argparse.Namespace) -> dict[str, Any]:
         step = spmd.zero_shard(train_step, stage=args.stage, bucket_mb=args.bucket_mb)
         params, opt_state = step.shard(params, opt_state)
     else:
-        step = spmd.data_parallel(train_step, bucket_mb=args.bucket_mb)
+        compression = "bf16" if args.worker == "spmd-bf16" else None
+        step = spmd.data_parallel(train_step, bucket_mb=args.bucket_mb, compression=compression)
 
     med = _time_steps(step, params, opt_state, args.batch, comm.rank, args)
     slowest = max(comm.allgather_object(med))  # the step ends when the slowest rank does
@@ -226,7 +228,8 @@ def worker_torch_single(args: argparse.Namespace) -> dict[str, Any]:
             "global_batch": rows}  # fmt: skip
 
 
-WORKERS = {"spmd": worker_spmd, "spmd-unpinned": worker_spmd, "single": worker_single,
+WORKERS = {"spmd": worker_spmd, "spmd-unpinned": worker_spmd, "spmd-bf16": worker_spmd,
+           "single": worker_single,
            "nocomm": worker_nocomm, "sync": worker_nocomm, "torch": worker_torch,
            "torch-single": worker_torch_single,
            "zero1": worker_spmd, "zero2": worker_spmd, "zero3": worker_spmd}  # fmt: skip
@@ -276,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     impls = (
         ["single", "spmd", "zero1", "zero2", "zero3"]
         if args.zero
-        else ["single", "nocomm", "sync", "spmd", "spmd-unpinned"]
+        else ["single", "nocomm", "sync", "spmd", "spmd-bf16", "spmd-unpinned"]
     )
     skipped = {}
     if package_version("torch") is None:
@@ -299,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         "single": "one process",
         "spmd": f"spmd data_parallel ({args.ranks} ranks)",
         "spmd-unpinned": f"spmd data_parallel ({args.ranks} ranks, SPMD_BIND=none)",
+        "spmd-bf16": f"spmd data_parallel ({args.ranks} ranks, compression='bf16')",
         "nocomm": f"{args.ranks} ranks, no communication (ceiling)",
         "sync": f"{args.ranks} ranks, only a 4-byte allreduce per step",
         "torch": f"torch DDP gloo ({args.ranks} ranks)",

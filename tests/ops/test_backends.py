@@ -76,6 +76,26 @@ def test_backend_from_the_environment(comm):
     np.testing.assert_array_equal(spmd.allgather(jnp.int32(comm.rank)[None]), np.arange(comm.size))
 
 
+@multirank(nprocs=(2,), env={"SPMD_BACKEND": "hier"})
+def test_an_unavailable_backend_fails_every_collective_but_not_point_to_point(comm):
+    """hier needs several nodes: every collective raises, the second as the first (never a
+    silent fall back to shared memory); send/recv need only MPI and still work; forcing a
+    backend the group has makes the collectives work."""
+    for _ in range(2):
+        with pytest.raises(spmd.SpmdError, match="backend 'hier' is not available"):
+            spmd.allreduce(jnp.float32(1))
+    if comm.rank == 0:
+        spmd.send(jnp.arange(3), dst=1)
+    else:
+        np.testing.assert_array_equal(spmd.recv(jnp.zeros(3, jnp.int32), src=0), [0, 1, 2])
+    try:
+        spmd.ops.set_backend("shm")
+        assert float(spmd.allreduce(jnp.float32(comm.rank + 1))) == 3
+        assert spmd.ops.get_backend() == "shm"
+    finally:
+        spmd.ops.set_backend("auto")
+
+
 @multirank(nprocs=(2, 3), launcher="env")
 def test_file_store_communicator_runs_on_shared_memory(comm):
     assert comm.backend == "void"

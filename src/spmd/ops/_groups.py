@@ -92,7 +92,8 @@ class _Registered:
     available: tuple[str, ...]
     mpi_comms: list[Any]  # the MPI communicators this module made (and frees)
     data: Any = None  # the MPI communicator of the group's data, if it has MPI
-    complete: bool = False  # shared memory attached and backend chosen (see _complete)
+    attached: bool = False  # shared memory (and the hierarchical path) attached
+    complete: bool = False  # ... and a backend chosen (see _complete)
 
 
 _lock = threading.RLock()
@@ -223,7 +224,16 @@ def _register(comm: Communicator, gid: int) -> _Registered:
 
 def _complete(gid: int, reg: _Registered) -> None:
     """Attach shared memory (and the hierarchical path) and choose the backend: collective over
-    the group, on its first call other than a point-to-point one."""
+    the group, on its first call other than a point-to-point one. A backend that cannot be used
+    raises here, and again on the next call (the transports stay attached)."""
+    if not reg.attached:
+        reg.available = _attach(gid, reg)
+        reg.attached = True
+    _apply_backend(gid, reg)
+    reg.complete = True
+
+
+def _attach(gid: int, reg: _Registered) -> tuple[str, ...]:
     comm = reg.comm
     nodes = _node_layout(comm)
     available = []
@@ -248,9 +258,7 @@ def _complete(gid: int, reg: _Registered) -> None:
                     leader_ranks,
                 )  # fmt: skip
             available.append("hier")
-    reg.available = tuple(available)
-    _apply_backend(gid, reg)
-    reg.complete = True
+    return tuple(available)
 
 
 def _auto_backend(reg: _Registered) -> str:
