@@ -555,20 +555,19 @@ def register_lowering(
     prim: core.Primitive,
     target: str,
     cuda_attrs: Callable[..., dict[str, Any]] | None = None,
-    operands: bool = True,
+    pass_operands: bool = True,
     **attr_params: Callable[..., Any],
 ) -> None:
     """Lower ``prim`` to the FFI target ``target`` on CPU and ``spmd_cuda_<op>`` on GPU.
 
     ``attr_params`` map FFI attribute names to functions of the primitive's parameters;
     ``cuda_attrs(ctx, **params)`` adds the GPU handler's own attributes (the all-reduce's
-    backend chain). ``operands=False``: the native call takes none of the primitive's operands
+    backend chain). ``pass_operands=False``: the native call takes none of the primitive's operands
     (recv's, which only carry batch axes).
     """
-    keep = operands
 
     def cpu_rule(ctx: mlir.LoweringRuleContext, *operands: Any, **params: Any) -> list[Any]:
-        if not keep:
+        if not pass_operands:
             ctx, operands = ctx.replace(avals_in=[]), ()
         group: GroupRef = params["group"]
         attrs = {name: fn(**params) for name, fn in attr_params.items()}
@@ -577,7 +576,7 @@ def register_lowering(
     def cuda_rule(ctx: mlir.LoweringRuleContext, *operands: Any, **params: Any) -> list[Any]:
         from . import _cuda
 
-        if not keep:
+        if not pass_operands:
             ctx, operands = ctx.replace(avals_in=[]), ()
         group: GroupRef = params["group"]
         _cuda.ensure_handlers()

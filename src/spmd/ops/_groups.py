@@ -88,12 +88,11 @@ class GroupRef:
 @dataclass
 class _Registered:
     comm: Communicator
-    backend: str
+    backend: str  # "" until chosen, on the group's first collective (see _complete)
     available: tuple[str, ...]
     mpi_comms: list[Any]  # the MPI communicators this module made (and frees)
     data: Any = None  # the MPI communicator of the group's data, if it has MPI
     attached: bool = False  # shared memory (and the hierarchical path) attached
-    complete: bool = False  # ... and a backend chosen (see _complete)
 
 
 _lock = threading.RLock()
@@ -230,7 +229,6 @@ def _complete(gid: int, reg: _Registered) -> None:
         reg.available = _attach(gid, reg)
         reg.attached = True
     _apply_backend(gid, reg)
-    reg.complete = True
 
 
 def _attach(gid: int, reg: _Registered) -> tuple[str, ...]:
@@ -306,7 +304,7 @@ def group_ref(comm: Communicator, p2p: bool = False) -> GroupRef:
             if reg is None:
                 on_finalize(_finalize)
                 reg = _registered[gid] = _register(comm, gid)
-            if not p2p and not reg.complete:
+            if not p2p and not reg.backend:
                 _complete(gid, reg)
         if gid not in _gpu_checked:
             on_finalize(_finalize)
@@ -384,12 +382,12 @@ def set_backend(name: str) -> None:
         _forced = name
         try:
             for gid, reg in _registered.items():
-                if reg.complete:  # the others choose when they complete
+                if reg.backend:  # the others choose on their first collective
                     _apply_backend(gid, reg)
         except SpmdError:
             _forced = previous
             for gid, reg in _registered.items():
-                if reg.complete:
+                if reg.backend:
                     _apply_backend(gid, reg)
             raise
 

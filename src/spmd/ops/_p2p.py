@@ -137,7 +137,7 @@ barrier_p.def_abstract_eval(lambda *, group: [_DONE])
 register_lowering(sendrecv_p, "spmd_sendrecv", src=lambda src, **_: src, dst=lambda dst, **_: dst)
 register_lowering(send_p, "spmd_sendrecv", src=lambda **_: -1, dst=lambda dst, **_: dst)
 register_lowering(
-    recv_p, "spmd_sendrecv", operands=False, src=lambda src, **_: src, dst=lambda **_: -1
+    recv_p, "spmd_sendrecv", pass_operands=False, src=lambda src, **_: src, dst=lambda **_: -1
 )
 register_lowering(barrier_p, "spmd_barrier")
 
