@@ -22,14 +22,13 @@ std::shared_ptr<Group> GroupFind(int64_t id) {
 }
 
 Status GroupCreate(int64_t id, int rank, int size, std::vector<int> world_ranks, double timeout_s,
-                   bool debug, size_t one_shot_max) {
+                   size_t one_shot_max) {
   auto g = std::make_shared<Group>();
   g->id = id;
   g->rank = rank;
   g->size = size;
   g->world_ranks = std::move(world_ranks);
   g->timeout_s = timeout_s;
-  g->debug = debug;
   g->one_shot_max = one_shot_max;
   std::lock_guard<std::mutex> lock(registry_mu);
   if (Registry().count(id)) return Status::Error("group id " + std::to_string(id) + " exists");

@@ -24,7 +24,6 @@ struct Group {
   int rank = 0, size = 1;
   std::vector<int> world_ranks;
   double timeout_s = 300;
-  bool debug = false;
   size_t one_shot_max = 64 * 1024;
   Backend backend = Backend::kShm;
   std::unique_ptr<ShmGroup> shm;    // every rank of the group, when all share one node
@@ -37,7 +36,7 @@ struct Group {
 };
 
 Status GroupCreate(int64_t id, int rank, int size, std::vector<int> world_ranks, double timeout_s,
-                   bool debug, size_t one_shot_max);
+                   size_t one_shot_max);
 // which: 0 = the whole group, 1 = the node-local part (hierarchical).
 Status GroupAttachShm(int64_t id, int which, const std::string& name, bool create, int rank,
                       int size, std::vector<int> world_ranks, size_t chunk);

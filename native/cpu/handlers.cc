@@ -161,11 +161,17 @@ ffi::Error FromStatus(const Call& call, const Status& s) {
   return s.ok() ? ffi::Error::Success() : Fail(call, s.message());
 }
 
-// Under SPMD_DEBUG=1 the MPI path checks the signatures first (shared memory always does).
-Status DebugCheck(const Call& call, const MpiComm& comm) {
-  if (!call.group->debug) return Status::Ok();
+// The MPI path checks that every rank made the same call before it moves data, as shared memory
+// does in its first sync: MPI does not compare shapes, and an allreduce of 4 elements meeting one
+// of 6 would return garbage in the 2 extra elements. One allgather of 8 bytes per call (once per
+// fused call, not per leaf); the descriptions are exchanged only when the hashes differ.
+Status MpiCheck(const Call& call, const MpiComm& comm) {
   return comm.CheckSame(call.hash, call.Describe());
 }
+
+// Whether the group moves this call's data over its MPI communicator (the fall-back order of
+// the per-leaf ops below: shared memory when chosen, else MPI, else shared memory).
+bool OverMpi(const Group& g) { return !(g.backend == Backend::kShm && g.shm) && g.has_mpi; }
 
 Status NoBackend(const Call&) {
   return Status::Error("this group has no transport for the operation (send/recv/sendrecv need "
@@ -249,6 +255,9 @@ Status AllreduceImpl(Call& call, ReduceOp op) {
     return g.shm->Allreduce(call.Sig(), op, call.in, call.out, g.one_shot_max);
   }
   if (b == Backend::kHier && g.local) {
+    // Shared memory compares the calls inside each node; this compares them across nodes, on
+    // every rank of the group, so that every rank raises (not only the node leaders).
+    if (g.has_mpi) SPMD_RETURN_IF_ERROR(MpiCheck(call, g.mpi));
     bool half = false;
     for (const Leaf& l : call.in) half = half || IsHalf(l.dtype);
     if (!half || (op != ReduceOp::kSum && op != ReduceOp::kProd)) {
@@ -265,7 +274,7 @@ Status AllreduceImpl(Call& call, ReduceOp op) {
     return Status::Ok();
   }
   if (g.has_mpi) {
-    SPMD_RETURN_IF_ERROR(DebugCheck(call, g.mpi));
+    SPMD_RETURN_IF_ERROR(MpiCheck(call, g.mpi));
     return AllreduceMpi(call, g.mpi, op, call.in, call.out);
   }
   if (g.shm) return g.shm->Allreduce(call.Sig(), op, call.in, call.out, g.one_shot_max);
@@ -310,6 +319,9 @@ ffi::Error AllgatherFfi(int64_t group, ffi::Span<const int64_t> sizes, ffi::Rema
   call.sizes = sizes;
   call.has_sizes = true;
   std::lock_guard<std::mutex> lock(g.mu);
+  if (OverMpi(g)) {
+    if (Status s = MpiCheck(call, g.mpi); !s.ok()) return FromStatus(call, s);
+  }
   for (size_t i = 0; i < call.in.size(); ++i) {
     std::vector<size_t> bytes(g.size, call.in[i].bytes);
     if (!(sizes.size() == 0)) {
@@ -319,8 +331,7 @@ ffi::Error AllgatherFfi(int64_t group, ffi::Span<const int64_t> sizes, ffi::Rema
     if (g.backend == Backend::kShm && g.shm) {
       s = g.shm->Allgatherv(call.Sig(), call.in[i], call.out[i], bytes);
     } else if (g.has_mpi) {
-      s = DebugCheck(call, g.mpi);
-      if (s.ok()) s = g.mpi.Allgatherv(call.in[i].data, call.out[i].data, bytes);
+      s = g.mpi.Allgatherv(call.in[i].data, call.out[i].data, bytes);
     } else if (g.shm) {
       s = g.shm->Allgatherv(call.Sig(), call.in[i], call.out[i], bytes);
     } else {
@@ -352,6 +363,9 @@ ffi::Error ReduceScatterFfi(int64_t group, int32_t op, ffi::Span<const int64_t> 
   call.sizes = sizes;
   call.has_sizes = true;
   std::lock_guard<std::mutex> lock(g.mu);
+  if (OverMpi(g)) {
+    if (Status s = MpiCheck(call, g.mpi); !s.ok()) return FromStatus(call, s);
+  }
   for (size_t i = 0; i < call.in.size(); ++i) {
     std::vector<size_t> bytes(g.size, call.out[i].bytes);
     if (!(sizes.size() == 0)) {
@@ -362,13 +376,10 @@ ffi::Error ReduceScatterFfi(int64_t group, int32_t op, ffi::Span<const int64_t> 
       s = g.shm->ReduceScatterv(call.Sig(), static_cast<ReduceOp>(op), call.in[i], call.out[i],
                                 bytes);
     } else if (g.has_mpi) {
-      s = DebugCheck(call, g.mpi);
       std::vector<size_t> counts;
       for (size_t b : bytes) counts.push_back(b / call.in[i].elem);
-      if (s.ok()) {
-        s = g.mpi.ReduceScatterv(call.in[i].data, call.out[i].data, counts, call.in[i].dtype,
-                                 static_cast<ReduceOp>(op));
-      }
+      s = g.mpi.ReduceScatterv(call.in[i].data, call.out[i].data, counts, call.in[i].dtype,
+                               static_cast<ReduceOp>(op));
     } else if (g.shm) {
       s = g.shm->ReduceScatterv(call.Sig(), static_cast<ReduceOp>(op), call.in[i], call.out[i],
                                 bytes);
@@ -390,14 +401,16 @@ ffi::Error BroadcastFfi(int64_t group, int64_t root, ffi::RemainingArgs args,
   call.root = root;
   call.Mix(static_cast<uint64_t>(root));
   std::lock_guard<std::mutex> lock(g.mu);
+  if (OverMpi(g)) {
+    if (Status s = MpiCheck(call, g.mpi); !s.ok()) return FromStatus(call, s);
+  }
   for (size_t i = 0; i < call.in.size(); ++i) {
     Status s;
     if (g.backend == Backend::kShm && g.shm) {
       s = g.shm->Broadcast(call.Sig(), static_cast<int>(root), call.in[i], call.out[i]);
     } else if (g.has_mpi) {
-      s = DebugCheck(call, g.mpi);
-      if (s.ok() && g.rank == root) std::memcpy(call.out[i].data, call.in[i].data, call.in[i].bytes);
-      if (s.ok()) s = g.mpi.Broadcast(call.out[i].data, call.out[i].bytes, static_cast<int>(root));
+      if (g.rank == root) std::memcpy(call.out[i].data, call.in[i].data, call.in[i].bytes);
+      s = g.mpi.Broadcast(call.out[i].data, call.out[i].bytes, static_cast<int>(root));
     } else if (g.shm) {
       s = g.shm->Broadcast(call.Sig(), static_cast<int>(root), call.in[i], call.out[i]);
     } else {
@@ -413,14 +426,16 @@ ffi::Error AllToAllFfi(int64_t group, ffi::RemainingArgs args, ffi::RemainingRet
   if (ffi::Error e = Decode(call, group, args, rets, false); e.failure()) return e;
   Group& g = *call.group;
   std::lock_guard<std::mutex> lock(g.mu);
+  if (OverMpi(g)) {
+    if (Status s = MpiCheck(call, g.mpi); !s.ok()) return FromStatus(call, s);
+  }
   for (size_t i = 0; i < call.in.size(); ++i) {
     size_t block = call.in[i].bytes / static_cast<size_t>(g.size);
     Status s;
     if (g.backend == Backend::kShm && g.shm) {
       s = g.shm->AllToAll(call.Sig(), call.in[i], call.out[i], block);
     } else if (g.has_mpi) {
-      s = DebugCheck(call, g.mpi);
-      if (s.ok()) s = g.mpi.AllToAll(call.in[i].data, call.out[i].data, block);
+      s = g.mpi.AllToAll(call.in[i].data, call.out[i].data, block);
     } else if (g.shm) {
       s = g.shm->AllToAll(call.Sig(), call.in[i], call.out[i], block);
     } else {
@@ -454,7 +469,10 @@ ffi::Error BarrierFfi(int64_t group, ffi::RemainingArgs args, ffi::RemainingRets
   Group& g = *call.group;
   std::lock_guard<std::mutex> lock(g.mu);
   if (g.backend != Backend::kMpi && g.shm) return FromStatus(call, g.shm->Barrier(call.Sig()));
-  if (g.has_mpi) return FromStatus(call, g.mpi.Barrier());
+  if (g.has_mpi) {
+    if (Status s = MpiCheck(call, g.mpi); !s.ok()) return FromStatus(call, s);
+    return FromStatus(call, g.mpi.Barrier());
+  }
   if (g.shm) return FromStatus(call, g.shm->Barrier(call.Sig()));
   return FromStatus(call, NoBackend(call));
 }

@@ -62,19 +62,18 @@ PyObject* MpiLoad(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// group_create(id, rank, size, world_ranks, timeout_s, debug, one_shot_max) -> None
+// group_create(id, rank, size, world_ranks, timeout_s, one_shot_max) -> None
 PyObject* GroupCreate(PyObject*, PyObject* args) {
   long long id, one_shot_max;
-  int rank, size, debug;
+  int rank, size;
   double timeout;
   PyObject* ranks;
-  if (!PyArg_ParseTuple(args, "LiiOdpL", &id, &rank, &size, &ranks, &timeout, &debug,
-                        &one_shot_max)) {
+  if (!PyArg_ParseTuple(args, "LiiOdL", &id, &rank, &size, &ranks, &timeout, &one_shot_max)) {
     return nullptr;
   }
   std::vector<int> r;
   if (!IntList(ranks, &r)) return nullptr;
-  spmd::Status s = spmd::GroupCreate(id, rank, size, std::move(r), timeout, debug != 0,
+  spmd::Status s = spmd::GroupCreate(id, rank, size, std::move(r), timeout,
                                      static_cast<size_t>(one_shot_max));
   if (!s.ok()) return Raise(s);
   Py_RETURN_NONE;

@@ -59,16 +59,24 @@ def _mismatch(comm, what):
     return text
 
 
-@multirank(nprocs=(2, 3))
-def test_shapes_or_dtypes_that_differ_between_ranks(comm):
+def _every_kind_of_mismatch(comm):
     text = _mismatch(comm, lambda r: spmd.allreduce(jnp.ones((2 + r,))))
     assert "float32[2]" in text and "float32[3]" in text
+    # A sum of 4 elements meeting one of 400_000: over MPI this once returned garbage in the
+    # elements only one rank had.
+    text = _mismatch(comm, lambda r: spmd.allreduce(jnp.ones((4 * 100_000 ** min(r, 1),))))
+    assert "float32[4]" in text and "float32[400000]" in text
     text = _mismatch(comm, lambda r: spmd.allgather(jnp.ones(2, jnp.float32 if r else jnp.int32)))
     assert "int32[2]" in text and "float32[2]" in text
     _mismatch(comm, lambda r: spmd.broadcast(jnp.ones((1 + r, 2))))
     _mismatch(comm, lambda r: spmd.reduce_scatter(jnp.ones((comm.size * (1 + r),))))
+    _mismatch(comm, lambda r: spmd.all_to_all(jnp.ones((comm.size * (1 + r), 2))))
+    # A fused call of two leaves against one of one.
+    _mismatch(comm, lambda r: spmd.allreduce([jnp.ones(3)] * (1 + min(r, 1))))
     # Different ops at the same point in the program.
     _mismatch(comm, lambda r: spmd.allreduce(jnp.ones(4), "max" if r else "sum"))
+    text = _mismatch(comm, lambda r: spmd.allreduce(jnp.ones(3)) if r else spmd.barrier())
+    assert "rank 0: barrier()" in text, text
     # Different ops once both have succeeded, so that JAX takes its cached fast path (which
     # raises another exception type).
     spmd.allreduce(jnp.ones(3))
@@ -80,14 +88,32 @@ def test_shapes_or_dtypes_that_differ_between_ranks(comm):
         f(jnp.ones((2 + comm.rank,))).block_until_ready()
     # The group still works afterwards.
     assert float(spmd.allreduce(jnp.float32(1))) == comm.size
+    np.testing.assert_array_equal(spmd.allgather(jnp.int32(comm.rank)[None]), np.arange(comm.size))
 
 
-@multirank(nprocs=(2, 3), env={"SPMD_DEBUG": "1", "SPMD_BACKEND": "mpi"})
-def test_mismatch_detected_over_mpi_under_debug(comm):
+@multirank(nprocs=(2, 3))
+def test_shapes_or_dtypes_that_differ_between_ranks(comm):
+    assert spmd.ops.get_backend() == "shm"
+    _every_kind_of_mismatch(comm)
+
+
+@multirank(nprocs=(2, 3), env={"SPMD_BACKEND": "mpi"})
+def test_shapes_or_dtypes_that_differ_between_ranks_over_mpi(comm):
+    """MPI compares nothing itself: spmd checks every call, as shared memory does."""
     assert spmd.ops.get_backend() == "mpi"
-    text = _mismatch(comm, lambda r: spmd.allreduce(jnp.ones((2 + r,))))
-    assert "float32[2]" in text and "float32[3]" in text
-    assert float(spmd.allreduce(jnp.float32(1))) == comm.size
+    _every_kind_of_mismatch(comm)
+
+
+@multirank(nprocs=(4,), env={"SPMD_SIMULATE_NODES": "2"}, timeout=HEAVY)
+def test_shapes_or_dtypes_that_differ_between_nodes_over_hier(comm):
+    """Nodes {0, 1} and {2, 3}: the cases above make rank 0 differ from the other rank of its
+    node; here the node {2, 3} agrees within itself and differs from the node {0, 1}, which
+    only the check between nodes can see."""
+    assert spmd.ops.get_backend() == "hier"
+    _every_kind_of_mismatch(comm)
+    text = _mismatch(comm, lambda r: spmd.allreduce(jnp.ones((2 + r // 2,))))
+    assert "rank 1: allreduce(op=sum) of float32[2]" in text
+    assert "rank 2: allreduce(op=sum) of float32[3]" in text
 
 
 @multirank(nprocs=(2, 3), env={"SPMD_TIMEOUT": "10"})
@@ -124,8 +150,8 @@ def test_a_backward_collective_never_pairs_with_a_forward_one(comm):
     np.testing.assert_allclose(g, (r + 1) * n * 2 * sum(range(1, n + 1)) * np.ones(2))
 
 
-@multirank(nprocs=(2,), env={"SPMD_DEBUG": "1", "SPMD_BACKEND": "mpi"})
-def test_a_backward_collective_is_named_over_mpi_under_debug(comm):
+@multirank(nprocs=(2,), env={"SPMD_BACKEND": "mpi"})
+def test_a_backward_collective_is_named_over_mpi(comm):
     def loss(v):
         return jnp.sum(spmd.broadcast(v if comm.rank == 0 else jnp.zeros(3), root=0) ** 2)
 

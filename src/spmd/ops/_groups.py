@@ -200,9 +200,8 @@ def _register(comm: Communicator, gid: int) -> _Registered:
     this involves no other rank (its MPI communicator was made in spmd.init); for a sub-group,
     making its communicator is collective over the group."""
     _register_handlers()
-    debug = os.environ.get("SPMD_DEBUG", "") not in ("", "0")
     native().group_create(
-        gid, comm.rank, comm.size, list(comm.ranks), timeout_seconds(), debug, ONE_SHOT_MAX
+        gid, comm.rank, comm.size, list(comm.ranks), timeout_seconds(), ONE_SHOT_MAX
     )
     reg = _Registered(comm, "", (), [])
     mpi = comm.mpi_comm()
