@@ -433,6 +433,63 @@ def test_sharded_arrays_round_trip_and_each_shard_is_written_once(tmp_path, npro
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
+def spread_writes(directory):
+    """Large replicated leaves are written by several ranks. To see who wrote which, each rank
+    passes its own rank as the value (a user's error: replicated leaves must agree)."""
+    comm = spmd.init()
+    mib = 1 << 20
+    tree = {
+        "big": [jnp.full((k * mib // 4,), comm.rank, jnp.float32) for k in (4, 3, 2, 1, 1, 1)],
+        "small": jnp.full((100,), comm.rank, jnp.int32),  # under 1 MiB: rank 0 writes it
+    }
+    path = Path(directory) / "ck"
+    save(path, tree)
+    out = load(path)
+    writers = [int(np.asarray(x)[0]) for x in out["big"]]
+    assert all(np.all(np.asarray(x) == w) for x, w in zip(out["big"], writers, strict=True))
+    return writers, int(np.asarray(out["small"])[0])
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_large_replicated_leaves_are_written_by_several_ranks(tmp_path, nprocs):
+    writers, small = run(spread_writes, nprocs, args=(str(tmp_path),))[0]
+    # Largest first, each to the rank with the fewest bytes so far (ties: the lowest rank).
+    if nprocs == 2:
+        # MiB so far after each leaf (rank 0, rank 1): 4,0 | 4,3 | 4,5 | 5,5 | 6,5 | 6,6
+        assert writers == [0, 1, 1, 0, 0, 1]
+    else:
+        # (rank 0, 1, 2): 4,0,0 | 4,3,0 | 4,3,2 | 4,3,3 | 4,4,3 | 4,4,4
+        assert writers == [0, 1, 2, 2, 1, 2]
+    assert small == 0
+
+
+def test_the_write_plan_evens_out_bytes_per_rank():
+    from spmd.checkpoint import _plan
+
+    full = ((0, 8), (0, 1024))
+    # 4 ranks: 6 replicated leaves of 32 KiB (float32 8 x 1024) and 2 MiB ones, and a leaf
+    # sharded in 2 halves held by ranks {0, 1} and {2, 3} (dp replicas of a tp shard).
+    halves = [((0, 4), (0, 1024)), ((4, 8), (0, 1024))]
+
+    def summary(rank):
+        leaves = [("['s']", "sharded", (8, 1024), "float32", "P('tp')", halves[rank // 2])]
+        for k in range(6):
+            leaves.append((f"['r{k}']", "jax", (8, 64 * 1024), "float32", None, None))
+        leaves.append(("['tiny']", "jax", (8, 1024), "float32", None, full))
+        return leaves
+
+    plan = _plan([summary(r) for r in range(4)], "test")
+    writers = [[f.writer for f in p.files] for p in plan]
+    assert writers[0] == [0, 2]  # each half by a rank that holds it, the first by rank 0
+    assert writers[-1] == [0]  # 32 KiB: rank 0
+    load = [0] * 4
+    for p, nbytes in zip(plan[1:-1], [2 << 20] * 6, strict=True):
+        load[p.files[0].writer] += nbytes
+    # the two ranks that wrote no shard take the first two big leaves, then it alternates
+    assert [p.files[0].writer for p in plan[1:-1]] == [1, 3, 0, 2, 1, 3]
+    assert load == [2 << 20, 4 << 20, 2 << 20, 4 << 20]
+
+
 def errors_on_every_rank(directory):
     comm = spmd.init()
     tree, _, _ = _sharded_tree(comm.size)

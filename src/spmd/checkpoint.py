@@ -49,9 +49,12 @@ Guarantees
   ``{path}.tmp-*`` / ``{path}.old-*`` directories of interrupted saves are removed by the next
   successful save to the same path. Run one save to a given path at a time. A ``path`` that
   is a symbolic link is followed: the directory it points to is replaced, the link stays.
-- Each distinct piece of data is written once: replicated leaves by rank 0; each distinct shard
-  of a ShardedArray by the lowest rank that holds it (ranks whose ``index()`` agree hold the same
-  shard, e.g. the dp replicas of a tensor-parallel shard).
+- Each distinct piece of data is written once, and the writing is spread over the ranks: each
+  distinct shard of a ShardedArray by the least loaded rank that holds it (ranks whose
+  ``index()`` agree hold the same shard, e.g. the dp replicas of a tensor-parallel shard), then
+  each replicated leaf of 1 MiB or more, largest first, by the rank with the fewest bytes to
+  write so far; smaller replicated leaves by rank 0. A data-parallel model's 4 equal layers
+  saved on 2 ranks are 2 files per rank, written at the same time.
 - Any world size, any layout. The files describe the global array, not who wrote it: a
   checkpoint saved on 4 ranks with ZeRO stage 3 loads on 1, 2 or 3 ranks as full arrays or in
   another sharding (``like=``), and the reverse. Each rank reads only the files its part
@@ -125,9 +128,9 @@ def save(
     Args:
         path: the checkpoint directory. If it exists it must be a checkpoint (or empty); it is
             replaced only once the new checkpoint is complete.
-        tree: a pytree whose leaves are replicated arrays (jax or numpy; the same on every rank;
-            rank 0's are written), Python or numpy scalars, or :class:`spmd.ShardedArray`
-            (each distinct shard written once, without its padding).
+        tree: a pytree whose leaves are replicated arrays (jax or numpy; the same on every rank:
+            each is written by one rank, rank 0 for small ones), Python or numpy scalars, or
+            :class:`spmd.ShardedArray` (each distinct shard written once, without its padding).
         metadata: a JSON-serialisable dict with string keys, e.g.
             ``{"step": 10, "sampler": sampler.state_dict()}``; read it back with
             :func:`metadata`. Tuples come back as lists, as JSON has only lists.
@@ -457,24 +460,42 @@ class _Planned:
     spec: str | None
 
 
+# Replicated leaves smaller than this are written by rank 0: spreading them saves less time than
+# it costs to open one more file on another rank.
+SPREAD_MIN_BYTES = 1 << 20
+
+
 def _plan(summaries: list[Any], where: str) -> list[_Planned]:
     """Which files each leaf becomes and which rank writes each: the same on every rank, since
-    every rank computes it from the same exchanged summaries."""
+    every rank computes it from the same exchanged summaries. Writers are chosen to even out the
+    bytes each rank writes: shards first (each among the ranks that hold it), then the large
+    replicated leaves (any rank holds them), largest first, each to the least loaded rank."""
     mine = summaries[0]
     for r, other in enumerate(summaries[1:], start=1):
         _check_same_tree(mine, other, r, where)
-    plan = []
-    for i, (path, kind, shape, _, spec, _) in enumerate(mine):
-        full: Index = tuple((0, g) for g in shape)
+    load = [0] * len(summaries)
+
+    def least_loaded(candidates: list[int], nbytes: int) -> int:
+        r = min(candidates, key=lambda c: (load[c], c))
+        load[r] += nbytes
+        return r
+
+    plan: list[_Planned | None] = [None] * len(mine)
+    spread: list[tuple[int, int]] = []  # (bytes, leaf) of the replicated leaves to spread
+    for i, (path, kind, shape, dtype, spec, _) in enumerate(mine):
         if kind != "sharded":
-            plan.append(_Planned((_File(f"{i:05d}.bin", full, 0),), None))
+            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+            if nbytes >= SPREAD_MIN_BYTES:
+                spread.append((nbytes, i))
+            else:
+                plan[i] = _Planned((_File(f"{i:05d}.bin", tuple((0, g) for g in shape), 0),), None)
             continue
-        # Ranks whose index() agree hold the same shard: the lowest of them writes it. Empty
-        # shards (more ranks than rows) hold nothing and get no file.
-        owners: dict[Index, int] = {}
+        # Ranks whose index() agree hold the same shard. Empty shards (more ranks than rows)
+        # hold nothing and get no file.
+        holders: dict[Index, list[int]] = {}
         for r, s in enumerate(summaries):
-            owners.setdefault(tuple(s[i][5]), r)
-        shards = [(idx, r) for idx, r in owners.items() if _volume(idx) > 0]
+            holders.setdefault(tuple(s[i][5]), []).append(r)
+        shards = [(idx, rs) for idx, rs in holders.items() if _volume(idx) > 0]
         covered = sum(_volume(idx) for idx, _ in shards)
         if covered != math.prod(shape):
             raise SpmdError(
@@ -482,12 +503,17 @@ def _plan(summaries: list[Any], where: str) -> list[_Planned]:
                 f"{math.prod(shape)} elements of the ShardedArray {path} (spec {spec}); save "
                 "over a group that holds every shard (group=None: the default communicator)"
             )
+        itemsize = np.dtype(dtype).itemsize
         files = tuple(
-            _File(f"{i:05d}.{k:05d}.bin", idx, r)
-            for k, (idx, r) in enumerate(sorted(shards, key=lambda t: t[0]))
+            _File(f"{i:05d}.{k:05d}.bin", idx, least_loaded(rs, _volume(idx) * itemsize))
+            for k, (idx, rs) in enumerate(sorted(shards, key=lambda t: t[0]))
         )
-        plan.append(_Planned(files, spec))
-    return plan
+        plan[i] = _Planned(files, spec)
+    everyone = list(range(len(summaries)))
+    for nbytes, i in sorted(spread, key=lambda t: (-t[0], t[1])):
+        full: Index = tuple((0, g) for g in mine[i][2])
+        plan[i] = _Planned((_File(f"{i:05d}.bin", full, least_loaded(everyone, nbytes)),), None)
+    return [p for p in plan if p is not None]
 
 
 def _check_same_tree(mine: list[Any], other: list[Any], r: int, where: str) -> None:
