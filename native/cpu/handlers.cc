@@ -66,8 +66,11 @@ struct Call {
   std::shared_ptr<Group> group;  // held for the whole call (groups.cc)
   std::vector<Leaf> in, out;
   std::vector<std::vector<int64_t>> dims;  // of the inputs
+  std::vector<ffi::DataType> dtypes;       // of the inputs (`in` may be swapped for wire copies)
   // Static parameters, formatted only when ranks disagree (never on the hot path).
   int32_t op = -1;
+  int32_t wire = 0;  // allreduce compression: 1 float16, 2 bfloat16 (spmd/ops/_allreduce.py)
+  int64_t div = 1;   // compressed: what each rank's values are divided by (op avg)
   int64_t root = -1;
   int role = kRoleForward;
   ffi::Span<const int64_t> sizes;
@@ -75,7 +78,8 @@ struct Call {
 
   std::string Params() const {
     std::string p;
-    if (op >= 0) p += std::string("op=") + kReduceNames[op];
+    if (op >= 0) p += std::string("op=") + (div > 1 ? "avg" : kReduceNames[op]);
+    if (wire) p += std::string(", compression=") + (wire == 2 ? "bf16" : "fp16");
     if (root >= 0) p += (p.empty() ? "" : ", ") + std::string("root=") + std::to_string(root);
     if (has_sizes) {
       p += (p.empty() ? "" : ", ") + std::string("sizes=[");
@@ -94,9 +98,9 @@ struct Call {
   }
   std::string Describe() const {
     std::string s = std::string(kNames[code]) + "(" + Params() + ") of ";
-    if (in.empty()) s += "no arrays";
-    for (size_t i = 0; i < in.size(); ++i) {
-      s += (i ? ", " : "") + std::string(DtypeName(in[i].dtype)) + "[";
+    if (dtypes.empty()) s += "no arrays";
+    for (size_t i = 0; i < dtypes.size(); ++i) {
+      s += (i ? ", " : "") + std::string(DtypeName(dtypes[i])) + "[";
       for (size_t k = 0; k < dims[i].size(); ++k) {
         s += (k ? "," : "") + std::to_string(dims[i][k]);
       }
@@ -143,6 +147,7 @@ ffi::Error Decode(Call& call, int64_t group_id, ffi::RemainingArgs args, ffi::Re
     call.in.push_back({static_cast<char*>(b->untyped_data()), b->size_bytes(), dt, w});
     auto d = b->dimensions();
     call.dims.emplace_back(d.begin(), d.end());
+    call.dtypes.push_back(dt);
     call.Mix(static_cast<uint64_t>(dt));
     call.Mix(d.size());
     for (size_t k = vary_rows ? 1 : 0; k < d.size(); ++k) call.Mix(static_cast<uint64_t>(d[k]));
@@ -281,14 +286,74 @@ Status AllreduceImpl(Call& call, ReduceOp op) {
   return NoBackend(call);
 }
 
-ffi::Error AllreduceFfi(int64_t group, int32_t op, ffi::RemainingArgs args,
-                        ffi::RemainingRets rets) {
+// Compressed (every leaf float32; spmd/ops/_allreduce.py sends the others exactly): on shared
+// memory the conversions happen in the algorithm's own copies; elsewhere the leaves are narrowed
+// into scratch buffers, reduced as float16/bfloat16 (float32 accumulation, one rounding), and
+// widened into the outputs.
+thread_local std::vector<uint16_t> wire_in, wire_out;
+
+Status AllreduceCompressed(Call& call) {
+  Group& g = *call.group;
+  const bool bf16 = call.wire == 2;
+  const float div = static_cast<float>(call.div);
+  for (const Leaf& l : call.in) {
+    if (l.dtype != ffi::DataType::F32) {
+      return Status::Error(std::string("compression needs float32 leaves, got ") +
+                           DtypeName(l.dtype));
+    }
+  }
+  if (g.backend == Backend::kShm && g.shm) {
+    return g.shm->AllreduceNarrowed(call.Sig(), bf16, div, call.in, call.out, g.one_shot_max);
+  }
+  size_t count = 0;
+  for (const Leaf& l : call.in) count += l.bytes / l.elem;
+  if (wire_in.size() < count) {
+    wire_in.resize(count);
+    wire_out.resize(count);
+  }
+  const ffi::DataType dt = bf16 ? ffi::DataType::BF16 : ffi::DataType::F16;
+  std::vector<Leaf> in, out;
+  size_t at = 0;
+  for (const Leaf& l : call.in) {
+    size_t n = l.bytes / l.elem;
+    NarrowFloats(bf16, reinterpret_cast<const float*>(l.data), div, wire_in.data() + at, n);
+    in.push_back({reinterpret_cast<char*>(wire_in.data() + at), n * 2, dt, 2});
+    out.push_back({reinterpret_cast<char*>(wire_out.data() + at), n * 2, dt, 2});
+    at += n;
+  }
+  std::swap(call.in, in);
+  std::swap(call.out, out);
+  Status s = AllreduceImpl(call, ReduceOp::kSum);
+  std::swap(call.in, in);
+  std::swap(call.out, out);
+  SPMD_RETURN_IF_ERROR(s);
+  at = 0;
+  for (const Leaf& l : call.out) {
+    size_t n = l.bytes / l.elem;
+    WidenHalves(bf16, wire_out.data() + at, reinterpret_cast<float*>(l.data), n);
+    at += n;
+  }
+  return Status::Ok();
+}
+
+ffi::Error AllreduceFfi(int64_t group, int32_t op, int32_t wire, int64_t div,
+                        ffi::RemainingArgs args, ffi::RemainingRets rets) {
   Call call(kAllreduce);
   if (ffi::Error e = Decode(call, group, args, rets, false); e.failure()) return e;
   if (op < 0 || op > 3) return Fail(call, "unknown reduction code " + std::to_string(op));
+  if (wire < 0 || wire > 2 || div < 1 || (wire == 0 && div != 1) ||
+      (wire != 0 && op != static_cast<int32_t>(ReduceOp::kSum))) {
+    return Fail(call, "bad compression attributes wire=" + std::to_string(wire) +
+                          ", div=" + std::to_string(div));
+  }
   call.op = op;
+  call.wire = wire;
+  call.div = div;
   call.Mix(static_cast<uint64_t>(op));
+  call.Mix(static_cast<uint64_t>(wire));
+  call.Mix(static_cast<uint64_t>(div));
   std::lock_guard<std::mutex> lock(call.group->mu);
+  if (wire != 0) return FromStatus(call, AllreduceCompressed(call));
   return FromStatus(call, AllreduceImpl(call, static_cast<ReduceOp>(op)));
 }
 
@@ -479,11 +544,14 @@ ffi::Error BarrierFfi(int64_t group, ffi::RemainingArgs args, ffi::RemainingRets
 
 }  // namespace
 
-// spmd_allreduce: attrs group (i64), op (i32).
+// spmd_allreduce: attrs group (i64), op (i32), wire (i32: 0 exact, 1 float16, 2 bfloat16),
+// div (i64: compressed values are divided by it before rounding).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduce_, AllreduceFfi,
                               ffi::Ffi::Bind()
                                   .Attr<int64_t>("group")
                                   .Attr<int32_t>("op")
+                                  .Attr<int32_t>("wire")
+                                  .Attr<int64_t>("div")
                                   .RemainingArgs()
                                   .RemainingRets());
 // spmd_allgather: attrs group, sizes (rows per rank).

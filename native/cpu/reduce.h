@@ -173,6 +173,96 @@ SPMD_ALWAYS_INLINE void FloatsToHalf(bool bf16, const float* in, uint16_t* out, 
   for (size_t i = 0; i < n; ++i) out[i] = FloatToHalf(in[i]);
 }
 
+// out[i] = FloatToHalf/FloatToBf16(in[i] / div): what a rank sends in a compressed allreduce
+// (spmd.ops.allreduce(compression=...)). The division is skipped when div is 1 (exact either way).
+SPMD_ALWAYS_INLINE void NarrowFloatsBody(bool bf16, const float* in, float div, uint16_t* out,
+                                         size_t n) {
+  if (div == 1.0f) return FloatsToHalf(bf16, in, out, n);
+  constexpr size_t kBlock = 512;
+  alignas(64) float x[kBlock];
+  for (size_t base = 0; base < n; base += kBlock) {
+    size_t m = n - base < kBlock ? n - base : kBlock;
+    for (size_t i = 0; i < m; ++i) x[i] = in[base + i] / div;
+    FloatsToHalf(bf16, x, out + base, m);
+  }
+}
+
+#if defined(__x86_64__)
+// FloatToBf16, 16 at a time with AVX2: the same integer rounding, so the same bits.
+__attribute__((target("avx2"))) inline __m256i RoundToBf16Avx2(__m256i x) {
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)),
+                       _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1))),
+      16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x40));
+  return _mm256_blendv_epi8(rounded, quiet, nan);
+}
+
+__attribute__((target("avx2"))) inline void FloatsToBf16Avx2(const float* in, uint16_t* out,
+                                                             size_t n) {
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256i a = RoundToBf16Avx2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i)));
+    __m256i b = RoundToBf16Avx2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 8)));
+    // packus interleaves 128-bit lanes (a0-3 b0-3 a4-7 b4-7): put them back in order.
+    __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), p);
+  }
+  for (; i < n; ++i) out[i] = FloatToBf16(in[i]);
+}
+
+// NarrowFloats' body for AVX2: divided in L1-sized blocks, then rounded.
+__attribute__((target("avx2,f16c"))) inline void NarrowFloatsAvx2(bool bf16, const float* in,
+                                                                  float div, uint16_t* out,
+                                                                  size_t n) {
+  constexpr size_t kBlock = 512;
+  alignas(64) float x[kBlock];
+  for (size_t base = 0; base < n; base += kBlock) {
+    size_t m = n - base < kBlock ? n - base : kBlock;
+    const float* from = in + base;
+    if (div != 1.0f) {
+      for (size_t i = 0; i < m; ++i) x[i] = from[i] / div;
+      from = x;
+    }
+    if (bf16) {
+      FloatsToBf16Avx2(from, out + base, m);
+    } else {
+      FloatsToHalf(false, from, out + base, m);
+    }
+  }
+}
+
+__attribute__((target("avx2,f16c"))) inline void WidenBf16Avx2(const uint16_t* in, float* out,
+                                                               size_t n) {
+  for (size_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(in[i]);
+}
+
+inline bool HasAvx2F16c() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  }();
+  return yes;
+}
+#endif
+
+inline void NarrowFloats(bool bf16, const float* in, float div, uint16_t* out, size_t n) {
+#if defined(__x86_64__)
+  if (HasAvx2F16c()) return NarrowFloatsAvx2(bf16, in, div, out, n);
+#endif
+  NarrowFloatsBody(bf16, in, div, out, n);
+}
+
+// HalfToFloats, with bfloat16 widened 8 at a time where the CPU has AVX2.
+inline void WidenHalves(bool bf16, const uint16_t* in, float* out, size_t n) {
+#if defined(__x86_64__)
+  if (bf16 && HasAvx2F16c()) return WidenBf16Avx2(in, out, n);
+#endif
+  HalfToFloats(bf16, in, out, n);
+}
+
 // Max and min of floating values do not depend on the order of the operands, so that every path
 // gives every rank the same result (mpi.cc computes them the same way): NaN if either operand is
 // NaN (the canonical quiet NaN), +0 for the max of -0 and +0 and -0 for their min.
@@ -269,13 +359,69 @@ __attribute__((target("avx2,f16c"))) inline void ReduceHalfAvx2(bool bf16, Reduc
 inline void ReduceHalf(bool bf16, ReduceOp op, uint16_t* out, const void* const* src, int n,
                        size_t count) {
 #if defined(__x86_64__)
-  static const bool avx2 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  }();
-  if (avx2) return ReduceHalfAvx2(bf16, op, out, src, n, count);
+  if (HasAvx2F16c()) return ReduceHalfAvx2(bf16, op, out, src, n, count);
 #endif
   ReduceHalfBody(bf16, op, out, src, n, count);
+}
+
+// The reducing rank's step of a compressed allreduce, in one pass over memory: its own float32
+// values (divided by `div` and rounded to the half type, as the other ranks' were when they
+// staged them in src[r], r != me) combined in rank order with the others', summed in float32,
+// rounded once into `res` (what the others copy out) and widened into `out`.
+SPMD_ALWAYS_INLINE void ReduceNarrowedBody(bool bf16, float div, int me, const float* own,
+                                           const void* const* src, int n, uint16_t* res,
+                                           float* out, size_t count) {
+  constexpr size_t kBlock = 512;
+  alignas(64) float acc[kBlock];
+  alignas(64) float x[kBlock];
+  alignas(64) uint16_t h[kBlock];
+  for (size_t base = 0; base < count; base += kBlock) {
+    size_t m = count - base < kBlock ? count - base : kBlock;
+    for (int r = 0; r < n; ++r) {
+      float* dst = r == 0 ? acc : x;
+      const uint16_t* half = static_cast<const uint16_t*>(src[r]) + base;
+      if (r == me) {
+#if defined(__x86_64__)
+        if (HasAvx2F16c()) {
+          NarrowFloatsAvx2(bf16, own + base, div, h, m);
+        } else {
+          NarrowFloatsBody(bf16, own + base, div, h, m);
+        }
+#else
+        NarrowFloatsBody(bf16, own + base, div, h, m);
+#endif
+        half = h;
+      }
+      HalfToFloats(bf16, half, dst, m);
+      if (r > 0) Accumulate<ReduceOp::kSum>(acc, x, m);
+    }
+#if defined(__x86_64__)
+    if (bf16 && HasAvx2F16c()) {
+      FloatsToBf16Avx2(acc, res + base, m);
+    } else {
+      FloatsToHalf(bf16, acc, res + base, m);
+    }
+#else
+    FloatsToHalf(bf16, acc, res + base, m);
+#endif
+    HalfToFloats(bf16, res + base, out + base, m);
+  }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2,f16c"))) inline void ReduceNarrowedAvx2(
+    bool bf16, float div, int me, const float* own, const void* const* src, int n,
+    uint16_t* res, float* out, size_t count) {
+  ReduceNarrowedBody(bf16, div, me, own, src, n, res, out, count);
+}
+#endif
+
+inline void ReduceNarrowed(bool bf16, float div, int me, const float* own, const void* const* src,
+                           int n, uint16_t* res, float* out, size_t count) {
+#if defined(__x86_64__)
+  if (HasAvx2F16c()) return ReduceNarrowedAvx2(bf16, div, me, own, src, n, res, out, count);
+#endif
+  ReduceNarrowedBody(bf16, div, me, own, src, n, res, out, count);
 }
 
 inline void ReduceBool(ReduceOp op, uint8_t* out, const void* const* src, int n, size_t count) {

@@ -215,47 +215,119 @@ Status ShmGroup::Barrier(const Signature& sig) { return Begin(sig); }
 
 namespace {
 
-// The leaves of a fused allreduce laid end to end in a "virtual" byte space, each starting on a
-// 64-byte boundary so that any split at a multiple of 64 falls between elements.
+// The leaves of a fused allreduce laid end to end in a "virtual" byte space of what travels
+// (wire bytes), each starting on a 64-byte boundary so that any split at a multiple of 64 falls
+// between elements.
 struct Virtual {
-  std::vector<size_t> start;
+  std::vector<size_t> start, bytes;
   size_t total = 0;
-  explicit Virtual(const std::vector<Leaf>& leaves) {
-    for (const Leaf& l : leaves) {
+  explicit Virtual(std::vector<size_t> wire_bytes) : bytes(std::move(wire_bytes)) {
+    for (size_t b : bytes) {
       start.push_back(total);
-      total += RoundUp(l.bytes, kAlign);
+      total += RoundUp(b, kAlign);
     }
   }
-  // Calls fn(leaf index, offset in leaf, length) for the parts of [lo, hi) that hold data.
+  // Calls fn(leaf index, wire offset in leaf, length) for the parts of [lo, hi) that hold data.
   template <typename F>
-  void Pieces(const std::vector<Leaf>& leaves, size_t lo, size_t hi, F&& fn) const {
-    for (size_t i = 0; i < leaves.size(); ++i) {
+  void Pieces(size_t lo, size_t hi, F&& fn) const {
+    for (size_t i = 0; i < bytes.size(); ++i) {
       size_t a = std::max(lo, start[i]);
-      size_t b = std::min(hi, start[i] + leaves[i].bytes);
+      size_t b = std::min(hi, start[i] + bytes[i]);
       if (a < b) fn(i, a - start[i], b - a);
     }
   }
 };
 
+// What an allreduce sends is what it reads: leaves travel as they are.
+struct Exact {
+  ReduceOp op;
+  size_t WireBytes(const Leaf& l) const { return l.bytes; }
+  void Stage(char* dst, const Leaf& in, size_t off, size_t len) const {
+    std::memcpy(dst, in.data + off, len);
+  }
+  void Reduce(const Leaf& in, void* dst, const void* const* src, int n, size_t len) const {
+    spmd::Reduce(in.dtype, op, dst, src, n, len / in.elem);
+  }
+  // Two-shot: this rank's sub-chunk, from its input and the others' staged copies (src[me] is
+  // set here), into `res` for the others and into the output.
+  template <typename Put>
+  void ReduceStep(const Put& put, const Leaf& in, const Leaf& out, size_t off, size_t len,
+                  const void** src, int n, int me, char* res) const {
+    src[me] = in.data + off;
+    Reduce(in, res, src, n, len);
+    put(out.data + off, res, len);
+  }
+  // The reduced wire bytes at `src` into the output.
+  template <typename Put>
+  void Out(const Put& put, const Leaf& out, size_t off, const char* src, size_t len) const {
+    put(out.data + off, src, len);
+  }
+  // One-shot: reduce straight into the output.
+  void ReduceOut(const Leaf& in, const Leaf& out, size_t off, const void* const* src, int n,
+                 size_t len) const {
+    Reduce(in, out.data + off, src, n, len);
+  }
+};
+
+// Compressed: float32 leaves travel as float16/bfloat16 (2 wire bytes per element), divided by
+// `div` before they are rounded; the sum accumulates in float32 and is rounded once (reduce.h),
+// then widened into the output. The conversions happen in the copies the algorithm makes anyway.
+struct Narrowed {
+  bool bf16;
+  float div;
+  std::vector<uint16_t>* scratch;  // one-shot sums
+  size_t WireBytes(const Leaf& l) const { return l.bytes / 2; }
+  void Stage(char* dst, const Leaf& in, size_t off, size_t len) const {
+    NarrowFloats(bf16, reinterpret_cast<const float*>(in.data) + off / 2, div,
+                 reinterpret_cast<uint16_t*>(dst), len / 2);
+  }
+  void Reduce(const Leaf&, void* dst, const void* const* src, int n, size_t len) const {
+    ReduceHalf(bf16, ReduceOp::kSum, static_cast<uint16_t*>(dst), src, n, len / 2);
+  }
+  // One pass: the own values rounded on the fly (reduce.h, ReduceNarrowed).
+  template <typename Put>
+  void ReduceStep(const Put&, const Leaf& in, const Leaf& out, size_t off, size_t len,
+                  const void** src, int n, int me, char* res) const {
+    ReduceNarrowed(bf16, div, me, reinterpret_cast<const float*>(in.data) + off / 2, src, n,
+                   reinterpret_cast<uint16_t*>(res), reinterpret_cast<float*>(out.data) + off / 2,
+                   len / 2);
+  }
+  template <typename Put>
+  void Out(const Put&, const Leaf& out, size_t off, const char* src, size_t len) const {
+    WidenHalves(bf16, reinterpret_cast<const uint16_t*>(src),
+                 reinterpret_cast<float*>(out.data) + off / 2, len / 2);
+  }
+  void ReduceOut(const Leaf& in, const Leaf& out, size_t off, const void* const* src, int n,
+                 size_t len) const {
+    if (scratch->size() < len / 2) scratch->resize(len / 2);
+    Reduce(in, scratch->data(), src, n, len);
+    Out(0, out, off, reinterpret_cast<const char*>(scratch->data()), len);
+  }
+};
+
+thread_local std::vector<uint16_t> narrowed_scratch;
+
 }  // namespace
 
-Status ShmGroup::Allreduce(const Signature& sig, ReduceOp op, const std::vector<Leaf>& in,
-                           const std::vector<Leaf>& out, size_t one_shot_max) {
+template <typename Codec>
+Status ShmGroup::AllreduceWith(const Codec& codec, const Signature& sig,
+                               const std::vector<Leaf>& in, const std::vector<Leaf>& out,
+                               size_t one_shot_max) {
   const int n = size_, me = rank_;
-  Virtual v(in);
+  std::vector<size_t> wire;
+  for (const Leaf& l : in) wire.push_back(codec.WireBytes(l));
+  Virtual v(std::move(wire));
   std::vector<const void*> src(n);
   if (v.total <= std::min(one_shot_max, chunk_)) {
     // One-shot: everyone publishes everything, everyone reduces everything in rank order.
     uint64_t t = next();
-    v.Pieces(in, 0, v.total, [&](size_t i, size_t off, size_t len) {
-      std::memcpy(slot(me, t) + v.start[i] + off, in[i].data + off, len);
+    v.Pieces(0, v.total, [&](size_t i, size_t off, size_t len) {
+      codec.Stage(slot(me, t) + v.start[i] + off, in[i], off, len);
     });
     SPMD_RETURN_IF_ERROR(Begin(sig));
-    v.Pieces(in, 0, v.total, [&](size_t i, size_t off, size_t len) {
-      for (int r = 0; r < n; ++r) {
-        src[r] = r == me ? in[i].data + off : slot(r, t) + v.start[i] + off;
-      }
-      Reduce(in[i].dtype, op, out[i].data + off, src.data(), n, len / in[i].elem);
+    v.Pieces(0, v.total, [&](size_t i, size_t off, size_t len) {
+      for (int r = 0; r < n; ++r) src[r] = slot(r, t) + v.start[i] + off;
+      codec.ReduceOut(in[i], out[i], off, src.data(), n, len);
     });
     return Status::Ok();
   }
@@ -271,8 +343,8 @@ Status ShmGroup::Allreduce(const Signature& sig, ReduceOp op, const std::vector<
     for (int j = 0; j < n; ++j) {
       if (j == me) continue;
       size_t a = lo + j * cb;
-      v.Pieces(in, a, std::min(a + cb, v.total), [&](size_t i, size_t off, size_t len) {
-        put(out[i].data + off, res(j, tr) + (v.start[i] + off - lo), len);
+      v.Pieces(a, std::min(a + cb, v.total), [&](size_t i, size_t off, size_t len) {
+        codec.Out(put, out[i], off, res(j, tr) + (v.start[i] + off - lo), len);
       });
     }
   };
@@ -281,19 +353,18 @@ Status ShmGroup::Allreduce(const Signature& sig, ReduceOp op, const std::vector<
     for (int j = 0; j < n; ++j) {
       if (j == me) continue;
       size_t a = lo + j * cb;
-      v.Pieces(in, a, std::min(a + cb, v.total), [&](size_t i, size_t off, size_t len) {
-        std::memcpy(slot(me, t) + (v.start[i] + off - lo), in[i].data + off, len);
+      v.Pieces(a, std::min(a + cb, v.total), [&](size_t i, size_t off, size_t len) {
+        codec.Stage(slot(me, t) + (v.start[i] + off - lo), in[i], off, len);
       });
     }
     if (!first) copy_out(prev_lo, prev_t);
     SPMD_RETURN_IF_ERROR(Step(sig, &first));
     uint64_t tr = next();
     size_t a = lo + me * cb;
-    v.Pieces(in, a, std::min(a + cb, v.total), [&](size_t i, size_t off, size_t len) {
+    v.Pieces(a, std::min(a + cb, v.total), [&](size_t i, size_t off, size_t len) {
       size_t so = v.start[i] + off - lo;
-      for (int r = 0; r < n; ++r) src[r] = r == me ? in[i].data + off : slot(r, t) + so;
-      Reduce(in[i].dtype, op, res(me, tr) + so, src.data(), n, len / in[i].elem);
-      put(out[i].data + off, res(me, tr) + so, len);
+      for (int r = 0; r < n; ++r) src[r] = slot(r, t) + so;  // src[me]: ReduceStep sets it
+      codec.ReduceStep(put, in[i], out[i], off, len, src.data(), n, me, res(me, tr) + so);
     });
     SPMD_RETURN_IF_ERROR(Sync());
     prev_lo = lo;
@@ -302,6 +373,17 @@ Status ShmGroup::Allreduce(const Signature& sig, ReduceOp op, const std::vector<
   if (first) return Begin(sig);
   copy_out(prev_lo, prev_t);
   return Status::Ok();
+}
+
+Status ShmGroup::Allreduce(const Signature& sig, ReduceOp op, const std::vector<Leaf>& in,
+                           const std::vector<Leaf>& out, size_t one_shot_max) {
+  return AllreduceWith(Exact{op}, sig, in, out, one_shot_max);
+}
+
+Status ShmGroup::AllreduceNarrowed(const Signature& sig, bool bf16, float div,
+                                   const std::vector<Leaf>& in, const std::vector<Leaf>& out,
+                                   size_t one_shot_max) {
+  return AllreduceWith(Narrowed{bf16, div, &narrowed_scratch}, sig, in, out, one_shot_max);
 }
 
 Status ShmGroup::Allgatherv(const Signature& sig, const Leaf& in, const Leaf& out,

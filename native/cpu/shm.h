@@ -49,6 +49,11 @@ class ShmGroup {
   // Inputs and outputs are lists of leaves with equal byte sizes (outputs may alias inputs).
   Status Allreduce(const Signature& sig, ReduceOp op, const std::vector<Leaf>& in,
                    const std::vector<Leaf>& out, size_t one_shot_max);
+  // Compressed sum of float32 leaves: each rank's values divided by `div` and rounded to
+  // bfloat16 (`bf16`) or float16 as they are staged, summed in float32 in rank order, the sum
+  // rounded once and widened into `out`. Half the bytes of Allreduce cross shared memory.
+  Status AllreduceNarrowed(const Signature& sig, bool bf16, float div, const std::vector<Leaf>& in,
+                           const std::vector<Leaf>& out, size_t one_shot_max);
   // Per leaf: rank r contributes bytes[r] (in rank order in the output).
   Status Allgatherv(const Signature& sig, const Leaf& in, const Leaf& out,
                     const std::vector<size_t>& bytes);
@@ -85,6 +90,10 @@ class ShmGroup {
     return Begin(sig);
   }
   Status Mismatch(const Signature& sig);
+  // The allreduce algorithm (one-shot or two-shot), with the codec deciding what travels.
+  template <typename Codec>
+  Status AllreduceWith(const Codec& codec, const Signature& sig, const std::vector<Leaf>& in,
+                       const std::vector<Leaf>& out, size_t one_shot_max);
 
   std::string name_;
   int rank_ = 0, size_ = 1;

@@ -395,6 +395,98 @@ def test_half_precision_sums_round_once_hierarchical(comm):
         np.testing.assert_array_equal(np.asarray(got_other), np.full(5, n * (n + 1) / 2))
 
 
+def _compressed_case(comm, exact_order: bool) -> None:
+    """allreduce(compression=...) of float32 leaves: each rank's values (divided by the group
+    size for avg) rounded once to the half type, summed in float32 in rank order, the sum
+    rounded once and widened: bit for bit what NumPy computes that way. One call small enough
+    for shared memory's one-shot path, one large enough for its two-shot path, in jit and
+    eagerly; a bfloat16 leaf in the same call is reduced exactly. Without
+    `exact_order` (MPI beyond 2 ranks) the float32 sum runs in MPI's order: identical on every
+    rank and within rounding of NumPy's."""
+    r, n = comm.rank, comm.size
+    ins = [_half_inputs(k, np.float32) * np.float32(3.7) for k in range(n)]
+    for comp, half in (("bf16", jnp.bfloat16), ("fp16", np.float16)):
+        for op in ("sum", "avg"):
+            for lengths in ((5, 700), (3, 4101, 300_001)):
+                mine = [np.resize(ins[r], m) for m in lengths]
+                want = []
+                for m in lengths:
+                    sent = [np.resize(ins[k], m) for k in range(n)]
+                    sent = [(x / np.float32(n) if op == "avg" else x).astype(half) for x in sent]
+                    acc = sent[0].astype(np.float32)  # -0 + -0 is -0: start from rank 0's
+                    for x in sent[1:]:
+                        acc = acc + x.astype(np.float32)
+                    want.append(acc.astype(half).astype(np.float32))
+                fused = [jnp.asarray(x) for x in mine] + [jnp.full(3, r + 1, jnp.bfloat16)]
+                for got in (
+                    jax.jit(lambda v, op=op, comp=comp: spmd.allreduce(v, op, compression=comp))(
+                        fused
+                    ),
+                    spmd.allreduce(fused, op, compression=comp),
+                ):
+                    assert all(g.dtype == jnp.float32 for g in got[:-1])
+                    for g, w in zip(got[:-1], want, strict=True):
+                        g = np.asarray(g)
+                        if exact_order:
+                            bad = np.flatnonzero(g.view(np.uint32) != w.view(np.uint32))
+                            assert bad.size == 0, (comp, op, lengths, bad[:5], g[bad[:5]])
+                        else:
+                            np.testing.assert_allclose(g, w, rtol=1e-2, atol=1e-6)
+                    assert (
+                        len(
+                            set(
+                                comm.allgather_object(
+                                    b"".join(np.asarray(g).tobytes() for g in got)
+                                )
+                            )
+                        )
+                        == 1
+                    )
+                    expect = n * (n + 1) / 2 if op == "sum" else (n + 1) / 2
+                    assert got[-1].dtype == jnp.bfloat16
+                    np.testing.assert_array_equal(got[-1], np.full(3, expect, np.float32))
+
+
+@multirank(nprocs=(2, 3))
+def test_compressed_allreduce_rounds_each_rank_once_and_the_sum_once(comm):
+    try:
+        for backend in ("shm", "mpi"):
+            spmd.ops.set_backend(backend)
+            _compressed_case(comm, exact_order=backend == "shm" or comm.size == 2)
+    finally:
+        spmd.ops.set_backend("auto")
+
+
+@multirank(nprocs=(3,), env={"SPMD_SIMULATE_NODES": "2"})
+def test_compressed_allreduce_hierarchical(comm):
+    """Nodes {0, 1} and {2}: the rounded values are summed in float32 inside the node and
+    between the nodes, and rounded once at the end, which for 3 ranks is rank order."""
+    assert spmd.ops.get_backend() == "hier"
+    _compressed_case(comm, exact_order=True)
+
+
+@multirank(nprocs=(2,))
+def test_compressed_allreduce_errors_and_transforms(comm):
+    r, n = comm.rank, comm.size
+    x = jnp.arange(4.0, dtype=jnp.float32) + r
+    with pytest.raises(spmd.SpmdError, match=f"rank {r}: allreduce: compression='int8'"):
+        spmd.allreduce(x, compression="int8")
+    with pytest.raises(spmd.SpmdError, match="needs op='sum' or op='avg', got op='max'"):
+        spmd.allreduce(x, "max", compression="bf16")
+    # grad: the transpose of a compressed average is a compressed average of the cotangents.
+    w = jnp.asarray([1.0, 2.0, 3.0, 4.0]) * (r + 1)
+    g = jax.grad(lambda v: jnp.sum(w * spmd.allreduce(v, "avg", compression="bf16")))(x)
+    np.testing.assert_array_equal(g, (w / (r + 1)) * sum(range(1, n + 1)) / n)
+    # vmap: each batch element is reduced on its own, batch axis in any position.
+    xs = jnp.stack([x, 2 * x, 4 * x], axis=1)  # (4, 3)
+    got = jax.vmap(lambda v: spmd.allreduce(v, "sum", compression="bf16"), in_axes=1)(xs)
+    total = sum(jnp.arange(4.0) + k for k in range(n))
+    np.testing.assert_array_equal(got, jnp.stack([total, 2 * total, 4 * total]))
+    # The mismatch message names the compression.
+    with pytest.raises(spmd.SpmdError, match="compression=bf16"):
+        spmd.allreduce(x, "avg", compression="bf16" if r else None)
+
+
 @multirank(nprocs=(2,))
 def test_mpi_half_precision_after_a_larger_reduce_scatter(comm):
     """Over MPI, float16 goes through float32 scratch buffers kept between calls: an allreduce

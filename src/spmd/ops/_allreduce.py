@@ -47,6 +47,7 @@ def allreduce(
     rank_list: Any = None,
     group: Any = None,
     quantize: str | None = None,
+    compression: str | None = None,
 ) -> Any:
     """Reduce ``x`` over the ranks of the group; every rank gets the result.
 
@@ -62,6 +63,13 @@ def allreduce(
             float leaves large enough to gain (the quantized all-reduce of the backend chain,
             error bound in docs/gpu.md); ``SPMD_QUANTIZE`` sets a default. Exact paths are
             used where it does not apply, and always on CPU.
+        compression: ``"bf16"`` or ``"fp16"`` (op sum or avg): float32 leaves travel rounded to
+            bfloat16/float16, PyTorch DDP's compression hooks. Each rank's values are rounded
+            once (for avg, after dividing by the group size, so that a float16 sum does not
+            overflow where the average would not), summed in float32 in rank order, and the sum
+            rounded once before it is widened back to float32. On CPU the rounding happens
+            inside the native call, as it copies the data (no extra passes over memory); on GPU
+            XLA casts around the exact all-reduce. Leaves of other dtypes are reduced exactly.
 
     Returns:
         ``x``'s structure, shapes and dtypes, identical on every rank: reduced in rank order
@@ -71,22 +79,78 @@ def allreduce(
     leaves, treedef, _ = flatten(x, "allreduce", ref)
     check_reduce_op(op, "allreduce", ref, leaves)
     quantize = _cuda.check_quantize(quantize, f"rank {ref.world_rank}: allreduce: ")
+    _check_compression(compression, op, ref)
     if _cuda.alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
+    if compression is not None:
+        return jax.tree_util.tree_unflatten(treedef, _compressed(leaves, op, ref, compression))
     native, sent = to_sum(op, leaves)
-    outs = bind(allreduce_p, *sent, group=ref, op=native, quantize=quantize)
+    outs = bind(allreduce_p, *sent, group=ref, op=native, quantize=quantize, compression=None)
     return jax.tree_util.tree_unflatten(treedef, from_sum(op, outs, leaves, ref.size))
 
 
+# Wire codes of compressed allreduces, shared with the native layer (native/cpu/handlers.cc).
+WIRES = {"fp16": 1, "bf16": 2}
+_HALVES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
+
+
+def _check_compression(compression: Any, op: str, ref: GroupRef) -> None:
+    if compression is None:
+        return
+    if compression not in WIRES:
+        raise SpmdError(
+            f"rank {ref.world_rank}: allreduce: compression={compression!r}; expected None, "
+            "'bf16' or 'fp16'"
+        )
+    if op not in ("sum", "avg"):
+        raise SpmdError(
+            f"rank {ref.world_rank}: allreduce: compression={compression!r} needs op='sum' or "
+            f"op='avg', got op={op!r}"
+        )
+
+
+def _compressed(leaves: list[Any], op: str, ref: GroupRef, compression: str) -> list[Any]:
+    """float32 leaves in one compressed call, the others in one exact call."""
+    wide = [i for i, v in enumerate(leaves) if v.dtype == jnp.float32]
+    rest = [i for i, v in enumerate(leaves) if v.dtype != jnp.float32]
+    outs: list[Any] = list(leaves)
+    if wide:
+        xs = [leaves[i] for i in wide]
+        if _cuda.gpu_active():  # no native codec on GPU: XLA casts around the exact call
+            half = _HALVES[compression]
+            sent = [(x / ref.size if op == "avg" else x).astype(half) for x in xs]
+            summed = bind(allreduce_p, *sent, group=ref, op="sum", quantize=None, compression=None)
+            ys = [y.astype(jnp.float32) for y in summed]
+        else:
+            ys = bind(allreduce_p, *xs, group=ref, op=op, quantize=None, compression=compression)
+        for i, y in zip(wide, ys, strict=True):
+            outs[i] = y
+    if rest:
+        xs = [leaves[i] for i in rest]
+        native, sent = to_sum(op, xs)
+        ys = bind(allreduce_p, *sent, group=ref, op=native, quantize=None, compression=None)
+        for i, y in zip(rest, from_sum(op, ys, xs, ref.size), strict=True):
+            outs[i] = y
+    return outs
+
+
 def _abstract_eval(
-    *avals: core.ShapedArray, group: GroupRef, op: str, quantize: str | None
+    *avals: core.ShapedArray,
+    group: GroupRef,
+    op: str,
+    quantize: str | None,
+    compression: str | None,
 ) -> list[core.ShapedArray]:
     return [core.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
 
 
-def _cuda_attrs(ctx: Any, *, group: GroupRef, op: str, quantize: str | None) -> dict[str, Any]:
+def _cuda_attrs(
+    ctx: Any, *, group: GroupRef, op: str, quantize: str | None, compression: str | None
+) -> dict[str, Any]:
     """The backend chain's choice for each leaf (spmd/ops/_cuda.py), fixed at compile time."""
     where = f"rank {group.world_rank}: allreduce: "
+    if compression is not None:  # allreduce() casts in XLA on GPU instead
+        raise SpmdError(f"{where}compression={compression!r} has no GPU handler")
     gpu = _cuda.registered(group.gid, where)
     cfg = _cuda.config()
     algos = tuple(
@@ -101,23 +165,49 @@ def _cuda_attrs(ctx: Any, *, group: GroupRef, op: str, quantize: str | None) -> 
     return {"algos": algos, "codec": np.int32(codec)}
 
 
+def _cpu_attrs(*, group: GroupRef, op: str, compression: str | None, **_: Any) -> dict[str, Any]:
+    """Compression: the wire code, and what each rank's values are divided by before rounding
+    (the group size for op='avg', which only compressed calls bind; exact averages are sums)."""
+    return {
+        "wire": np.int32(WIRES[compression] if compression else 0),
+        "div": group.size if op == "avg" else 1,
+    }
+
+
 allreduce_p.def_abstract_eval(_abstract_eval)
 register_lowering(
     allreduce_p,
     "spmd_allreduce",
     cuda_attrs=_cuda_attrs,
-    op=lambda op, **_: np.int32(REDUCE_OPS[op]),
+    cpu_attrs=_cpu_attrs,
+    op=lambda op, **_: np.int32(REDUCE_OPS["sum" if op == "avg" else op]),
 )
 
 
-def _sum(values: list[Any], group: GroupRef, quantize: str | None = None) -> list[Any]:
-    return list(allreduce_p.bind(*values, group=group, op="sum", quantize=quantize))
+def _sum(
+    values: list[Any],
+    group: GroupRef,
+    quantize: str | None = None,
+    compression: str | None = None,
+    op: str = "sum",
+) -> list[Any]:
+    return list(
+        allreduce_p.bind(*values, group=group, op=op, quantize=quantize, compression=compression)
+    )
 
 
 def _jvp(
-    primals: list[Any], tangents: list[Any], *, group: GroupRef, op: str, quantize: str | None
+    primals: list[Any],
+    tangents: list[Any],
+    *,
+    group: GroupRef,
+    op: str,
+    quantize: str | None,
+    compression: str | None,
 ) -> Any:
-    outs = allreduce_p.bind(*primals, group=group, op=op, quantize=quantize)
+    outs = allreduce_p.bind(
+        *primals, group=group, op=op, quantize=quantize, compression=compression
+    )
     group = group.jvp()  # the collectives below work on tangents
     # Which tangents are symbolic zeros is decided by the program, so the same on every rank.
     live = [i for i, t in enumerate(tangents) if not isinstance(t, Zero)]
@@ -127,8 +217,8 @@ def _jvp(
     xs = [primals[i] for i in live]
     ts = [tangents[i] for i in live]
     ys = [outs[i] for i in live]
-    if op == "sum":
-        res = _sum(ts, group, quantize)
+    if op in ("sum", "avg"):  # linear (compressed: up to the rounding, which is not followed)
+        res = _sum(ts, group, quantize, compression, op)
     elif op == "prod":
         # d(prod_r x_r) = prod * sum_r t_r / x_r (undefined where some x_r == 0).
         res = [
@@ -151,10 +241,16 @@ def _jvp(
 
 
 def _transpose(
-    cts: list[Any], *args: Any, group: GroupRef, op: str, quantize: str | None
+    cts: list[Any],
+    *args: Any,
+    group: GroupRef,
+    op: str,
+    quantize: str | None,
+    compression: str | None,
 ) -> list[Any]:
     # Only op="sum" is linear. Transpose of sum-allreduce is sum-allreduce: dL/dx_r = sum_s ct_s.
-    if op != "sum":
+    # A compressed op="avg" (y = sum_s x_s / n) transposes to itself.
+    if op not in ("sum", "avg"):
         raise SpmdError(
             f"rank {group.world_rank}: allreduce(op={op!r}) is not linear, so it has no "
             "transpose (jax.linear_transpose, or a VJP that treats it as linear); only op='sum' "
@@ -162,16 +258,23 @@ def _transpose(
         )
     avals = [arg_aval(a) for a in args]
     cts = [instantiate(ct, aval) for ct, aval in zip(cts, avals, strict=True)]
-    return _sum(cts, group.backward(), quantize)
+    return _sum(cts, group.backward(), quantize, compression, op)
 
 
 def _batch(
-    args: list[Any], dims: list[Any], *, group: GroupRef, op: str, quantize: str | None
+    args: list[Any],
+    dims: list[Any],
+    *,
+    group: GroupRef,
+    op: str,
+    quantize: str | None,
+    compression: str | None,
 ) -> Any:
     # Element-wise across ranks, with the batch axis first on every rank (one rank's in_axes
     # may differ from another's).
     moved, out_dims = batch_first(args, dims)
-    return allreduce_p.bind(*moved, group=group, op=op, quantize=quantize), out_dims
+    outs = allreduce_p.bind(*moved, group=group, op=op, quantize=quantize, compression=compression)
+    return outs, out_dims
 
 
 ad.primitive_jvps[allreduce_p] = _jvp

@@ -56,7 +56,9 @@ register_lowering(broadcast_p, "spmd_broadcast", root=lambda root, **_: int(root
 
 def _transpose(cts: list[Any], *args: Any, group: GroupRef, root: int) -> list[Any]:
     cts = [instantiate(ct, arg_aval(a)) for ct, a in zip(cts, args, strict=True)]
-    summed = allreduce_p.bind(*cts, group=group.backward(), op="sum", quantize=None)
+    summed = allreduce_p.bind(
+        *cts, group=group.backward(), op="sum", quantize=None, compression=None
+    )
     if group.rank == root:
         return list(summed)
     return [jnp.zeros_like(s) for s in summed]

@@ -556,14 +556,15 @@ def register_lowering(
     target: str,
     cuda_attrs: Callable[..., dict[str, Any]] | None = None,
     pass_operands: bool = True,
+    cpu_attrs: Callable[..., dict[str, Any]] | None = None,
     **attr_params: Callable[..., Any],
 ) -> None:
     """Lower ``prim`` to the FFI target ``target`` on CPU and ``spmd_cuda_<op>`` on GPU.
 
     ``attr_params`` map FFI attribute names to functions of the primitive's parameters;
     ``cuda_attrs(ctx, **params)`` adds the GPU handler's own attributes (the all-reduce's
-    backend chain). ``pass_operands=False``: the native call takes none of the primitive's operands
-    (recv's, which only carry batch axes).
+    backend chain), ``cpu_attrs(**params)`` the CPU handler's own. ``pass_operands=False``: the
+    native call takes none of the primitive's operands (recv's, which only carry batch axes).
     """
 
     def cpu_rule(ctx: mlir.LoweringRuleContext, *operands: Any, **params: Any) -> list[Any]:
@@ -571,6 +572,8 @@ def register_lowering(
             ctx, operands = ctx.replace(avals_in=[]), ()
         group: GroupRef = params["group"]
         attrs = {name: fn(**params) for name, fn in attr_params.items()}
+        if cpu_attrs is not None:
+            attrs.update(cpu_attrs(**params))
         return lower_collective(ctx, target, operands, group=group.attr, **attrs)
 
     def cuda_rule(ctx: mlir.LoweringRuleContext, *operands: Any, **params: Any) -> list[Any]:

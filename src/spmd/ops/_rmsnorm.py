@@ -89,7 +89,7 @@ def _norm(residual_out: Any, weight: Any, eps: float) -> tuple[Any, Any]:
 
 
 def _composed(x: Any, residual: Any, weight: Any, *, group: GroupRef, eps: float) -> list[Any]:
-    (summed,) = allreduce_p.bind(x, group=group, op="sum", quantize=None)
+    (summed,) = allreduce_p.bind(x, group=group, op="sum", quantize=None, compression=None)
     return list(_norm(summed + residual, weight, eps))
 
 

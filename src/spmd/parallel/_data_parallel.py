@@ -9,8 +9,10 @@ allreduces that average the gradients over the data-parallel group:
 - placement: each bucket's allreduce goes right after the op that produces its last gradient
   (``overlap=True``), so communication can run while the rest of the backward pass computes;
   with ``overlap=False`` all buckets go after the backward pass;
-- compression: ``"bf16"``/``"fp16"`` send gradients in half precision (pre-divided by the group
-  size, so the sum cannot overflow where the average would not), cast back after;
+- compression: ``"bf16"``/``"fp16"`` send float32 gradients in half precision (pre-divided by the
+  group size, so the sum cannot overflow where the average would not), summed in float32 and
+  rounded once (``spmd.allreduce(compression=...)``; on CPU the rounding happens inside the
+  shared-memory copies); gradients of other dtypes travel exactly;
 - ``spmd.no_sync()``: inside it, the step does not communicate; it adds this rank's gradients
   to a local accumulator that the next synchronised call adds before its allreduce (DDP's
   semantics: the accumulated sum of micro-batch gradients, averaged over ranks).
@@ -51,7 +53,7 @@ __all__ = [
     "no_sync",
 ]
 
-_COMPRESSION = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+_COMPRESSION = ("bf16", "fp16")
 _NO_SYNC: contextvars.ContextVar[bool] = contextvars.ContextVar("spmd_no_sync", default=False)
 
 
@@ -107,7 +109,8 @@ def data_parallel(
             Communicator, or an axis name of the mesh active at call time.
         bucket_mb: bucket capacity in MiB (reverse parameter order); 0: one allreduce per leaf.
         average: average the gradients (True) or sum them (False).
-        compression: None, ``"bf16"`` or ``"fp16"``: send the gradients in half precision.
+        compression: None, ``"bf16"`` or ``"fp16"``: send the float32 gradients in half
+            precision (others exactly).
         overlap: place each bucket's allreduce right after its last gradient is produced (True)
             or after the whole backward pass (False).
         accumulate_steps: k > 1 splits the other arguments of each gradient call into k
@@ -272,14 +275,8 @@ def allreduce_gradients(
 
         if comm.size == 1:
             return values
-        if compression is None:
-            return list(allreduce(values, "avg" if average else "sum", group=comm))
-        half = _COMPRESSION[compression]
-        sent = [(v / comm.size if average else v).astype(half) for v in values]
-        return [
-            r.astype(v.dtype)
-            for r, v in zip(allreduce(sent, "sum", group=comm), values, strict=True)
-        ]
+        op = "avg" if average else "sum"
+        return list(allreduce(values, op, group=comm, compression=compression))
 
     def flush(env: Env, bucket: _Bucket, extra: Sequence[Any]) -> None:
         values = [env.read(x.src) for x in bucket.leaves]
