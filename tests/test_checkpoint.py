@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,13 +129,20 @@ def test_save_replaces_atomically_and_cleans_up(tmp_path):
     spmd.init()
     path = tmp_path / "ck"
     save(path, {"a": np.arange(3)}, metadata={"v": 1})
-    # leftovers of interrupted saves: removed by the next successful save
-    (tmp_path / "ck.tmp-dead").mkdir()
-    (tmp_path / "ck.tmp-dead" / "00000.bin").write_bytes(b"xx")
+    # leftovers of interrupted saves (a save's 32-hex-digit id): removed by the next successful
+    # save; the user's own directories of similar names are neither removed nor read
+    (tmp_path / f"ck.tmp-{'d' * 32}").mkdir()
+    (tmp_path / f"ck.tmp-{'d' * 32}" / "00000.bin").write_bytes(b"xx")
+    for mine in ("ck.old-run1", "ck.tmp-notes"):
+        (tmp_path / mine).mkdir()
+        (tmp_path / mine / "keep.txt").write_text("mine")
     save(path, {"a": np.arange(3) + 1, "b": 2.0}, metadata={"v": 2})
     _assert_same(load(path), {"a": np.arange(3) + 1, "b": 2.0})
     assert metadata(path) == {"v": 2}
-    assert os.listdir(tmp_path) == ["ck"]
+    assert sorted(os.listdir(tmp_path)) == ["ck", "ck.old-run1", "ck.tmp-notes"]
+    for mine in ("ck.old-run1", "ck.tmp-notes"):
+        assert (tmp_path / mine / "keep.txt").read_text() == "mine"
+        shutil.rmtree(tmp_path / mine)
     # no metadata is an empty dict; an empty directory may be the target
     (tmp_path / "empty").mkdir()
     save(tmp_path / "empty", [np.ones(2, np.float32)])

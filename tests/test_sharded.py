@@ -40,6 +40,10 @@ def test_errors_name_the_rank_and_the_spec():
         spmd.shard(jnp.ones(2), "dp")
     with pytest.raises(spmd.SpmdError, match="has no axis 'tp'"):
         spmd.shard(jnp.ones(2), P("tp"), mesh=spmd.Mesh(dp=1))
+    # an array already sharded: an error at shard(), not a broken ShardedArray inside one
+    sharded = {"w": spmd.shard(jnp.ones((2, 2)), P("dp"), mesh=spmd.Mesh(dp=1))}
+    with pytest.raises(spmd.SpmdTypeError, match=r"rank 0: shard: \['w'\] is already a Sharded"):
+        spmd.shard(sharded, P("dp"), mesh=spmd.Mesh(dp=1))
     # an integer is not an axis name (it raised a bare TypeError)
     for entry in (1, ("dp", 2)):
         with pytest.raises(spmd.SpmdTypeError, match=r"rank 0: .* is not an axis name"):

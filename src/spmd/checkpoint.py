@@ -83,6 +83,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import sys
 import uuid
@@ -618,12 +619,18 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _siblings(target: Path, infix: str) -> list[Path]:
+    """spmd's own ``{path}{infix}{token}`` directories: the token is a save's 32-hex-digit id,
+    so a user's ``ckpt.old-run1`` beside ``ckpt`` is neither removed nor read."""
     prefix = target.name + infix
     try:
         names = os.listdir(target.parent)
     except OSError:
         return []
-    return [target.parent / n for n in names if n.startswith(prefix)]
+    return [
+        target.parent / n
+        for n in names
+        if n.startswith(prefix) and re.fullmatch(r"[0-9a-f]{32}", n[len(prefix) :])
+    ]
 
 
 def _check_target(target: Path, where: str) -> None:

@@ -322,7 +322,13 @@ def shard(x: Any, spec: Any, mesh: Mesh | None = None, *, group: Communicator | 
     """
     where = _resolve_where(mesh, group)
 
-    def one(leaf: Any) -> ShardedArray:
+    def one(path: Any, leaf: Any) -> ShardedArray:
+        if isinstance(leaf, ShardedArray):
+            raise SpmdTypeError(
+                f"{this_rank()}: shard: {jax.tree_util.keystr(path) or 'x'} is already a "
+                f"ShardedArray (spec {leaf.spec}); use its .reshard(spec) for another layout, or "
+                "spmd.gather it first"
+            )
         leaf = jnp.asarray(leaf)
         s = _normalize(spec, leaf.ndim, where)
         local = leaf
@@ -331,7 +337,7 @@ def shard(x: Any, spec: Any, mesh: Mesh | None = None, *, group: Communicator | 
                 local = slice_dim(local, axis, d.index, d.chunk)
         return ShardedArray(local, leaf.shape, s, where)
 
-    return jax.tree_util.tree_map(one, x)
+    return jax.tree_util.tree_map_with_path(one, x, is_leaf=is_sharded)
 
 
 def is_sharded(x: Any) -> bool:

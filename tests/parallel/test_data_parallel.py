@@ -4,7 +4,10 @@ the parameter check and the errors."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -129,6 +132,39 @@ def test_broadcast_params_takes_the_roots_state(comm):
     out = spmd.broadcast_params(tree, root=1)
     np.testing.assert_array_equal(out["a"], np.ones(3, np.float32))
     np.testing.assert_array_equal(out["b"][0], np.arange(4) + 10)
+    # A ShardedArray holds a different shard on each rank: broadcasting rank 1's over rank 0's
+    # would corrupt it silently.
+    sharded = {"w": spmd.shard(jnp.arange(8.0), spmd.PartitionSpec("dp"), mesh=spmd.Mesh(dp=2))}
+    with pytest.raises(spmd.SpmdError, match=r"broadcast_params: \['w'\] is a ShardedArray"):
+        spmd.broadcast_params(sharded)
+
+
+@multirank(nprocs=(2,))
+def test_misuse_is_a_clear_error_not_a_silent_divergence(comm):
+    params = init_params()
+    batch = spmd.data.shard_batch(global_batches(1, comm.size)[0])
+
+    def grads(p, b):
+        return spmd.grad(loss_fn)(p, b)
+
+    # Under jax.jit the step's Python state (no_sync accumulator, replica check) would freeze.
+    step = spmd.data_parallel(grads)
+    with pytest.raises(spmd.SpmdError, match=r"data_parallel\(grads\): called inside a JAX"):
+        jax.jit(step)(params, batch)
+    with pytest.raises(spmd.SpmdError, match=r"zero_shard\(grads\): called inside a JAX"):
+        jax.jit(spmd.zero_shard(grads, stage=1))(params, batch)
+    assert step(params, batch)["w1"].shape == params["w1"].shape  # called directly: fine
+    # Complex gradients are not compressed: refused like any complex collective, never cast.
+    cstep = spmd.data_parallel(
+        lambda p: spmd.grad(lambda q: jnp.abs(jnp.sum(q * q)))(p), compression="bf16"
+    )
+    with pytest.raises(spmd.SpmdError, match="complex64"):
+        cstep(jnp.asarray([1 + 2j, 3 - 1j], jnp.complex64))
+    # A partial as the loss: a bad argnums names it (it raised AttributeError).
+    with pytest.raises(spmd.SpmdError, match=r"argnums=3 but functools\.partial"):
+        spmd.data_parallel(lambda p: spmd.grad(functools.partial(loss_fn), argnums=3)(p, batch))(
+            params
+        )
 
 
 @multirank(nprocs=(2,))

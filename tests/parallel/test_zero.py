@@ -372,3 +372,36 @@ def test_stage_3_checks_the_parameters_before_sharding_them(comm):
         z.shard(params, tx.init(params))
     p, _ = z.shard(spmd.broadcast_params(params), tx.init(params))  # repaired
     assert isinstance(p["w"], spmd.ShardedArray) and p["w"].shape == (4, 2)
+
+
+@multirank(nprocs=(2,))
+def test_nested_calls_with_constant_operands(comm):
+    """jnp.where/jnp.clip inside optax and in the forward pass are nested jit calls that take a
+    literal operand; the pass crashed on them (an unhashable Literal). Each stage now matches
+    data_parallel."""
+    r, n = comm.rank, comm.size
+    x = np.random.default_rng(0).standard_normal((4 * n, 5)).astype(np.float32)[4 * r : 4 * r + 4]
+    params = {"w": jnp.linspace(-0.5, 0.5, 15, dtype=jnp.float32).reshape(5, 3)}
+
+    def plain(p, b):
+        return jnp.mean((b @ p["w"]) ** 2)
+
+    def clipped(p, b):
+        return jnp.mean((b @ jnp.where(p["w"] > 0, p["w"], 0.0)) ** 2)
+
+    cases = [
+        (1, optax.adagrad(0.1), plain),
+        (2, optax.chain(optax.clip(1.0), optax.sgd(0.1)), plain),
+        (3, optax.sgd(0.1), clipped),
+    ]
+    for stage, tx, loss in cases:
+
+        def step(p, s, b, tx=tx, loss=loss):
+            g = spmd.grad(loss)(p, b)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        want, _ = spmd.data_parallel(step)(params, tx.init(params), x)
+        z = spmd.zero_shard(step, stage=stage)
+        got, _ = z(*z.shard(params, tx.init(params)), x)
+        np.testing.assert_allclose(spmd.gather(got)["w"], want["w"], rtol=1e-6, err_msg=str(stage))

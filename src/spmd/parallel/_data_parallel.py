@@ -81,8 +81,19 @@ def broadcast_params(tree: Any, root: int = 0, *, group: Any = None) -> Any:
     Start data-parallel replicas from one state: ``params = spmd.broadcast_params(params)``.
     """
     from ..ops import broadcast
+    from ..sharded import is_sharded
 
-    return broadcast(tree, root=root, group=_communicator(group, "broadcast_params"))
+    comm = _communicator(group, "broadcast_params")
+    with_path, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sharded)
+    for path, leaf in with_path:
+        if is_sharded(leaf):
+            # Each rank's shard is its own data: rank root's would overwrite the others'.
+            raise SpmdError(
+                f"{this_rank()}: broadcast_params: {jax.tree_util.keystr(path) or 'the tree'} is "
+                "a ShardedArray, whose shards differ between ranks by design; broadcast the "
+                "full array before sharding it, or leave sharded state out of the tree"
+            )
+    return broadcast(tree, root=root, group=comm)
 
 
 def data_parallel(
@@ -414,6 +425,7 @@ class DataParallel:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        refuse_tracers(leaves, f"data_parallel({getattr(self.fn, '__name__', 'step')})")
         traced = self._traced(args, kwargs, leaves, tree)
         if self.check_params and not self._checked:
             comm = _communicator(self.group, "data_parallel")
@@ -436,6 +448,16 @@ class DataParallel:
         self._pending = None if sync else list(outs[n:])
         self._pending_for = None if sync else traced
         return jax.tree_util.tree_unflatten(traced.program.out_tree, outs[:n])
+
+
+def refuse_tracers(leaves: Sequence[Any], what: str) -> None:
+    """A step called under jax.jit/vmap would have its Python state (the replica check, the
+    no_sync accumulator) frozen into the trace: refuse instead of desynchronising replicas."""
+    if any(isinstance(x, core.Tracer) for x in leaves):
+        raise SpmdError(
+            f"{this_rank()}: {what}: called inside a JAX transformation (jax.jit, jax.vmap, ...); "
+            "the step compiles itself, so call it directly"
+        )
 
 
 def _canonical(x: Any) -> np.ndarray:

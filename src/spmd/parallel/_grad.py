@@ -118,8 +118,9 @@ def value_and_grad(
         ctx.calls += 1
         for i in nums:
             if not -len(args) <= i < len(args):
+                name = getattr(fun, "__name__", repr(fun))  # a functools.partial has none
                 raise SpmdError(
-                    f"{this_rank()}: spmd.value_and_grad: argnums={argnums} but {fun.__name__} "
+                    f"{this_rank()}: spmd.value_and_grad: argnums={argnums} but {name} "
                     f"was called with {len(args)} positional arguments"
                 )
         marked = tuple(i % len(args) for i in nums)  # jax's argnums may count from the end

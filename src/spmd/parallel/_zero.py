@@ -53,6 +53,7 @@ from ._data_parallel import (
     check_replicas,
     check_same,
     gradient_leaves,
+    refuse_tracers,
     schedule,
 )
 from ._grad import mark_p, marking
@@ -309,6 +310,8 @@ class _Partitioner:
             self.write(v, c)
         for v, a in zip(jaxpr.invars, eqn.invars, strict=True):
             self.write(v, self.read(a), self.layout(a))
+            if isinstance(a, core.Literal):  # a constant operand: unhashable, never tagged
+                continue
             self.names[v] = self.names.get(a, "")
             for tags in (self.params, self.after_grad, self.param_dep, self.local):
                 if a in tags:
@@ -617,6 +620,7 @@ class ZeroShard:
                 "which it does not support; accumulate with zero_shard(accumulate_steps=k) "
                 "instead, or use data_parallel"
             )
+        refuse_tracers(jax.tree_util.tree_leaves((args, kwargs)), f"zero_shard({self._name})")
         traced, leaves = self._traced(args, kwargs)
         if self.check_params and not self._checked:
             comm = _communicator(self.group, "zero_shard")
