@@ -173,9 +173,10 @@ def test_load_falls_back_to_the_previous_checkpoint_between_the_renames(tmp_path
     """A save killed between 'rename path -> path.old-*' and 'rename tmp -> path'."""
     spmd.init()
     save(tmp_path / "ck", {"a": np.arange(4)}, metadata={"v": "old"})
-    os.rename(tmp_path / "ck", tmp_path / "ck.old-1234")
-    (tmp_path / "ck.old-0000").mkdir()  # incomplete (no manifest): never chosen
-    with pytest.warns(UserWarning, match=r"ck is missing; reading ck.old-1234"):
+    old, incomplete = "1234" * 8, "0" * 32  # a save's id: 32 hex digits
+    os.rename(tmp_path / "ck", tmp_path / f"ck.old-{old}")
+    (tmp_path / f"ck.old-{incomplete}").mkdir()  # incomplete (no manifest): never chosen
+    with pytest.warns(UserWarning, match=f"ck is missing; reading ck.old-{old}"):
         out = load(tmp_path / "ck")
     np.testing.assert_array_equal(out["a"], np.arange(4))
     with pytest.warns(UserWarning):
