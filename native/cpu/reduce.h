@@ -175,16 +175,23 @@ SPMD_ALWAYS_INLINE void FloatsToHalf(bool bf16, const float* in, uint16_t* out, 
 
 // out[i] = FloatToHalf/FloatToBf16(in[i] / div): what a rank sends in a compressed allreduce
 // (spmd.ops.allreduce(compression=...)). The division is skipped when div is 1 (exact either way).
-SPMD_ALWAYS_INLINE void NarrowFloatsBody(bool bf16, const float* in, float div, uint16_t* out,
-                                         size_t n) {
-  if (div == 1.0f) return FloatsToHalf(bf16, in, out, n);
+// `round(floats, halves, count)` does the rounding; the division runs in L1-sized blocks.
+template <typename Round>
+SPMD_ALWAYS_INLINE void NarrowWith(const Round& round, const float* in, float div, uint16_t* out,
+                                   size_t n) {
+  if (div == 1.0f) return round(in, out, n);
   constexpr size_t kBlock = 512;
   alignas(64) float x[kBlock];
   for (size_t base = 0; base < n; base += kBlock) {
     size_t m = n - base < kBlock ? n - base : kBlock;
     for (size_t i = 0; i < m; ++i) x[i] = in[base + i] / div;
-    FloatsToHalf(bf16, x, out + base, m);
+    round(x, out + base, m);
   }
+}
+
+inline void NarrowFloatsBody(bool bf16, const float* in, float div, uint16_t* out, size_t n) {
+  NarrowWith([bf16](const float* f, uint16_t* h, size_t m) { FloatsToHalf(bf16, f, h, m); }, in,
+             div, out, n);
 }
 
 #if defined(__x86_64__)
@@ -213,25 +220,15 @@ __attribute__((target("avx2"))) inline void FloatsToBf16Avx2(const float* in, ui
   for (; i < n; ++i) out[i] = FloatToBf16(in[i]);
 }
 
-// NarrowFloats' body for AVX2: divided in L1-sized blocks, then rounded.
+// NarrowFloats where the CPU has AVX2: bfloat16 through FloatsToBf16Avx2, float16 through F16C.
 __attribute__((target("avx2,f16c"))) inline void NarrowFloatsAvx2(bool bf16, const float* in,
                                                                   float div, uint16_t* out,
                                                                   size_t n) {
-  constexpr size_t kBlock = 512;
-  alignas(64) float x[kBlock];
-  for (size_t base = 0; base < n; base += kBlock) {
-    size_t m = n - base < kBlock ? n - base : kBlock;
-    const float* from = in + base;
-    if (div != 1.0f) {
-      for (size_t i = 0; i < m; ++i) x[i] = from[i] / div;
-      from = x;
-    }
-    if (bf16) {
-      FloatsToBf16Avx2(from, out + base, m);
-    } else {
-      FloatsToHalf(false, from, out + base, m);
-    }
-  }
+  NarrowWith(
+      [bf16](const float* f, uint16_t* h, size_t m) {
+        bf16 ? FloatsToBf16Avx2(f, h, m) : FloatsToHalf(false, f, h, m);
+      },
+      in, div, out, n);
 }
 
 __attribute__((target("avx2,f16c"))) inline void WidenBf16Avx2(const uint16_t* in, float* out,
@@ -381,29 +378,13 @@ SPMD_ALWAYS_INLINE void ReduceNarrowedBody(bool bf16, float div, int me, const f
       float* dst = r == 0 ? acc : x;
       const uint16_t* half = static_cast<const uint16_t*>(src[r]) + base;
       if (r == me) {
-#if defined(__x86_64__)
-        if (HasAvx2F16c()) {
-          NarrowFloatsAvx2(bf16, own + base, div, h, m);
-        } else {
-          NarrowFloatsBody(bf16, own + base, div, h, m);
-        }
-#else
-        NarrowFloatsBody(bf16, own + base, div, h, m);
-#endif
+        NarrowFloats(bf16, own + base, div, h, m);
         half = h;
       }
       HalfToFloats(bf16, half, dst, m);
       if (r > 0) Accumulate<ReduceOp::kSum>(acc, x, m);
     }
-#if defined(__x86_64__)
-    if (bf16 && HasAvx2F16c()) {
-      FloatsToBf16Avx2(acc, res + base, m);
-    } else {
-      FloatsToHalf(bf16, acc, res + base, m);
-    }
-#else
-    FloatsToHalf(bf16, acc, res + base, m);
-#endif
+    NarrowFloats(bf16, acc, 1.0f, res + base, m);
     HalfToFloats(bf16, res + base, out + base, m);
   }
 }

@@ -84,9 +84,13 @@ def allreduce(
         return jax.tree_util.tree_unflatten(treedef, leaves)
     if compression is not None:
         return jax.tree_util.tree_unflatten(treedef, _compressed(leaves, op, ref, compression))
+    return jax.tree_util.tree_unflatten(treedef, _exact(leaves, op, ref, quantize))
+
+
+def _exact(leaves: list[Any], op: str, ref: GroupRef, quantize: str | None) -> list[Any]:
     native, sent = to_sum(op, leaves)
     outs = bind(allreduce_p, *sent, group=ref, op=native, quantize=quantize, compression=None)
-    return jax.tree_util.tree_unflatten(treedef, from_sum(op, outs, leaves, ref.size))
+    return from_sum(op, outs, leaves, ref.size)
 
 
 # Wire codes of compressed allreduces, shared with the native layer (native/cpu/handlers.cc).
@@ -126,10 +130,7 @@ def _compressed(leaves: list[Any], op: str, ref: GroupRef, compression: str) -> 
         for i, y in zip(wide, ys, strict=True):
             outs[i] = y
     if rest:
-        xs = [leaves[i] for i in rest]
-        native, sent = to_sum(op, xs)
-        ys = bind(allreduce_p, *sent, group=ref, op=native, quantize=None, compression=None)
-        for i, y in zip(rest, from_sum(op, ys, xs, ref.size), strict=True):
+        for i, y in zip(rest, _exact([leaves[i] for i in rest], op, ref, None), strict=True):
             outs[i] = y
     return outs
 
