@@ -7,6 +7,7 @@ such as ``spmd-run`` start fast.
 
 from typing import TYPE_CHECKING, Any
 
+from . import _groups as _groups  # spmd.init prepares the world's native group
 from ._errors import SpmdError as SpmdError
 from ._errors import SpmdTypeError as SpmdTypeError
 from ._version import __version__ as __version__

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 from types import ModuleType
 
 from ._errors import SpmdError
@@ -15,7 +16,7 @@ NATIVE_ABI_VERSION = 5
 def native() -> ModuleType:
     """The compiled ``spmd._native`` module; a clear error if it is missing or stale."""
     try:
-        from . import _native  # type: ignore[attr-defined,unused-ignore]
+        _native = importlib.import_module(f"{__package__}._native")
     except ImportError as e:
         raise SpmdError(
             f"spmd's native module is missing ({e}); spmd must be installed with pip, which "
@@ -26,5 +27,4 @@ def native() -> ModuleType:
             f"spmd's native module has ABI version {_native.abi_version()}, this Python code "
             f"expects {NATIVE_ABI_VERSION}: reinstall spmd (pip install .) to rebuild it"
         )
-    module: ModuleType = _native
-    return module
+    return _native

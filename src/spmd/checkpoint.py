@@ -888,7 +888,7 @@ def _into(entry: dict[str, Any], want: Any, reader: _Reader, where: str) -> Any:
 def _communicator(group: Any) -> Communicator:
     """The group that saves or loads together: the collectives' own resolution (None: the
     default communicator; a Communicator; or an axis name of the active mesh)."""
-    from .ops._groups import communicator
+    from ._groups import communicator
 
     return communicator(None, group, "spmd.checkpoint")
 

@@ -177,7 +177,7 @@ def test_nccl_world_of_one_inside_jit(xla_flags):
 _IPC_EXCHANGE = """
     import spmd
     from spmd.ops import _cuda
-    from spmd.ops._groups import resolve
+    from spmd._groups import resolve
     comm = spmd.init()
     ref = resolve()
     group = _cuda.registered(ref.gid)

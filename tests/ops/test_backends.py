@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import spmd
-from spmd.testing import multirank
+from spmd.testing import multirank, run
 from tests import HEAVY
 
 from ._cases import forms, x64
@@ -105,3 +105,51 @@ def test_file_store_communicator_runs_on_shared_memory(comm):
     np.testing.assert_array_equal(spmd.all_to_all(jnp.arange(n) + 10 * r), 10 * np.arange(n) + r)
     with pytest.raises(spmd.SpmdError, match="need MPI"):
         spmd.sendrecv(jnp.ones(2), src=(r - 1) % n, dst=(r + 1) % n)
+
+
+def _one_rank_inspects_the_world_alone():
+    """Rank 0 alone asks for the backend and traces collectives before any rank made one; the
+    others go straight to the communicator's own exchanges and then to a collective."""
+    comm = spmd.init()
+    seen = None
+    if comm.rank == 0:
+        program = jax.make_jaxpr(lambda v: spmd.allreduce(v))(jnp.ones(2))
+        seen = (spmd.ops.get_backend(), "spmd_allreduce" in str(program))
+        str(spmd.trace(lambda v: spmd.allgather(v))(jnp.ones(2)))
+    comm.barrier()
+    ranks = comm.allgather_object(comm.rank)
+    total = jax.jit(spmd.allreduce)(jnp.full(2, comm.rank + 1.0))
+    return seen, ranks, total.tolist(), spmd.ops.get_backend()
+
+
+@pytest.mark.parametrize("launcher", ["mpi", "env"])
+def test_one_rank_may_trace_collectives_or_ask_the_backend_alone(launcher):
+    """The world's transports are prepared in spmd.init; nothing done on one rank alone may
+    pair with the others' barrier (it did, and both ranks failed with a bare TypeError)."""
+    results = run(_one_rank_inspects_the_world_alone, 2, launcher=launcher, fresh=True)
+    assert results[0][0] == ("shm", True)
+    assert results[1][0] is None
+    for _, ranks, total, backend in results:
+        assert (ranks, total, backend) == ([0, 1], [3.0, 3.0], "shm")
+
+
+def _one_rank_traces_a_new_group_alone():
+    comm = spmd.init()
+    try:
+        if comm.rank == 0:
+            jax.make_jaxpr(lambda v: spmd.allreduce(v, rank_list=[[1, 0]]))(jnp.ones(2))
+        else:
+            comm.barrier()
+    except spmd.SpmdError as e:
+        return str(e)
+    return "no error"
+
+
+def test_tracing_a_new_group_on_one_rank_alone_is_an_error_not_a_hang():
+    """A sub-group is prepared at its first collective (tracing included), which every rank of
+    the group must make: one that does it alone gets a timeout naming the group, and so do
+    the ranks that waited in their barrier meanwhile."""
+    messages = run(_one_rank_traces_a_new_group_alone, 2, env={"SPMD_TIMEOUT": "2"}, fresh=True)
+    assert "rank 0: creating the communicator of ranks [1, 0] timed out" in messages[0]
+    assert "rank 1 (the group's root) did not confirm that all joined" in messages[0]
+    assert "rank 1: allgather_object on the group of ranks [0, 1] timed out" in messages[1]

@@ -71,7 +71,7 @@ def _collectives() -> list[str]:
     except Exception as e:
         out.append(f"  collective handlers (cpu): unavailable ({e})")
     from .._errors import SpmdError
-    from ..ops._groups import _requested_backend
+    from .._groups import _requested_backend
 
     try:
         requested = _requested_backend()

@@ -7,6 +7,8 @@ name of the active mesh), and arrays or pytrees of arrays (one fused call). The 
 convention and the ordering guarantees are described in ``docs/collectives.md``.
 """
 
+from .._groups import get_backend as get_backend
+from .._groups import set_backend as set_backend
 from ._all_to_all import all_to_all as all_to_all
 from ._allreduce import allreduce as allreduce
 from ._broadcast import broadcast as broadcast
@@ -14,8 +16,6 @@ from ._gather import allgather as allgather
 from ._gather import allgatherv as allgatherv
 from ._gather import reduce_scatter as reduce_scatter
 from ._gather import reduce_scatterv as reduce_scatterv
-from ._groups import get_backend as get_backend
-from ._groups import set_backend as set_backend
 from ._p2p import barrier as barrier
 from ._p2p import recv as recv
 from ._p2p import send as send

@@ -16,6 +16,7 @@ from jax._src import core
 from jax._src.interpreters import ad, batching
 
 from .._errors import SpmdError
+from .._groups import GroupRef, resolve
 from . import _cuda
 from ._core import (
     arg_aval,
@@ -27,7 +28,6 @@ from ._core import (
     linear_jvp,
     register_lowering,
 )
-from ._groups import GroupRef, resolve
 
 all_to_all_p = collective_primitive("spmd_all_to_all")
 

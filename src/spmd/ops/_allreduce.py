@@ -20,6 +20,7 @@ from jax._src.ad_util import Zero
 from jax._src.interpreters import ad, batching
 
 from .._errors import SpmdError
+from .._groups import GroupRef, resolve
 from . import _cuda
 from ._core import (
     REDUCE_OPS,
@@ -35,7 +36,6 @@ from ._core import (
     to_sum,
     zero_tangent,
 )
-from ._groups import GroupRef, resolve
 
 allreduce_p = collective_primitive("spmd_allreduce")
 

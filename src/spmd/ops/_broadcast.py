@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax._src import core
 from jax._src.interpreters import ad, batching
 
+from .._groups import GroupRef, resolve
 from . import _cuda
 from ._allreduce import allreduce_p
 from ._core import (
@@ -27,7 +28,6 @@ from ._core import (
     linear_jvp,
     register_lowering,
 )
-from ._groups import GroupRef, resolve
 
 broadcast_p = collective_primitive("spmd_broadcast")
 

@@ -33,7 +33,7 @@ from jax._src.lib.mlir import ir  # type: ignore[attr-defined]
 from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
 
 from .._errors import SpmdError, SpmdTypeError
-from ._groups import GroupRef
+from .._groups import GroupRef
 
 SUPPORTED_DTYPES = tuple(
     np.dtype(d)

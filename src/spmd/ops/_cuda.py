@@ -22,6 +22,7 @@ fixed when a program is compiled. ``python -m spmd.info`` prints the chain and i
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import os
 import threading
@@ -200,7 +201,7 @@ def select_rmsnorm(rows: int, hidden: int, dtype: Any, group: GpuGroup, cfg: Cha
 def native_cuda() -> ModuleType | None:
     """``spmd._native_cuda``, or None where spmd was built without CUDA."""
     try:
-        from .. import _native_cuda  # type: ignore[attr-defined,unused-ignore]
+        _native_cuda = importlib.import_module("spmd._native_cuda")
     except ImportError:
         return None
     if _native_cuda.abi_version() != NATIVE_ABI_VERSION:
@@ -208,8 +209,7 @@ def native_cuda() -> ModuleType | None:
             f"spmd's GPU module has ABI version {_native_cuda.abi_version()}, this Python code "
             f"expects {NATIVE_ABI_VERSION}: reinstall spmd (pip install .) to rebuild it"
         )
-    module: ModuleType = _native_cuda
-    return module
+    return _native_cuda
 
 
 def require_native_cuda(where: str = "") -> ModuleType:
@@ -315,7 +315,7 @@ def _agree(comm: Any, step: Any) -> tuple[Any, str]:
         result, error = step(), ""
     except Exception as e:  # reported to every rank below
         result, error = None, f"rank {comm.world_rank}: {e}"
-    errors = [e for e in comm.allgather_object(error) if e]
+    errors = [e for e in comm._setup_allgather(error) if e]
     return (None, errors[0]) if errors else (result, "")
 
 
@@ -381,7 +381,7 @@ def ensure_group(comm: Any, gid: int) -> GpuGroup:
         cfg, error = _agree(comm, config)
         if error:
             raise SpmdError(error)
-        differ = settings_differ(list(comm.ranks), comm.allgather_object(cfg))
+        differ = settings_differ(list(comm.ranks), comm._setup_allgather(cfg))
         if differ:
             raise SpmdError(f"rank {comm.world_rank}: {differ}")
 
@@ -402,7 +402,7 @@ def ensure_group(comm: Any, gid: int) -> GpuGroup:
         if not error:
             uid, error = _agree(comm, lambda: mod.nccl_unique_id() if comm.rank == 0 else None)
         if not error:
-            uid = comm.allgather_object(uid)[0]
+            uid = comm._setup_allgather(uid)[0]
             # Blocks until every rank joined, bounded so that a rank whose peer failed inside
             # NCCL's own set-up raises instead of waiting forever: at 0.8 SPMD_TIMEOUT, so that
             # it reaches _agree's exchange before the failed peer, waiting there since the
@@ -431,7 +431,7 @@ def _custom_unavailable(comm: Any) -> str:
         )
     if len({comm.node_ids[r] for r in comm.ranks}) != 1:
         return "the group spans nodes (CUDA IPC works inside one node)"
-    buses = comm.allgather_object(require_native_cuda().device_info()[1])
+    buses = comm._setup_allgather(require_native_cuda().device_info()[1])
     if len(set(buses)) != len(buses) and mode != "force":
         return (
             f"ranks share a GPU ({', '.join(buses)}): kernels of different processes do not run "
@@ -448,11 +448,11 @@ def _start_custom(comm: Any, gid: int, mod: ModuleType) -> GpuGroup:
     handle, error = _agree(comm, lambda: mod.car_alloc(gid, cap))
     if error:
         return GpuGroup(comm.size, False, f"allocating the IPC buffer failed: {error}")
-    handles = comm.allgather_object(handle)
+    handles = comm._setup_allgather(handle)
     _, error = _agree(comm, lambda: mod.car_open(gid, handles))
     if error:
         return GpuGroup(comm.size, False, f"mapping the peers' buffers failed: {error}")
-    seed = comm.allgather_object(int.from_bytes(os.urandom(4), "little"))[0]
+    seed = comm._setup_allgather(int.from_bytes(os.urandom(4), "little"))[0]
     _, error = _agree(comm, lambda: mod.car_write_check(gid, seed))
     if error:
         return GpuGroup(comm.size, False, f"the peer-access check failed: {error}")
@@ -461,7 +461,7 @@ def _start_custom(comm: Any, gid: int, mod: ModuleType) -> GpuGroup:
         return GpuGroup(comm.size, False, f"the peer-access check failed: {error}")
     failures = [
         f"rank {reader} could not read rank(s) {missing}"
-        for reader, missing in zip(comm.ranks, comm.allgather_object(bad), strict=True)
+        for reader, missing in zip(comm.ranks, comm._setup_allgather(bad), strict=True)
         if missing
     ]
     if failures:

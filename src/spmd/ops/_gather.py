@@ -21,6 +21,7 @@ from jax._src.ad_util import Zero
 from jax._src.interpreters import ad, batching
 
 from .._errors import SpmdError, SpmdTypeError
+from .._groups import GroupRef, resolve
 from . import _cuda
 from ._core import (
     REDUCE_OPS,
@@ -37,7 +38,6 @@ from ._core import (
     to_sum,
     zero_tangent,
 )
-from ._groups import GroupRef, resolve
 
 allgather_p = collective_primitive("spmd_allgather")
 reduce_scatter_p = collective_primitive("spmd_reduce_scatter")

@@ -27,6 +27,7 @@ from jax._src import core
 from jax._src.interpreters import ad, batching
 
 from .._errors import SpmdError
+from .._groups import GroupRef, resolve
 from . import _cuda
 from ._core import (
     arg_aval,
@@ -41,7 +42,6 @@ from ._core import (
     register_lowering,
     zero_tangent,
 )
-from ._groups import GroupRef, resolve
 
 sendrecv_p = collective_primitive("spmd_sendrecv")
 send_p = collective_primitive("spmd_send")

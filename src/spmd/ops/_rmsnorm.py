@@ -25,10 +25,10 @@ from jax._src import core
 from jax._src.interpreters import ad, batching, mlir
 
 from .._errors import SpmdError, SpmdTypeError
+from .._groups import GroupRef, resolve
 from . import _cuda
 from ._allreduce import allreduce_p
 from ._core import bind, collective_primitive, lower_collective
-from ._groups import GroupRef, resolve
 
 allreduce_rmsnorm_p = collective_primitive("spmd_allreduce_rmsnorm")
 

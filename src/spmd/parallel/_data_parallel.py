@@ -168,7 +168,7 @@ def _check_compression(compression: Any) -> None:
 
 
 def _communicator(group: Any, where: str) -> Communicator:
-    from ..ops._groups import communicator
+    from .._groups import communicator
 
     return communicator(None, group, where)
 

@@ -30,7 +30,7 @@ import numpy as np
 from jax._src import core
 
 from .._errors import SpmdError
-from ..ops._groups import FORWARD, ROLE_NAMES
+from .._groups import FORWARD, ROLE_NAMES
 
 __all__ = ["Env", "Op", "Program", "eval_eqn", "retrace", "trace"]
 

@@ -95,7 +95,7 @@ class Communicator:
         world_rank: int,
         node_ids: Sequence[str],
         backend: str,
-        transport_factory: Callable[[Communicator], Transport],
+        transport_factory: Callable[[Communicator], tuple[Transport, Transport]],
     ) -> None:
         ranks = groups[group_id]
         my_node = node_ids[world_rank]
@@ -113,6 +113,7 @@ class Communicator:
         self._backend = backend
         self._transport_factory = transport_factory
         self._transport: Transport | None = None
+        self._setup: Transport | None = None
 
     # -- attributes -----------------------------------------------------------------------------
 
@@ -186,8 +187,22 @@ class Communicator:
 
     def _get_transport(self) -> Transport:
         if self._transport is None:
-            self._transport = self._transport_factory(self)
+            self._transport, self._setup = self._transport_factory(self)
         return self._transport
+
+    def _setup_allgather(self, obj: Any) -> list[Any]:
+        """:meth:`allgather_object` on a channel of its own, for the exchanges spmd makes
+        when it prepares the group for collectives (shared-memory names, NCCL ids).
+
+        That preparation can happen on one rank alone, when it traces a collective or asks for
+        the group's backend; on the group's own channel its exchange would pair with the
+        others' next ``barrier`` or ``allgather_object`` and garble both. On this channel it
+        waits for the others' preparation, and times out with an error saying so if they never
+        get there.
+        """
+        self._get_transport()  # both channels are made together
+        assert self._setup is not None
+        return self._setup.allgather(obj)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), in group-rank order, on every rank of the group."""
@@ -214,7 +229,14 @@ class Communicator:
         transport = self._get_transport()
         return getattr(transport, "comm", None)
 
+    def _setup_mpi_comm(self) -> Any:
+        """The mpi4py communicator of the setup channel (see :meth:`_setup_allgather`), or
+        None without MPI."""
+        self._get_transport()
+        return getattr(self._setup, "comm", None)
+
     def _close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+        for transport in (self._setup, self._transport):
+            if transport is not None:
+                transport.close()
+        self._transport = self._setup = None

@@ -16,6 +16,7 @@ from ._failure import install_abort_hook, uninstall_abort_hook
 from ._malloc import tune as _tune_malloc
 from ._store import FileStore, namespace_from_env
 from ._transport import (
+    SETUP_WHAT,
     FileTransport,
     MpiTransport,
     SelfTransport,
@@ -32,6 +33,7 @@ class _Runtime:
         self.timeout = _timeout_seconds()
         self.mpi_world: Any = None
         self.mpi_data: Any = None
+        self.mpi_setup: Any = None
         self.store: FileStore | None = None
         self.pool: dict[Groups, Communicator] = {}
 
@@ -54,6 +56,10 @@ class _Runtime:
             # bootstrap's exchanges). Made here, where every rank takes part, so that a send
             # between two ranks never waits for a third that makes no call.
             self.mpi_data = self.mpi_world.Dup()
+            self.mpi_setup = self.mpi_world.Dup()
+            setup: Transport = MpiTransport(
+                self.mpi_setup, rank, range(size), self.timeout, SETUP_WHAT
+            )
         elif launch.communicator == "void" and launch.size and launch.size > 1:
             rank, size = launch.rank, launch.size
             assert launch.store_path is not None
@@ -62,9 +68,10 @@ class _Runtime:
             namespace = f"{namespace_from_env(os.environ)}-{generation}"
             self.store = FileStore(launch.store_path, namespace, rank, self.timeout)
             bootstrap = FileTransport(self.store, range(size), rank)
+            setup = FileTransport(self.store, range(size), rank, "setup", SETUP_WHAT)
         else:
             rank, size = 0, 1
-            bootstrap = SelfTransport()
+            bootstrap = setup = SelfTransport()
 
         self.rank, self.size = rank, size
         self.node_ids: tuple[str, ...] = tuple(bootstrap.allgather(node_id(os.environ, rank, size)))
@@ -75,18 +82,27 @@ class _Runtime:
             world_rank=rank,
             node_ids=self.node_ids,
             backend=self.name,
-            transport_factory=lambda _: bootstrap,
+            transport_factory=lambda _: (bootstrap, setup),
         )
         self.pool[groups] = self.world
 
-    def _transport_for(self, comm: Communicator) -> Transport:
+    def _transport_for(self, comm: Communicator) -> tuple[Transport, Transport]:
+        """A sub-communicator's two channels: its own (``allgather_object``), and the one for
+        spmd's preparation of the group (``Communicator._setup_allgather``). Made together, at
+        the group's first exchange of either kind: collective over the group, with a deadline."""
         if comm.size == 1:
-            return SelfTransport()
+            return SelfTransport(), SelfTransport()
         if self.mpi_world is not None:
             sub = mpi_create_group(self.mpi_world, self.rank, comm.ranks, self.timeout)
-            return MpiTransport(sub, self.rank, comm.ranks, self.timeout)
+            return (
+                MpiTransport(sub, self.rank, comm.ranks, self.timeout),
+                MpiTransport(sub.Dup(), self.rank, comm.ranks, self.timeout, SETUP_WHAT),
+            )
         assert self.store is not None
-        return FileTransport(self.store, comm.ranks, self.rank, key=comm.groups)
+        return (
+            FileTransport(self.store, comm.ranks, self.rank, comm.groups),
+            FileTransport(self.store, comm.ranks, self.rank, ("setup", comm.groups), SETUP_WHAT),
+        )
 
     def communicator(self, rank_list: Any) -> Communicator:
         groups = resolve_rank_list(rank_list, self.size, self.rank)
@@ -116,6 +132,7 @@ class _Runtime:
             from mpi4py import MPI
 
             self.mpi_data.Free()
+            self.mpi_setup.Free()
             self.mpi_world.Free()
             if not MPI.Is_finalized():
                 MPI.Finalize()
@@ -134,6 +151,9 @@ _lock = threading.RLock()
 # Called by finalize (after draining device work, before communicators are freed): layers above
 # the runtime release what they built on it (spmd.ops's native groups).
 _finalizers: list[Callable[[], None]] = []
+# Called by init with the new world communicator, on every rank (spmd.ops prepares the world's
+# native group there, where every rank takes part).
+_initializers: list[Callable[[Communicator], None]] = []
 _runtime: _Runtime | None = None
 _default_name: CommunicatorName | None = None
 _mpi_finalized = False
@@ -188,6 +208,13 @@ def init(backend: str | None = None) -> Communicator:
         if runtime.size > 1:
             install_abort_hook(runtime.rank)
         _runtime = runtime
+        try:
+            for callback in _initializers:
+                callback(runtime.world)
+        except BaseException:
+            _runtime = None
+            uninstall_abort_hook()
+            raise
         return runtime.world
 
 
@@ -205,6 +232,13 @@ def finalize() -> None:
         uninstall_abort_hook()
         runtime.close()
         _mpi_finalized = _mpi_finalized or runtime.mpi_world is not None
+
+
+def on_init(callback: Callable[[Communicator], None]) -> None:
+    """Run ``callback(world)`` at the end of every later :func:`init` that starts a runtime."""
+    with _lock:
+        if callback not in _initializers:
+            _initializers.append(callback)
 
 
 def on_finalize(callback: Callable[[], None]) -> None:

@@ -41,11 +41,19 @@ class MpiTransport:
     would otherwise pair its next call with the abandoned one, then wait forever).
     """
 
-    def __init__(self, comm: Any, world_rank: int, ranks: Sequence[int], timeout: float) -> None:
+    def __init__(
+        self,
+        comm: Any,
+        world_rank: int,
+        ranks: Sequence[int],
+        timeout: float,
+        what: str = "allgather_object",
+    ) -> None:
         self.comm = comm
         self.world_rank = world_rank
         self.ranks = list(ranks)
         self.timeout = timeout
+        self.what = what
         self.broken: str | None = None
         self._abandoned: list[Any] = []
 
@@ -65,7 +73,7 @@ class MpiTransport:
         import numpy as np
         from mpi4py import MPI
 
-        what = "allgather_object"
+        what = self.what
         if self.broken is not None:
             raise SpmdError(
                 f"rank {self.world_rank}: {what}: the group of ranks {self.ranks} is unusable "
@@ -88,6 +96,26 @@ class MpiTransport:
 
 
 _ARRIVAL_TAG = 0x5D0
+
+# What a timed-out exchange of the setup channel (Communicator._setup_allgather) was doing.
+SETUP_WHAT = (
+    "preparing the group for collectives (done at its first collective, also when one is "
+    "only traced, or its backend asked for)"
+)
+
+
+def mpi_dup(comm: Any, world_rank: int, ranks: Sequence[int], timeout: float) -> Any:
+    """``MPI_Comm_idup`` of ``comm`` with a deadline: a member that never calls it is an
+    error naming the group, not a hang."""
+    new, request = comm.Idup()
+    if not wait_until(request.Test, timeout):
+        raise SpmdError(
+            f"rank {world_rank}: {SETUP_WHAT} on the group of ranks {list(ranks)} timed out "
+            f"after {timeout:g} s: at least one rank of the group never did it. Every rank of "
+            "a group must make the same calls in the same order; raise SPMD_TIMEOUT if they "
+            "are just slow."
+        )
+    return new
 
 
 def mpi_create_group(world: Any, world_rank: int, ranks: Sequence[int], timeout: float) -> Any:
@@ -140,9 +168,15 @@ class FileTransport:
     """
 
     def __init__(
-        self, store: FileStore, ranks: Sequence[int], world_rank: int, key: Any = None
+        self,
+        store: FileStore,
+        ranks: Sequence[int],
+        world_rank: int,
+        key: Any = None,
+        what: str = "allgather_object",
     ) -> None:
         self.store = store
+        self.what = what
         self.ranks = list(ranks)
         self.world_rank = world_rank
         # ``key`` tells apart communicators of the same members (rank_list [[0, 1], [2, 3]] and
@@ -160,7 +194,7 @@ class FileTransport:
         self.store.set(self._key(seq, self.world_rank), pickle.dumps(obj))
         blobs = self.store.wait(
             [self._key(seq, r) for r in self.ranks],
-            f"allgather_object on the group of ranks {self.ranks}",
+            f"{self.what} on the group of ranks {self.ranks}",
             self.ranks,
         )
         if seq > 0:

@@ -2,8 +2,10 @@
 
 A :class:`GroupRef` is the static description of a group that primitives carry as a parameter
 (hashable, so jit caches on it). Registering it with the native layer happens once per group and
-runtime, at the first collective on it, and is itself collective over the group's bootstrap
-transport: a shared-memory segment for the ranks on one node, a private duplicate of the group's
+runtime, and is itself collective over the group: for the world at ``spmd.init``, for other
+groups at their first collective (or the first traced). Its exchanges go over a channel of
+their own (``Communicator._setup_allgather``), never the group's ``barrier``. It makes a
+shared-memory segment for the ranks on one node, a private duplicate of the group's
 MPI communicator, and for groups that span nodes the node-local segments plus a communicator of
 node leaders (the hierarchical path).
 
@@ -23,11 +25,12 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .._errors import SpmdError
-from .._native_lib import native
-from ..runtime import Communicator, get_communicator, this_rank
-from ..runtime._env import timeout_seconds
-from ..runtime._state import on_finalize, world_data_comm
+from ._errors import SpmdError
+from ._native_lib import native
+from .runtime import Communicator, get_communicator, this_rank
+from .runtime._env import timeout_seconds
+from .runtime._state import on_finalize, on_init, world_data_comm
+from .runtime._transport import mpi_dup
 
 BACKENDS = {"shm": 0, "mpi": 1, "hier": 2}
 BACKEND_NAMES = ("auto", *BACKENDS)
@@ -178,7 +181,7 @@ def _attach_shm(gid: int, which: int, comm: Communicator, members: list[int]) ->
             )  # fmt: skip
         except RuntimeError as e:
             error = str(e)
-    names = comm.allgather_object((name, error))
+    names = comm._setup_allgather((name, error))
     errors = [e for _, e in names if e]
     if errors:
         raise SpmdError(f"rank {comm.world_rank}: {errors[0]}")
@@ -187,7 +190,7 @@ def _attach_shm(gid: int, which: int, comm: Communicator, members: list[int]) ->
             gid, which, names[members[0]][0], False, members.index(me), len(members),
             [comm.ranks[m] for m in members], SHM_CHUNK,
         )  # fmt: skip
-    comm.barrier()  # everyone mapped it: the name can go
+    comm._setup_allgather(None)  # everyone mapped it: the name can go
     if creator:  # POSIX shared memory lives in /dev/shm on Linux
         try:
             os.unlink(f"/dev/shm{name}")
@@ -199,19 +202,18 @@ def _register(comm: Communicator, gid: int) -> _Registered:
     """Create the native group and attach MPI: all that point-to-point calls need. For the world
     this involves no other rank (its MPI communicator was made in spmd.init); for a sub-group,
     making its communicator is collective over the group."""
-    _register_handlers()
     native().group_create(
         gid, comm.rank, comm.size, list(comm.ranks), timeout_seconds(), ONE_SHOT_MAX
     )
     reg = _Registered(comm, "", (), [])
-    mpi = comm.mpi_comm()
+    mpi = comm._setup_mpi_comm()
     if mpi is not None:
         _load_mpi()
         from mpi4py import MPI
 
         data = world_data_comm() if comm is get_communicator() else None
-        if data is None:
-            data = mpi.Dup()  # collectives never match the bootstrap's messages
+        if data is None:  # a communicator of its own: never matches an exchange's messages
+            data = mpi_dup(mpi, comm.world_rank, comm.ranks, timeout_seconds())
             reg.mpi_comms.append(data)
         reg.data = data
         native().group_attach_mpi(
@@ -290,25 +292,49 @@ def _finalize() -> None:
         _gpu_checked.clear()
 
 
+def _registration(comm: Communicator) -> tuple[int, _Registered | None]:
+    """The native id of ``comm``'s group and its registration (None for a group of one),
+    registering it on first use (see :func:`_register`). Call with ``_lock`` held."""
+    key = (comm.groups, comm.group_id)
+    gid = _ids.get(key)
+    if gid is None:
+        gid = _ids[key] = next(_next_id)
+    if comm.size == 1:
+        return gid, None
+    reg = _registered.get(gid)
+    if reg is None:
+        on_finalize(_finalize)
+        reg = _registered[gid] = _register(comm, gid)
+    return gid, reg
+
+
+def prepare_world(world: Communicator) -> None:
+    """Register the world group and attach its transports, at ``spmd.init`` where every rank
+    takes part: then the first collective on the world, tracing one, or asking for its backend
+    exchanges nothing, and any rank may do it alone. The backend is chosen at the first call
+    (:func:`_complete`), so that one not available raises there."""
+    if world.size == 1:
+        return
+    with _lock:
+        gid, reg = _registration(world)
+        assert reg is not None
+        if not reg.attached:
+            reg.available = _attach(gid, reg)
+            reg.attached = True
+
+
 def group_ref(comm: Communicator, p2p: bool = False) -> GroupRef:
     """The GroupRef of ``comm``, registering the group with the native layer on first use: in
     full (collective over the group), or with ``p2p`` only what point-to-point calls need."""
     with _lock:
-        key = (comm.groups, comm.group_id)
-        gid = _ids.get(key)
-        if gid is None:
-            gid = _ids[key] = next(_next_id)
-        if comm.size > 1:
-            reg = _registered.get(gid)
-            if reg is None:
-                on_finalize(_finalize)
-                reg = _registered[gid] = _register(comm, gid)
-            if not p2p and not reg.backend:
-                _complete(gid, reg)
+        _register_handlers()
+        gid, reg = _registration(comm)
+        if reg is not None and not p2p and not reg.backend:
+            _complete(gid, reg)
         if gid not in _gpu_checked:
             on_finalize(_finalize)
             _gpu_checked.add(gid)
-            from . import _cuda
+            from .ops import _cuda
 
             # A group of one talks to nobody, unless NCCL is forced (to check it on one GPU).
             if _cuda.gpu_active() and (comm.size > 1 or _cuda.config().backend == "nccl"):
@@ -327,7 +353,7 @@ def communicator(rank_list: Any = None, group: Any = None, where: str = "") -> C
     if isinstance(group, Communicator):
         return group
     if isinstance(group, str | tuple):
-        from ..mesh import current_mesh
+        from .mesh import current_mesh
 
         mesh = current_mesh()
         if mesh is None:
@@ -364,7 +390,7 @@ def set_backend(name: str) -> None:
     ``"auto"`` returns both to the automatic choice.
     """
     global _forced
-    from . import _cuda
+    from .ops import _cuda
 
     if name in ("custom", "nccl"):
         _cuda.set_gpu_backend(name)
@@ -397,7 +423,7 @@ def get_backend(rank_list: Any = None, group: Any = None) -> str:
     On GPU: ``"custom+nccl"`` (the all-reduce chain has the custom all-reduce, the rest is
     NCCL), ``"nccl"``, or ``"custom"`` (NCCL did not start: only the all-reduce works).
     """
-    from . import _cuda
+    from .ops import _cuda
 
     ref = resolve(rank_list, group)
     gpu = _cuda.backend_name(ref.gid) if _cuda.gpu_active() else None
@@ -407,3 +433,6 @@ def get_backend(rank_list: Any = None, group: Any = None) -> str:
         return "self"
     with _lock:
         return _registered[ref.gid].backend
+
+
+on_init(prepare_world)
