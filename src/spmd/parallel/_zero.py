@@ -26,8 +26,9 @@ with each value either full (replicated) or sharded (this rank's rows), and:
 - any other op that reads sharded optimizer state or gradients cannot be partitioned: the pass
   raises an error that names the op (e.g. a reshape inside the optimizer);
 - outputs: sharded values come back as ShardedArrays, except, at stages 1 and 2, the updated
-  parameters (sharded outputs computed from the parameters after the gradient), which are
-  all-gathered in one fused call so every rank holds them in full again.
+  parameters (sharded outputs computed from the parameters after the gradient, other than the
+  optimizer state found by :func:`_state_outputs`), which are all-gathered in one fused call
+  so every rank holds them in full again.
 """
 
 from __future__ import annotations
@@ -365,12 +366,18 @@ def partition(
     group: Any = None,
     bucket_mb: float = 25.0,
     overlap: bool = True,
+    state_outputs: frozenset[int] = frozenset(),
 ) -> tuple[Program, list[tuple[int, ...] | None]]:
     """The ZeRO pass: ``program`` (traced with global shapes) run on row shards.
 
     ``sharded_inputs`` maps flat input positions to their global shapes: those inputs arrive as
     this rank's rows. Returns the new program (same inputs, shards where sharded) and, per output,
     its global shape if it is returned sharded (None if full).
+
+    At stages 1 and 2 a sharded output computed from the parameters is taken for an updated
+    parameter and all-gathered, unless its flat position is in ``state_outputs`` (optimizer
+    state, known from the step's pytrees: see :func:`_state_outputs`). Weight decay makes the
+    optimizer state depend on the parameters too.
     """
     comm = _communicator(group, "zero_shard")
     rows = _Rows(comm)
@@ -452,7 +459,7 @@ def partition(
         for k, v in enumerate(jaxpr.outvars):
             outs.append(p.read(v))
             shape = p.sharded.get(v) if not isinstance(v, core.Literal) else None
-            if shape is not None and stage < 3 and v in p.param_dep:
+            if shape is not None and stage < 3 and v in p.param_dep and k not in state_outputs:
                 gather.append(k)  # updated parameters: replicated again at stages 1 and 2
                 shape = None
             out_layout.append(shape)
@@ -593,6 +600,7 @@ class ZeroShard:
             group=self.group,
             bucket_mb=self.bucket_mb,
             overlap=self.overlap,
+            state_outputs=_state_outputs(args, program.out_tree),
         )
         index = {v: i for i, v in enumerate(program.jaxpr.jaxpr.invars)}
         params = sorted(
@@ -632,6 +640,37 @@ class ZeroShard:
             for val, placed in zip(outs, traced.outputs, strict=True)
         ]
         return jax.tree_util.tree_unflatten(traced.program.out_tree, wrapped)
+
+
+def _state_outputs(args: Sequence[Any], out_tree: Any) -> frozenset[int]:
+    """Flat positions of the outputs that are optimizer state, from the pytrees.
+
+    The output, or else an element of the output tuple, with the structure of one of the
+    step's arguments (the one in the same position if that matches, else the only one that
+    does) holds that argument's leaves in order: the new value of each sharded input leaf is
+    state, to be returned sharded even if computed from the parameters (``lars``, or
+    ``add_decayed_weights`` before ``adam``).
+    """
+    ins: list[tuple[Any, list[bool]]] = []
+    for arg in args:
+        leaves, tree = jax.tree_util.tree_flatten(arg, is_leaf=is_sharded)
+        ins.append((tree, [is_sharded(x) for x in leaves]))
+    out = jax.tree_util.tree_unflatten(out_tree, range(out_tree.num_leaves))
+    state: set[int] = set()
+
+    def match(element: Any, k: int) -> bool:
+        positions, tree = jax.tree_util.tree_flatten(element)
+        same = [j for j, (t, _) in enumerate(ins) if t == tree]
+        pick = k if k in same else same[0] if len(same) == 1 else None
+        if pick is not None:
+            state.update(i for i, sh in zip(positions, ins[pick][1], strict=True) if sh)
+        return pick is not None
+
+    # The whole output (a step that returns its TrainState), else each element of its tuple.
+    if not match(out, 0) and isinstance(out, tuple | list):
+        for k, element in enumerate(out):
+            match(element, k)
+    return frozenset(state)
 
 
 def _ranks(x: ShardedArray) -> tuple[int, ...]:
