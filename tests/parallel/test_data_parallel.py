@@ -126,6 +126,44 @@ def test_parameters_that_differ_are_named_on_every_rank(comm):
     step(params, tx.init(params), batch)
 
 
+def _every_dtype(r):
+    return {
+        "key": jax.random.key(r),
+        "rbg": jax.random.key(r, impl="rbg"),
+        "raw": jax.random.PRNGKey(r + 100),
+        "i16": jnp.arange(3, dtype=jnp.int16) - 7 * r,
+        "u32": jnp.array([2**32 - 1 - r, 2**24 + 1 + r], jnp.uint32),
+        "u16": jnp.array([[60000 + r]], jnp.uint16),
+        "c64": jnp.array([1.5 - 0.25j * (r + 1), r]),
+        "f8": jnp.array([0.5 * (r + 1)], jnp.float8_e4m3fn),
+        "f32": jnp.float32(r),
+    }
+
+
+def _bits(x):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return str(jax.random.key_impl(x)), _bits(jax.random.key_data(x))
+    return str(x.dtype), x.shape, np.asarray(x).tobytes()
+
+
+@multirank(nprocs=(2, 3))
+def test_broadcast_params_moves_every_dtype_bit_for_bit(comm):
+    """PRNG keys (typed, of two implementations, and raw uint32), and dtypes the collectives do
+    not take (int16, uint16, uint32 beyond float32's range, complex, float8) arrive as the root
+    holds them; they were refused, with the lossy advice to cast them to float32."""
+    root = comm.size - 1
+    out = spmd.broadcast_params(_every_dtype(comm.rank), root=root)
+    want = _every_dtype(root)
+    assert sorted(out) == sorted(want)
+    for name in want:
+        assert _bits(out[name]) == _bits(want[name]), name
+    # The collectives themselves refuse them with advice that loses nothing.
+    with pytest.raises(spmd.SpmdError, match=r"dtype uint32; .*bitcast_convert_type"):
+        spmd.broadcast(want["u32"])
+    with pytest.raises(spmd.SpmdError, match=r"dtype key<fry>, .*key_data"):
+        spmd.allgather(want["key"])
+
+
 @multirank(nprocs=(2,))
 def test_broadcast_params_takes_the_roots_state(comm):
     tree = {"a": np.full((3,), comm.rank, np.float32), "b": [np.arange(4) + 10 * comm.rank]}
@@ -279,3 +317,27 @@ def test_parameter_check_edge_cases(comm):
     with pytest.raises(spmd.SpmdError, match=r"different numbers of parameter arrays \(rank: "
                        r"count \{0: 1, 1: 2\}\)"):  # fmt: skip
         step()(p, jnp.ones(3))
+
+
+@multirank(nprocs=(2,))
+def test_accumulated_aux_is_the_whole_batch_s(comm):
+    """With accumulate_steps=k, has_aux outputs come back as the loss gives them on the whole
+    local batch: per-example values (leading dimension = a micro-batch's rows) end to end, not
+    averaged over micro-batches; floating scalars averaged; integers the last micro-batch's."""
+    import jax.numpy as jnp
+
+    x = np.random.default_rng(comm.rank).standard_normal((8, 3)).astype(np.float32)
+    w = jnp.arange(6.0, dtype=jnp.float32).reshape(3, 2)
+
+    def loss(w, x):
+        pred = x @ w
+        return jnp.mean(pred**2), {"pred": pred, "mean": jnp.mean(pred), "rows": x.shape[0]}
+
+    for k in (1, 2, 4):
+        step = spmd.data_parallel(accumulate_steps=k)(
+            lambda w, x: spmd.value_and_grad(loss, has_aux=True)(w, x)
+        )
+        (_, aux), _ = step(w, x)
+        np.testing.assert_allclose(aux["pred"], x @ np.asarray(w), rtol=1e-6, err_msg=str(k))
+        np.testing.assert_allclose(aux["mean"], np.mean(x @ np.asarray(w)), rtol=1e-5)
+        assert int(aux["rows"]) == 8 // k

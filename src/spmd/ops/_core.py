@@ -634,10 +634,18 @@ def flatten(x: Any, op: str, group: GroupRef) -> tuple[list[jax.Array], Any, lis
 
 
 def check_dtype(dtype: Any, name: str, path: str, group: GroupRef) -> None:
+    where = f"rank {group.world_rank}: {name}: {path}"
+    if jnp.issubdtype(dtype, jax.dtypes.extended):  # PRNG keys
+        raise SpmdTypeError(
+            f"{where} has dtype {dtype}, which collectives do not take; pass its bits, "
+            "jax.random.key_data(x), bit-cast to uint8 (spmd.broadcast_params does this for you)"
+        )
     if np.dtype(dtype) not in SUPPORTED_DTYPES:
         raise SpmdTypeError(
-            f"rank {group.world_rank}: {name}: {path} has dtype {np.dtype(dtype)}; spmd's "
-            f"collectives take {_supported_names()} (cast it first, e.g. x.astype(jnp.float32))"
+            f"{where} has dtype {np.dtype(dtype)}; spmd's collectives take "
+            f"{_supported_names()}. Cast it to one that holds its values (e.g. int16 -> int32), "
+            "or, to move it unchanged (broadcast, gather, send), pass its bytes: "
+            "jax.lax.bitcast_convert_type(x, jnp.uint8) (complex: of x.real and x.imag)"
         )
 
 

@@ -79,6 +79,8 @@ def broadcast_params(tree: Any, root: int = 0, *, group: Any = None) -> Any:
     """``tree`` as rank ``root`` holds it, on every rank of the group (one fused broadcast).
 
     Start data-parallel replicas from one state: ``params = spmd.broadcast_params(params)``.
+    Leaves of any dtype travel bit for bit, PRNG keys included (dtypes the collectives do not
+    take go as their bytes).
     """
     from ..ops import broadcast
     from ..sharded import is_sharded
@@ -93,7 +95,34 @@ def broadcast_params(tree: Any, root: int = 0, *, group: Any = None) -> Any:
                 "a ShardedArray, whose shards differ between ranks by design; broadcast the "
                 "full array before sharding it, or leave sharded state out of the tree"
             )
-    return broadcast(tree, root=root, group=comm)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    wired = [_to_wire(x) for x in leaves]
+    sent = broadcast([w for w, _ in wired], root=root, group=comm) if leaves else []
+    return jax.tree_util.tree_unflatten(
+        treedef, [back(w) for w, (_, back) in zip(sent, wired, strict=True)]
+    )
+
+
+def _to_wire(x: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """``x`` as an array the collectives take, and how to make it ``x`` again, bit for bit:
+    PRNG keys as their key data, dtypes the collectives do not take (uint32, int16, complex,
+    ...) as their bytes (uint8, one more dimension)."""
+    from ..ops._core import SUPPORTED_DTYPES
+
+    if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        impl = jax.random.key_impl(x)
+        data, back = _to_wire(jax.random.key_data(x))
+        return data, lambda w: jax.random.wrap_key_data(back(w), impl=impl)
+    x = jnp.asarray(x)
+    dtype = x.dtype
+    if dtype in SUPPORTED_DTYPES:
+        return x, lambda w: w
+    if jnp.issubdtype(dtype, jnp.complexfloating):  # lax cannot bit-cast complex numbers
+        parts, back = _to_wire(jnp.stack([x.real, x.imag], axis=-1))
+        return parts, lambda w: jax.lax.complex(back(w)[..., 0], back(w)[..., 1]).astype(dtype)
+    return jax.lax.bitcast_convert_type(x, jnp.uint8), lambda w: jax.lax.bitcast_convert_type(
+        w, dtype
+    )
 
 
 def data_parallel(

@@ -217,12 +217,17 @@ def _accumulate(
     value, grads = jax.tree_util.tree_map(lambda t: t if _is_float0(t) else t / k, (v, g))
     if not has_aux:
         return value, grads
-    # aux: the mean over micro-batches where it is floating point, else the last micro-batch's.
-    aux = jax.tree_util.tree_map(
-        lambda a0, rest: (
-            (a0 + rest.sum(0)) / k if jnp.issubdtype(rest.dtype, jnp.inexact) else rest[-1]
-        ),
-        aux0,
-        auxs,
-    )
+    # aux, as the loss would give it on the whole batch: a leaf whose leading dimension is a
+    # micro-batch's rows (per-example values) is the micro-batches' rows end to end; any other
+    # the mean over micro-batches where it is floating point, else the last micro-batch's.
+    rows = {s.shape[1] for s in split if s is not None}
+
+    def combine(a0: Any, rest: Any) -> Any:
+        if rest.ndim >= 2 and rest.shape[1] in rows:
+            return jnp.concatenate([a0[None], rest]).reshape(k * rest.shape[1], *rest.shape[2:])
+        if jnp.issubdtype(rest.dtype, jnp.inexact):
+            return (a0 + rest.sum(0)) / k
+        return rest[-1]
+
+    aux = jax.tree_util.tree_map(combine, aux0, auxs)
     return (value, aux), grads
