@@ -544,6 +544,11 @@ def errors_on_every_rank(directory):
     wrong = {**tree, "rows": ShardedArray(local, rows.shape, rows.spec, rows.mesh)}
     with pytest.raises(spmd.SpmdError, match=r"\['rows'\] .* local shard has shape"):
         save(path, wrong)
+    # each rank its own path (a per-rank timestamp): refused, naming every rank's path
+    with pytest.raises(spmd.SpmdError) as e:
+        save(Path(directory) / f"step-{comm.rank}", tree)
+    listed = ", ".join(f"rank {r}: {Path(directory).resolve()}/step-{r}" for r in range(comm.size))
+    assert f"the ranks passed different paths ({listed})" in str(e.value)
     comm.barrier()
     assert not os.path.exists(bad) and sorted(os.listdir(directory)) == ["ck"]
     assert _manifest(path) == m  # the checkpoint in place is untouched
@@ -551,8 +556,8 @@ def errors_on_every_rank(directory):
 
 
 def test_errors_are_raised_on_every_rank(tmp_path):
-    """A corrupt shard only rank 2 reads; shards no group covers; trees or metadata that differ
-    between ranks."""
+    """A corrupt shard only rank 2 reads; shards no group covers; trees, metadata or paths that
+    differ between ranks."""
     msgs = run(errors_on_every_rank, 3, args=(str(tmp_path),))
     assert len(msgs) == 3 and "rank 2: spmd.load(" in msgs[0]
 

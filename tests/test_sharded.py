@@ -10,7 +10,7 @@ import pytest
 
 import spmd
 from spmd import PartitionSpec as P
-from spmd.testing import multirank
+from spmd.testing import multirank, run
 from tests import HEAVY
 
 DTYPES = (np.float32, np.float16, jnp.bfloat16, np.int32, np.int8, np.float64, np.bool_)
@@ -161,3 +161,22 @@ def test_gather_tree_and_pytree_through_jit(comm):
     np.testing.assert_array_equal(full["w"], tree["w"] * 2)
     np.testing.assert_array_equal(full["b"], tree["b"] * 2)
     assert int(full["step"]) == 14
+
+
+def _repr_after_finalize():
+    comm = spmd.init()
+    s = spmd.shard(jnp.arange(5.0), spmd.PartitionSpec("dp"), mesh=spmd.Mesh(dp=comm.size))
+    spmd.finalize()
+    return repr(s), s.local.tolist()
+
+
+def test_repr_works_after_finalize():
+    """The repr used to ask the finalized runtime for the mesh's groups and raise ("MPI was
+    finalized ... cannot be initialized again")."""
+    results = run(_repr_after_finalize, 2, fresh=True)
+    for rank, (text, local) in enumerate(results):
+        assert text == (
+            "ShardedArray(shape=(5,), dtype=float32, spec=P('dp',), mesh=Mesh(dp=2), "
+            "local_shape=(3,))"
+        )
+        assert local == [[0.0, 1.0, 2.0], [3.0, 4.0, 0.0]][rank]

@@ -169,9 +169,17 @@ def save(
     except Exception as e:
         own = e
     token = uuid.uuid4().hex if comm.rank == 0 else None
-    everyone = _agree(comm, own, (summary, token), where, "save")
-    summaries = [s for s, _ in everyone]
+    everyone = _agree(comm, own, (summary, token, str(target)), where, "save")
+    summaries = [s for s, _, _ in everyone]
     token = everyone[0][1]
+    targets = [t for _, _, t in everyone]
+    if len(set(targets)) > 1:
+        listed = ", ".join(f"rank {comm.ranks[r]}: {t}" for r, t in enumerate(targets))
+        raise SpmdError(
+            f"{where}: the ranks passed different paths ({listed}); save is collective and "
+            "writes one checkpoint, so every rank must pass the same path (compute it on one "
+            "rank and share it, e.g. path = comm.broadcast_object(path)). Nothing was written."
+        )
     plan = _plan(summaries, where)
 
     # 2. Every rank writes its files into the temporary directory and fsyncs them.
@@ -926,7 +934,7 @@ def _agree(
     except SpmdError as e:  # a rank slower than SPMD_TIMEOUT (writing, reading) or gone
         raise SpmdError(
             f"{where}: {e} The ranks wait for each other while they read or write their files "
-            "(rank 0 writes every replicated leaf): on slow storage, raise SPMD_TIMEOUT."
+            "(each writes its share): on slow storage, raise SPMD_TIMEOUT."
         ) from None
     if own is not None:
         raise own

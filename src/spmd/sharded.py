@@ -225,9 +225,12 @@ class ShardedArray:
         )
 
     def __repr__(self) -> str:
+        # The shape of the shard held, not the layout's (which asks the runtime for the groups:
+        # a repr must work after spmd.finalize too).
+        local_shape = tuple(getattr(self.local, "shape", ()))
         return (
             f"ShardedArray(shape={self.shape}, dtype={jnp.dtype(self.dtype).name}, "
-            f"spec={self.spec}, mesh={self.mesh!r}, local_shape={self.local_shape})"
+            f"spec={self.spec}, mesh={self.mesh!r}, local_shape={local_shape})"
         )
 
     # -- moving data --
