@@ -3,6 +3,8 @@ NumPy references; pytrees of all dtypes go in one fused call. Plus RAF's allredu
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -447,12 +449,28 @@ def _compressed_case(comm, exact_order: bool) -> None:
                     np.testing.assert_array_equal(got[-1], np.full(3, expect, np.float32))
 
 
+@contextlib.contextmanager
+def _native_compression(native: bool):
+    """Small calls cast in XLA around an exact allreduce; force the native rounding (or
+    not) whatever the size, so that the test sizes take both paths."""
+    from spmd.ops import _allreduce
+
+    before = _allreduce.NATIVE_COMPRESSION_MIN_BYTES
+    _allreduce.NATIVE_COMPRESSION_MIN_BYTES = 0 if native else 1 << 62
+    try:
+        yield
+    finally:
+        _allreduce.NATIVE_COMPRESSION_MIN_BYTES = before
+
+
 @multirank(nprocs=(2, 3))
 def test_compressed_allreduce_rounds_each_rank_once_and_the_sum_once(comm):
     try:
         for backend in ("shm", "mpi"):
             spmd.ops.set_backend(backend)
-            _compressed_case(comm, exact_order=backend == "shm" or comm.size == 2)
+            for native in (True, False):
+                with _native_compression(native):
+                    _compressed_case(comm, exact_order=backend == "shm" or comm.size == 2)
     finally:
         spmd.ops.set_backend("auto")
 
@@ -462,7 +480,25 @@ def test_compressed_allreduce_hierarchical(comm):
     """Nodes {0, 1} and {2}: the rounded values are summed in float32 inside the node and
     between the nodes, and rounded once at the end, which for 3 ranks is rank order."""
     assert spmd.ops.get_backend() == "hier"
-    _compressed_case(comm, exact_order=True)
+    for native in (True, False):
+        with _native_compression(native):
+            _compressed_case(comm, exact_order=True)
+
+
+@multirank(nprocs=(2,))
+def test_compression_takes_the_native_path_from_its_threshold(comm):
+    """What each size compiles to: below the threshold an exact bfloat16 allreduce between
+    XLA casts, from it one float32 allreduce that rounds inside (the `wire` attribute)."""
+    from spmd.ops import _allreduce
+
+    limit = _allreduce.NATIVE_COMPRESSION_MIN_BYTES
+    for floats, native in ((limit // 4 - 1, False), (limit // 4, True)):
+        f = jax.jit(lambda v: spmd.allreduce(v, "avg", compression="bf16"))
+        text = f.lower(jax.ShapeDtypeStruct((floats,), jnp.float32)).as_text()
+        calls = [line for line in text.splitlines() if "@spmd_allreduce" in line]
+        assert len(calls) == 1, text
+        assert ("wire = 2" in calls[0]) is native, calls[0]
+        assert ("wire = 0" in calls[0]) is not native, calls[0]
 
 
 @multirank(nprocs=(2,))
@@ -473,18 +509,25 @@ def test_compressed_allreduce_errors_and_transforms(comm):
         spmd.allreduce(x, compression="int8")
     with pytest.raises(spmd.SpmdError, match="needs op='sum' or op='avg', got op='max'"):
         spmd.allreduce(x, "max", compression="bf16")
-    # grad: the transpose of a compressed average is a compressed average of the cotangents.
-    w = jnp.asarray([1.0, 2.0, 3.0, 4.0]) * (r + 1)
-    g = jax.grad(lambda v: jnp.sum(w * spmd.allreduce(v, "avg", compression="bf16")))(x)
-    np.testing.assert_array_equal(g, (w / (r + 1)) * sum(range(1, n + 1)) / n)
-    # vmap: each batch element is reduced on its own, batch axis in any position.
-    xs = jnp.stack([x, 2 * x, 4 * x], axis=1)  # (4, 3)
-    got = jax.vmap(lambda v: spmd.allreduce(v, "sum", compression="bf16"), in_axes=1)(xs)
-    total = sum(jnp.arange(4.0) + k for k in range(n))
-    np.testing.assert_array_equal(got, jnp.stack([total, 2 * total, 4 * total]))
-    # The mismatch message names the compression.
-    with pytest.raises(spmd.SpmdError, match="compression=bf16"):
-        spmd.allreduce(x, "avg", compression="bf16" if r else None)
+    for native in (True, False):
+        with _native_compression(native):
+            # grad: the transpose of a compressed average is a compressed average of the
+            # cotangents.
+            w = jnp.asarray([1.0, 2.0, 3.0, 4.0]) * (r + 1)
+            g = jax.grad(lambda v, w=w: jnp.sum(w * spmd.allreduce(v, "avg", compression="bf16")))(
+                x
+            )
+            np.testing.assert_array_equal(g, (w / (r + 1)) * sum(range(1, n + 1)) / n)
+            # vmap: each batch element is reduced on its own, batch axis in any position.
+            xs = jnp.stack([x, 2 * x, 4 * x], axis=1)  # (4, 3)
+            got = jax.vmap(lambda v: spmd.allreduce(v, "sum", compression="bf16"), in_axes=1)(xs)
+            total = sum(jnp.arange(4.0) + k for k in range(n))
+            np.testing.assert_array_equal(got, jnp.stack([total, 2 * total, 4 * total]))
+            # The mismatch message names the compression (natively) or the wire dtypes.
+            with pytest.raises(
+                spmd.SpmdError, match="compression=bf16" if native else "of bfloat16\\[4\\]"
+            ):
+                spmd.allreduce(x, "avg", compression="bf16" if r else None)
 
 
 @multirank(nprocs=(2,))

@@ -68,8 +68,10 @@ def allreduce(
             once (for avg, after dividing by the group size, so that a float16 sum does not
             overflow where the average would not), summed in float32 in rank order, and the sum
             rounded once before it is widened back to float32. On CPU the rounding happens
-            inside the native call, as it copies the data (no extra passes over memory); on GPU
-            XLA casts around the exact all-reduce. Leaves of other dtypes are reduced exactly.
+            inside the native call, as it copies the data (no extra passes over memory), for
+            calls of 8 MiB of float32 or more; XLA casts around the exact all-reduce for smaller
+            calls (faster in cache) and on GPU: the same bits either way. Leaves of other
+            dtypes are reduced exactly.
 
     Returns:
         ``x``'s structure, shapes and dtypes, identical on every rank: reduced in rank order
@@ -96,6 +98,13 @@ def _exact(leaves: list[Any], op: str, ref: GroupRef, quantize: str | None) -> l
 # Wire codes of compressed allreduces, shared with the native layer (native/cpu/handlers.cc).
 WIRES = {"fp16": 1, "bf16": 2}
 _HALVES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
+# On CPU, a compressed call with fewer float32 bytes than this casts in XLA around an exact
+# half-precision allreduce (the same bits: that allreduce also sums in float32 in rank order and
+# rounds once); larger ones round inside the native call. Below a few MiB, where the data stays
+# in cache, XLA's casts measured faster than the native rounding; beyond, the native call is
+# faster (2 ranks on 2 cores, benchmarks/allreduce_compression.py: casts 0.60-0.66x of float32's
+# speed at 1 MiB against 0.46-0.47x native; at 16 MiB 0.74x against 0.93x).
+NATIVE_COMPRESSION_MIN_BYTES = 8 << 20
 
 
 def _check_compression(compression: Any, op: str, ref: GroupRef) -> None:
@@ -120,7 +129,8 @@ def _compressed(leaves: list[Any], op: str, ref: GroupRef, compression: str) -> 
     outs: list[Any] = list(leaves)
     if wide:
         xs = [leaves[i] for i in wide]
-        if _cuda.gpu_active():  # no native codec on GPU: XLA casts around the exact call
+        small = sum(x.size for x in xs) * 4 < NATIVE_COMPRESSION_MIN_BYTES
+        if small or _cuda.gpu_active():  # (no native codec on GPU) casts around the exact call
             half = _HALVES[compression]
             sent = [(x / ref.size if op == "avg" else x).astype(half) for x in xs]
             summed = bind(allreduce_p, *sent, group=ref, op="sum", quantize=None, compression=None)
