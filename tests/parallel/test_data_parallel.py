@@ -341,3 +341,59 @@ def test_accumulated_aux_is_the_whole_batch_s(comm):
         np.testing.assert_allclose(aux["pred"], x @ np.asarray(w), rtol=1e-6, err_msg=str(k))
         np.testing.assert_allclose(aux["mean"], np.mean(x @ np.asarray(w)), rtol=1e-5)
         assert int(aux["rows"]) == 8 // k
+
+
+@multirank(nprocs=(2,))
+def test_vmapped_grad_ensembles_and_per_example_gradients(comm):
+    """A vmapped spmd.grad is averaged across ranks index by index: right for an ensemble
+    (batched parameters: no warning), and a warning for per-example gradients (unbatched
+    parameters). The documented DP-SGD recipe (clipping weights from jax.vmap(jax.grad), then
+    spmd.grad of the weighted loss) gives the clipped mean of the global batch."""
+    import warnings
+
+    import jax.numpy as jnp
+
+    n, r = comm.size, comm.rank
+    xs = np.random.default_rng(3).standard_normal((4 * n, 3)).astype(np.float32)
+    mine = jnp.asarray(spmd.data.shard_batch(xs))
+    p = {"w": jnp.asarray([0.5, -1.0, 2.0]), "b": jnp.float32(0.25)}
+
+    def one(p, x):  # the loss of one example
+        return (x @ p["w"] + p["b"]) ** 2
+
+    def mean_loss(p, x):
+        return jnp.mean(jax.vmap(one, in_axes=(None, 0))(p, x))
+
+    # An ensemble of 3 members: each member's gradient is its global-batch gradient.
+    members = {"w": p["w"] * jnp.arange(1.0, 4.0)[:, None], "b": jnp.arange(3.0)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = spmd.data_parallel(lambda m, x: jax.vmap(spmd.grad(mean_loss), (0, None))(m, x))(
+            members, mine
+        )
+    want = jax.vmap(jax.grad(mean_loss), (0, None))(members, jnp.asarray(xs))
+    for k in ("w", "b"):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5)
+
+    # Per-example gradients through spmd.grad: warned about.
+    with pytest.warns(UserWarning, match=f"rank {r}: spmd.grad is called under jax.vmap"):
+        spmd.data_parallel(lambda p, x: jax.vmap(spmd.grad(one), (None, 0))(p, x))(p, mine)
+
+    # The recipe: clipped per-example gradients, their mean over the global batch.
+    clip = 1.0
+
+    def clipped(p, x):
+        per = jax.vmap(jax.grad(one), (None, 0))(p, x)
+        norms = jnp.sqrt(jnp.sum(per["w"] ** 2, 1) + per["b"] ** 2)
+        weights = jax.lax.stop_gradient(jnp.minimum(1.0, clip / norms))
+        return spmd.grad(lambda q: jnp.mean(weights * jax.vmap(one, (None, 0))(q, x)))(p)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = spmd.data_parallel(clipped)(p, mine)
+    per = jax.vmap(jax.grad(one), (None, 0))(p, jnp.asarray(xs))
+    norms = np.sqrt(np.sum(np.asarray(per["w"]) ** 2, 1) + np.asarray(per["b"]) ** 2)
+    assert (norms > clip).sum() >= 2  # clipping is active on some examples
+    scale = np.minimum(1.0, clip / norms)
+    np.testing.assert_allclose(got["w"], np.mean(scale[:, None] * per["w"], 0), rtol=1e-5)
+    np.testing.assert_allclose(got["b"], np.mean(scale * per["b"]), rtol=1e-5)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -38,6 +39,8 @@ __all__ = ["grad", "mark_p", "marking", "value_and_grad"]
 class _Marking:
     calls: int = 0
     accumulate_steps: int = 1
+    # spmd.grad calls whose parameters a jax.vmap batched (an ensemble, not per-example).
+    batched_params: set[int] = field(default_factory=set)
 
 
 _MARKING: contextvars.ContextVar[_Marking | None] = contextvars.ContextVar(
@@ -72,7 +75,22 @@ def _mark_transpose(cts: Sequence[Any], *args: Any, **params: Any) -> list[Any]:
     return list(cts)
 
 
+PER_EXAMPLE = (
+    "{where}: spmd.grad is called under jax.vmap with parameters that are not batched: the "
+    "step averages each vmapped index's gradient across ranks, right for a sweep of "
+    "hyperparameters, but per-example gradients (DP-SGD) would be averaged with other ranks' "
+    "unrelated examples. For those, differentiate the aggregate: compute per-example weights "
+    "with jax.vmap(jax.grad(...)) and pass spmd.grad the weighted loss (docs/data_parallel.md, "
+    "'Per-example gradients')."
+)
+
+
 def _mark_batch(args: Sequence[Any], dims: Sequence[Any], **params: Any) -> Any:
+    ctx = _MARKING.get()
+    if ctx is not None and params["kind"] == "param":
+        ctx.batched_params.add(params["call"])
+    elif ctx is not None and params["kind"] == "grad" and params["call"] not in ctx.batched_params:
+        warnings.warn(PER_EXAMPLE.format(where=this_rank()), stacklevel=2)
     return mark_p.bind(*args, **params), list(dims)
 
 
