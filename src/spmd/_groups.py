@@ -226,13 +226,18 @@ def _complete(gid: int, reg: _Registered) -> None:
     """Attach shared memory (and the hierarchical path) and choose the backend: collective over
     the group, on its first call other than a point-to-point one. A backend that cannot be used
     raises here, and again on the next call (the transports stay attached)."""
-    if not reg.attached:
-        reg.available = _attach(gid, reg)
-        reg.attached = True
+    _attach(gid, reg)
     _apply_backend(gid, reg)
 
 
-def _attach(gid: int, reg: _Registered) -> tuple[str, ...]:
+def _attach(gid: int, reg: _Registered) -> None:
+    """Attach the group's shared memory (and the hierarchical path), once."""
+    if not reg.attached:
+        reg.available = _transports(gid, reg)
+        reg.attached = True
+
+
+def _transports(gid: int, reg: _Registered) -> tuple[str, ...]:
     comm = reg.comm
     nodes = _node_layout(comm)
     available = []
@@ -318,9 +323,7 @@ def prepare_world(world: Communicator) -> None:
     with _lock:
         gid, reg = _registration(world)
         assert reg is not None
-        if not reg.attached:
-            reg.available = _attach(gid, reg)
-            reg.attached = True
+        _attach(gid, reg)
 
 
 def group_ref(comm: Communicator, p2p: bool = False) -> GroupRef:
