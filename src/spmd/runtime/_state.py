@@ -178,11 +178,14 @@ def init(backend: str | None = None) -> Communicator:
             variables of an MPI launcher (mpiexec, srun) -> ``"mpi"``, neither -> a world of one.
             :func:`set_default_communicator` and ``SPMD_COMMUNICATOR`` set the default.
 
-    Also raises glibc's malloc thresholds, so that large XLA buffers are reused rather than
-    mapped afresh on every call (``SPMD_MALLOC_TUNING=0`` to skip; see
-    runtime/_malloc.py), binds this process to the GPU of its ``local_rank`` (GPU nodes only)
-    and, in a world of more than one process, makes an uncaught exception print a rank-prefixed
-    traceback and stop the whole job (``SPMD_ABORT_ON_ERROR=0`` turns that off).
+    In a world of more than one process it also prepares the world's transports for
+    collectives (a shared-memory segment per node, MPI communicators), so that the first
+    collective, or tracing one on one rank alone, exchanges nothing. It also raises glibc's
+    malloc thresholds, so that large XLA buffers are reused rather than mapped afresh on every
+    call (``SPMD_MALLOC_TUNING=0`` to skip; see runtime/_malloc.py), binds this process to the
+    GPU of its ``local_rank`` (GPU nodes only) and, in a world of more than one process, makes
+    an uncaught exception print a rank-prefixed traceback and stop the whole job
+    (``SPMD_ABORT_ON_ERROR=0`` turns that off).
     """
     global _runtime, _generation
     with _lock:
