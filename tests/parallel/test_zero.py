@@ -460,3 +460,20 @@ def test_weight_decay_keeps_the_optimizer_state_sharded(comm):
                     full = spmd.gather(s_)
                     for g, w in zip(jax.tree.leaves(full), jax.tree.leaves(want[1]), strict=True):
                         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7, err_msg=what)
+
+    # Momentum with the parameters' own structure, and weight decay: the new momentum has the
+    # structure of both arguments, so it cannot be told from the parameters by the pytrees.
+    # Ambiguous parts are gathered: the parameters must come back full (the momentum does too).
+    def momentum(p, m, b):
+        g = spmd.grad(loss)(p, b)
+        m = jax.tree.map(lambda m, g, p: 0.9 * m + g + 0.1 * p, m, g, p)
+        return jnp.float32(0), jax.tree.map(lambda p, m: p - 0.1 * m, p, m), m
+
+    m0 = jax.tree.map(jnp.zeros_like, params)
+    for stage in (1, 2):
+        z = spmd.zero_shard(momentum, stage=stage)
+        _, want_p, _ = spmd.data_parallel(momentum)(params, m0, x)
+        _, got_p, _ = z(*z.shard(params, m0), x)
+        assert not any(spmd.sharded.is_sharded(v) for v in jax.tree.leaves(got_p)), stage
+        for g, w in zip(jax.tree.leaves(got_p), jax.tree.leaves(want_p), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7, err_msg=str(stage))

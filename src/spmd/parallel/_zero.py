@@ -600,7 +600,7 @@ class ZeroShard:
             group=self.group,
             bucket_mb=self.bucket_mb,
             overlap=self.overlap,
-            state_outputs=_state_outputs(args, program.out_tree),
+            state_outputs=_state_outputs(args, kwargs, program.out_tree),
         )
         index = {v: i for i, v in enumerate(program.jaxpr.jaxpr.invars)}
         params = sorted(
@@ -642,34 +642,43 @@ class ZeroShard:
         return jax.tree_util.tree_unflatten(traced.program.out_tree, wrapped)
 
 
-def _state_outputs(args: Sequence[Any], out_tree: Any) -> frozenset[int]:
+def _state_outputs(args: Sequence[Any], kwargs: dict[str, Any], out_tree: Any) -> frozenset[int]:
     """Flat positions of the outputs that are optimizer state, from the pytrees.
 
-    The output, or else an element of the output tuple, with the structure of one of the
-    step's arguments (the one in the same position if that matches, else the only one that
-    does) holds that argument's leaves in order: the new value of each sharded input leaf is
+    An output part with the structure of some of the step's arguments (positional or keyword)
+    holds their leaves in order; a leaf that is sharded in every one of those arguments is
     state, to be returned sharded even if computed from the parameters (``lars``, or
-    ``add_decayed_weights`` before ``adam``).
+    ``add_decayed_weights`` before ``adam``). Parts are tried from the whole output down
+    through tuples, lists and dicts, and the first part that marks a leaf ends the descent
+    there. A leaf that a parameter argument of the same structure holds unsharded is never
+    marked: an updated parameter returned sharded would break every use of it outside the
+    step, while optimizer state returned full only costs memory.
     """
     ins: list[tuple[Any, list[bool]]] = []
-    for arg in args:
+    for arg in (*args, *kwargs.values()):
         leaves, tree = jax.tree_util.tree_flatten(arg, is_leaf=is_sharded)
         ins.append((tree, [is_sharded(x) for x in leaves]))
     out = jax.tree_util.tree_unflatten(out_tree, range(out_tree.num_leaves))
     state: set[int] = set()
 
-    def match(element: Any, k: int) -> bool:
-        positions, tree = jax.tree_util.tree_flatten(element)
-        same = [j for j, (t, _) in enumerate(ins) if t == tree]
-        pick = k if k in same else same[0] if len(same) == 1 else None
-        if pick is not None:
-            state.update(i for i, sh in zip(positions, ins[pick][1], strict=True) if sh)
-        return pick is not None
+    def mark(part: Any) -> bool:
+        positions, tree = jax.tree_util.tree_flatten(part)
+        same = [flags for t, flags in ins if t == tree]
+        found = {i for k, i in enumerate(positions) if same and all(f[k] for f in same)}
+        state.update(found)
+        return bool(found)
 
-    # The whole output (a step that returns its TrainState), else each element of its tuple.
-    if not match(out, 0) and isinstance(out, tuple | list):
-        for k, element in enumerate(out):
-            match(element, k)
+    def descend(part: Any) -> None:
+        if mark(part):
+            return
+        if isinstance(part, tuple | list):
+            for element in part:
+                descend(element)
+        elif isinstance(part, dict):
+            for element in part.values():
+                descend(element)
+
+    descend(out)
     return frozenset(state)
 
 
