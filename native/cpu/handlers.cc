@@ -70,7 +70,7 @@ struct Call {
   // Static parameters, formatted only when ranks disagree (never on the hot path).
   int32_t op = -1;
   int32_t wire = 0;  // allreduce compression: 1 float16, 2 bfloat16 (spmd/ops/_allreduce.py)
-  int64_t div = 1;   // compressed: what each rank's values are divided by (op avg)
+  int64_t div = 1;   // compressed: each rank's values are scaled by 1/div (op avg)
   int64_t root = -1;
   int role = kRoleForward;
   ffi::Span<const int64_t> sizes;
@@ -545,7 +545,7 @@ ffi::Error BarrierFfi(int64_t group, ffi::RemainingArgs args, ffi::RemainingRets
 }  // namespace
 
 // spmd_allreduce: attrs group (i64), op (i32), wire (i32: 0 exact, 1 float16, 2 bfloat16),
-// div (i64: compressed values are divided by it before rounding).
+// div (i64: compressed values are multiplied by 1.0f / div before rounding).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduce_, AllreduceFfi,
                               ffi::Ffi::Bind()
                                   .Attr<int64_t>("group")

@@ -173,18 +173,21 @@ SPMD_ALWAYS_INLINE void FloatsToHalf(bool bf16, const float* in, uint16_t* out, 
   for (size_t i = 0; i < n; ++i) out[i] = FloatToHalf(in[i]);
 }
 
-// out[i] = FloatToHalf/FloatToBf16(in[i] / div): what a rank sends in a compressed allreduce
-// (spmd.ops.allreduce(compression=...)). The division is skipped when div is 1 (exact either way).
-// `round(floats, halves, count)` does the rounding; the division runs in L1-sized blocks.
+// out[i] = FloatToHalf/FloatToBf16(in[i] * (1.0f / div)): what a rank sends in a compressed
+// allreduce (spmd.ops.allreduce(compression=...)). A product with the float32 reciprocal, as XLA
+// computes `x / n` and as the XLA casts of small compressed calls compute `x * (1 / n)`, so both
+// paths give the same bits. Skipped when div is 1 (exact either way). `round(floats, halves,
+// count)` does the rounding; the scaling runs in L1-sized blocks.
 template <typename Round>
 SPMD_ALWAYS_INLINE void NarrowWith(const Round& round, const float* in, float div, uint16_t* out,
                                    size_t n) {
   if (div == 1.0f) return round(in, out, n);
+  const float scale = 1.0f / div;
   constexpr size_t kBlock = 512;
   alignas(64) float x[kBlock];
   for (size_t base = 0; base < n; base += kBlock) {
     size_t m = n - base < kBlock ? n - base : kBlock;
-    for (size_t i = 0; i < m; ++i) x[i] = in[base + i] / div;
+    for (size_t i = 0; i < m; ++i) x[i] = in[base + i] * scale;
     round(x, out + base, m);
   }
 }

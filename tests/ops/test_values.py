@@ -398,23 +398,29 @@ def test_half_precision_sums_round_once_hierarchical(comm):
 
 
 def _compressed_case(comm, exact_order: bool) -> None:
-    """allreduce(compression=...) of float32 leaves: each rank's values (divided by the group
-    size for avg) rounded once to the half type, summed in float32 in rank order, the sum
-    rounded once and widened: bit for bit what NumPy computes that way. One call small enough
-    for shared memory's one-shot path, one large enough for its two-shot path, in jit and
-    eagerly; a bfloat16 leaf in the same call is reduced exactly. Without
-    `exact_order` (MPI beyond 2 ranks) the float32 sum runs in MPI's order: identical on every
-    rank and within rounding of NumPy's."""
+    """allreduce(compression=...) of float32 leaves: each rank's values (times the float32
+    reciprocal of the group size for avg) rounded once to the half type, summed in float32
+    in rank order, the sum rounded once and widened: bit for bit what NumPy computes that
+    way. Edge values, then distinct random ones. One call small enough for shared memory's
+    one-shot path, one large enough for its two-shot path, in jit and eagerly; a bfloat16
+    leaf in the same call is reduced exactly. Without `exact_order` (MPI beyond 2 ranks) the
+    float32 sum runs in MPI's order: identical on every rank and within rounding of NumPy's."""
     r, n = comm.rank, comm.size
-    ins = [_half_inputs(k, np.float32) * np.float32(3.7) for k in range(n)]
+    edges = [_half_inputs(k, np.float32) * np.float32(3.7) for k in range(n)]
+    noise = [np.random.default_rng(k).standard_normal(300_001).astype(np.float32) for k in range(n)]
+
+    def values(k, m):  # the edge cases, then distinct random values
+        return np.concatenate([edges[k], noise[k]])[:m] if m > len(edges[k]) else edges[k][:m]
+
+    scale = np.float32(1.0 / n)  # avg: each rank's values times the float32 reciprocal of n
     for comp, half in (("bf16", jnp.bfloat16), ("fp16", np.float16)):
         for op in ("sum", "avg"):
             for lengths in ((5, 700), (3, 4101, 300_001)):
-                mine = [np.resize(ins[r], m) for m in lengths]
+                mine = [values(r, m) for m in lengths]
                 want = []
                 for m in lengths:
-                    sent = [np.resize(ins[k], m) for k in range(n)]
-                    sent = [(x / np.float32(n) if op == "avg" else x).astype(half) for x in sent]
+                    sent = [values(k, m) for k in range(n)]
+                    sent = [(x * scale if op == "avg" else x).astype(half) for x in sent]
                     acc = sent[0].astype(np.float32)  # -0 + -0 is -0: start from rank 0's
                     for x in sent[1:]:
                         acc = acc + x.astype(np.float32)
@@ -457,10 +463,12 @@ def _native_compression(native: bool):
 
     before = _allreduce.NATIVE_COMPRESSION_MIN_BYTES
     _allreduce.NATIVE_COMPRESSION_MIN_BYTES = 0 if native else 1 << 62
+    jax.clear_caches()  # the choice is made when a call is compiled: eager calls are cached
     try:
         yield
     finally:
         _allreduce.NATIVE_COMPRESSION_MIN_BYTES = before
+        jax.clear_caches()
 
 
 @multirank(nprocs=(2, 3))
@@ -518,6 +526,13 @@ def test_compressed_allreduce_errors_and_transforms(comm):
                 x
             )
             np.testing.assert_array_equal(g, (w / (r + 1)) * sum(range(1, n + 1)) / n)
+            # The cotangents are scaled before they are summed in float16: a sum over the ranks
+            # beyond float16's range (120000) whose average is within it (60000) stays finite.
+            big = jnp.full(4, 40000.0) * (r + 1)
+            g = jax.grad(
+                lambda v, big=big: jnp.sum(big * spmd.allreduce(v, "avg", compression="fp16"))
+            )(x)
+            np.testing.assert_array_equal(g, np.full(4, 60000.0, np.float32))
             # vmap: each batch element is reduced on its own, batch axis in any position.
             xs = jnp.stack([x, 2 * x, 4 * x], axis=1)  # (4, 3)
             got = jax.vmap(lambda v: spmd.allreduce(v, "sum", compression="bf16"), in_axes=1)(xs)

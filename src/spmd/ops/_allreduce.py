@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import core
 from jax._src.ad_util import Zero
-from jax._src.interpreters import ad, batching
+from jax._src.interpreters import ad, batching, mlir
 
 from .._errors import SpmdError
 from .._groups import GroupRef, resolve
@@ -65,13 +65,13 @@ def allreduce(
             used where it does not apply, and always on CPU.
         compression: ``"bf16"`` or ``"fp16"`` (op sum or avg): float32 leaves travel rounded to
             bfloat16/float16, PyTorch DDP's compression hooks. Each rank's values are rounded
-            once (for avg, after dividing by the group size, so that a float16 sum does not
-            overflow where the average would not), summed in float32 in rank order, and the sum
-            rounded once before it is widened back to float32. On CPU the rounding happens
-            inside the native call, as it copies the data (no extra passes over memory), for
-            calls of 8 MiB of float32 or more; XLA casts around the exact all-reduce for smaller
-            calls (faster in cache) and on GPU: the same bits either way. Leaves of other
-            dtypes are reduced exactly.
+            once (for avg, after scaling by the float32 reciprocal of the group size, so that a
+            float16 sum does not overflow where the average would not), summed in float32 in
+            rank order, and the sum rounded once before it is widened back to float32. On CPU
+            the rounding happens inside the native call, as it copies the data (no extra passes
+            over memory), for calls of 8 MiB of float32 or more; XLA casts around the exact
+            all-reduce for smaller calls (faster in cache) and on GPU: the same bits either way.
+            Leaves of other dtypes are reduced exactly.
 
     Returns:
         ``x``'s structure, shapes and dtypes, identical on every rank: reduced in rank order
@@ -98,12 +98,13 @@ def _exact(leaves: list[Any], op: str, ref: GroupRef, quantize: str | None) -> l
 # Wire codes of compressed allreduces, shared with the native layer (native/cpu/handlers.cc).
 WIRES = {"fp16": 1, "bf16": 2}
 _HALVES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
-# On CPU, a compressed call with fewer float32 bytes than this casts in XLA around an exact
-# half-precision allreduce (the same bits: that allreduce also sums in float32 in rank order and
-# rounds once); larger ones round inside the native call. Below a few MiB, where the data stays
-# in cache, XLA's casts measured faster than the native rounding; beyond, the native call is
-# faster (2 ranks on 2 cores, benchmarks/allreduce_compression.py: casts 0.60-0.66x of float32's
-# speed at 1 MiB against 0.46-0.47x native; at 16 MiB 0.74x against 0.93x).
+# On CPU, a compressed call with fewer float32 bytes than this is lowered to XLA casts around an
+# exact half-precision allreduce (_cast_around: the same bits, as that allreduce also sums in
+# float32 in rank order and rounds once); larger ones round inside the native call. Below a few
+# MiB, where the data stays in cache, XLA's casts measured faster than the native rounding;
+# beyond, the native call is faster (2 ranks on 2 cores, benchmarks/allreduce_compression.py:
+# casts 0.60-0.66x of float32's speed at 1 MiB against 0.46-0.47x native; at 16 MiB 0.74x
+# against 0.93x).
 NATIVE_COMPRESSION_MIN_BYTES = 8 << 20
 
 
@@ -129,20 +130,31 @@ def _compressed(leaves: list[Any], op: str, ref: GroupRef, compression: str) -> 
     outs: list[Any] = list(leaves)
     if wide:
         xs = [leaves[i] for i in wide]
-        small = sum(x.size for x in xs) * 4 < NATIVE_COMPRESSION_MIN_BYTES
-        if small or _cuda.gpu_active():  # (no native codec on GPU) casts around the exact call
-            half = _HALVES[compression]
-            sent = [(x / ref.size if op == "avg" else x).astype(half) for x in xs]
-            summed = bind(allreduce_p, *sent, group=ref, op="sum", quantize=None, compression=None)
-            ys = [y.astype(jnp.float32) for y in summed]
-        else:
-            ys = bind(allreduce_p, *xs, group=ref, op=op, quantize=None, compression=compression)
+        ys = bind(allreduce_p, *xs, group=ref, op=op, quantize=None, compression=compression)
         for i, y in zip(wide, ys, strict=True):
             outs[i] = y
     if rest:
         for i, y in zip(rest, _exact([leaves[i] for i in rest], op, ref, None), strict=True):
             outs[i] = y
     return outs
+
+
+def _cast_around(
+    ctx: Any, operands: Any, *, group: GroupRef, op: str, compression: str, **_: Any
+) -> list[Any]:
+    """A compressed call lowered as XLA casts around an exact half-precision allreduce: each
+    rank's values scaled by 1/n (avg) and rounded, summed in float32 and rounded once by that
+    allreduce, widened. The same bits as the native rounding (which scales by the same float32
+    reciprocal), and the same primitive, so grad and vmap see one set of rules."""
+    half = _HALVES[compression]
+    scale = np.float32(1.0 / group.size)
+
+    def casts(*xs: Any) -> list[Any]:
+        sent = [(x * scale if op == "avg" else x).astype(half) for x in xs]
+        summed = allreduce_p.bind(*sent, group=group, op="sum", quantize=None, compression=None)
+        return [y.astype(jnp.float32) for y in summed]
+
+    return list(mlir.lower_fun(casts, multiple_results=True)(ctx, *operands))
 
 
 def _abstract_eval(
@@ -160,8 +172,6 @@ def _cuda_attrs(
 ) -> dict[str, Any]:
     """The backend chain's choice for each leaf (spmd/ops/_cuda.py), fixed at compile time."""
     where = f"rank {group.world_rank}: allreduce: "
-    if compression is not None:  # allreduce() casts in XLA on GPU instead
-        raise SpmdError(f"{where}compression={compression!r} has no GPU handler")
     gpu = _cuda.registered(group.gid, where)
     cfg = _cuda.config()
     algos = tuple(
@@ -186,13 +196,31 @@ def _cpu_attrs(*, group: GroupRef, op: str, compression: str | None, **_: Any) -
 
 
 allreduce_p.def_abstract_eval(_abstract_eval)
-register_lowering(
+_cpu_rule, _cuda_rule = register_lowering(
     allreduce_p,
     "spmd_allreduce",
     cuda_attrs=_cuda_attrs,
     cpu_attrs=_cpu_attrs,
     op=lambda op, **_: np.int32(REDUCE_OPS["sum" if op == "avg" else op]),
 )
+
+
+def _lower_cpu(ctx: Any, *operands: Any, **params: Any) -> list[Any]:
+    nbytes = sum(int(np.prod(a.shape)) * 4 for a in ctx.avals_in)
+    if params["compression"] is not None and nbytes < NATIVE_COMPRESSION_MIN_BYTES:
+        return _cast_around(ctx, operands, **params)
+    return _cpu_rule(ctx, *operands, **params)
+
+
+def _lower_cuda(ctx: Any, *operands: Any, **params: Any) -> list[Any]:
+    if params["compression"] is not None:  # no native codec on GPU
+        return _cast_around(ctx, operands, **params)
+    return _cuda_rule(ctx, *operands, **params)
+
+
+# Not cacheable, as register_lowering's rules: the collectives' chain lives in the block.
+mlir.register_lowering(allreduce_p, _lower_cpu, platform="cpu", cacheable=False)
+mlir.register_lowering(allreduce_p, _lower_cuda, platform="cuda", cacheable=False)
 
 
 def _sum(

@@ -558,8 +558,9 @@ def register_lowering(
     pass_operands: bool = True,
     cpu_attrs: Callable[..., dict[str, Any]] | None = None,
     **attr_params: Callable[..., Any],
-) -> None:
-    """Lower ``prim`` to the FFI target ``target`` on CPU and ``spmd_cuda_<op>`` on GPU.
+) -> tuple[Callable[..., list[Any]], Callable[..., list[Any]]]:
+    """Lower ``prim`` to the FFI target ``target`` on CPU and ``spmd_cuda_<op>`` on GPU; returns
+    the two rules (CPU, GPU), for a primitive that lowers some calls otherwise to wrap.
 
     ``attr_params`` map FFI attribute names to functions of the primitive's parameters;
     ``cuda_attrs(ctx, **params)`` adds the GPU handler's own attributes (the all-reduce's
@@ -596,6 +597,7 @@ def register_lowering(
     # Not cacheable: the rule must run in the block it lowers into, where the chain lives.
     mlir.register_lowering(prim, cpu_rule, platform="cpu", cacheable=False)
     mlir.register_lowering(prim, cuda_rule, platform="cuda", cacheable=False)
+    return cpu_rule, cuda_rule
 
 
 # -- calling ------------------------------------------------------------------------------------
