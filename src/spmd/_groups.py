@@ -30,7 +30,6 @@ from ._native_lib import native
 from .runtime import Communicator, get_communicator, this_rank
 from .runtime._env import timeout_seconds
 from .runtime._state import on_finalize, on_init, world_data_comm
-from .runtime._transport import mpi_dup
 
 BACKENDS = {"shm": 0, "mpi": 1, "hier": 2}
 BACKEND_NAMES = ("auto", *BACKENDS)
@@ -167,35 +166,48 @@ def _node_layout(comm: Communicator) -> dict[str, list[int]]:
     return nodes
 
 
-def _attach_shm(gid: int, which: int, comm: Communicator, members: list[int]) -> None:
-    """Collective over ``comm``: the first of ``members`` creates a segment, the others map it."""
+def _attach_shm(gid: int, which: int, comm: Communicator, parts: list[list[int]]) -> None:
+    """Collective over ``comm``: one segment for each list of group ranks in ``parts`` (the whole
+    group, or each node's ranks), made by its first rank and mapped by the others, in two
+    exchanges whatever the number of parts. The creators unlink the names once every rank has
+    mapped its segment, or when the exchange fails: a segment never outlives the processes."""
     me = comm.rank
-    creator = members[0] == me
+    mine = next((p for p in parts if me in p), None)
+    creator = mine is not None and mine[0] == me
     name = f"/spmd-{os.getpid()}-{uuid.uuid4().hex[:12]}" if creator else None
     error = None
-    if creator:
-        try:
-            native().group_attach_shm(
-                gid, which, name, True, 0, len(members), [comm.ranks[m] for m in members],
-                SHM_CHUNK,
-            )  # fmt: skip
-        except RuntimeError as e:
-            error = str(e)
-    names = comm._setup_allgather((name, error))
-    errors = [e for _, e in names if e]
-    if errors:
-        raise SpmdError(f"rank {comm.world_rank}: {errors[0]}")
-    if not creator and me in members:
-        native().group_attach_shm(
-            gid, which, names[members[0]][0], False, members.index(me), len(members),
-            [comm.ranks[m] for m in members], SHM_CHUNK,
-        )  # fmt: skip
-    comm._setup_allgather(None)  # everyone mapped it: the name can go
-    if creator:  # POSIX shared memory lives in /dev/shm on Linux
-        try:
-            os.unlink(f"/dev/shm{name}")
-        except OSError:
-            pass
+    try:
+        if creator:
+            assert mine is not None
+            try:
+                native().group_attach_shm(
+                    gid, which, name, True, 0, len(mine), [comm.ranks[m] for m in mine],
+                    SHM_CHUNK,
+                )  # fmt: skip
+            except RuntimeError as e:
+                error = str(e)
+        names = comm._setup_allgather((name, error))
+        errors = [e for _, e in names if e]
+        if errors:
+            raise SpmdError(f"rank {comm.world_rank}: {errors[0]}")
+        if mine is not None and not creator:
+            try:
+                native().group_attach_shm(
+                    gid, which, names[mine[0]][0], False, mine.index(me), len(mine),
+                    [comm.ranks[m] for m in mine], SHM_CHUNK,
+                )  # fmt: skip
+            except RuntimeError as e:
+                raise SpmdError(
+                    f"rank {comm.world_rank}: mapping the shared memory of group rank "
+                    f"{mine[0]} failed: {e} (that rank may have failed or timed out earlier)"
+                ) from None
+        comm._setup_allgather(None)  # everyone mapped its segment: the names can go
+    finally:
+        if creator and error is None:  # POSIX shared memory lives in /dev/shm on Linux
+            try:
+                os.unlink(f"/dev/shm{name}")
+            except OSError:
+                pass
 
 
 def _register(comm: Communicator, gid: int) -> _Registered:
@@ -206,20 +218,31 @@ def _register(comm: Communicator, gid: int) -> _Registered:
         gid, comm.rank, comm.size, list(comm.ranks), timeout_seconds(), ONE_SHOT_MAX
     )
     reg = _Registered(comm, "", (), [])
-    mpi = comm._setup_mpi_comm()
-    if mpi is not None:
-        _load_mpi()
-        from mpi4py import MPI
+    try:
+        if comm.mpi_comm() is not None:
+            _load_mpi()
+            from mpi4py import MPI
 
-        data = world_data_comm() if comm is get_communicator() else None
-        if data is None:  # a communicator of its own: never matches an exchange's messages
-            data = mpi_dup(mpi, comm.world_rank, comm.ranks, timeout_seconds())
-            reg.mpi_comms.append(data)
-        reg.data = data
-        native().group_attach_mpi(
-            gid, 0, MPI._handleof(data), comm.rank, comm.size, list(comm.ranks)
-        )
+            data = world_data_comm() if comm is get_communicator() else None
+            if data is None:  # a communicator of its own: never matches an exchange's messages
+                data = comm._setup_dup()
+                reg.mpi_comms.append(data)
+            reg.data = data
+            native().group_attach_mpi(
+                gid, 0, MPI._handleof(data), comm.rank, comm.size, list(comm.ranks)
+            )
+    except BaseException:
+        _release(gid, reg)
+        raise
     return reg
+
+
+def _release(gid: int, reg: _Registered) -> None:
+    """Undo a registration: the native group and the MPI communicators made for it."""
+    native().group_destroy(gid)
+    for c in reg.mpi_comms:  # (only made where MPI runs)
+        c.Free()
+    reg.mpi_comms.clear()
 
 
 def _complete(gid: int, reg: _Registered) -> None:
@@ -242,7 +265,7 @@ def _transports(gid: int, reg: _Registered) -> tuple[str, ...]:
     nodes = _node_layout(comm)
     available = []
     if len(nodes) == 1:
-        _attach_shm(gid, 0, comm, list(range(comm.size)))
+        _attach_shm(gid, 0, comm, [list(range(comm.size))])
         available.append("shm")
     if reg.data is not None:
         from mpi4py import MPI
@@ -250,8 +273,7 @@ def _transports(gid: int, reg: _Registered) -> tuple[str, ...]:
         available.append("mpi")
         if len(nodes) > 1 and any(len(m) > 1 for m in nodes.values()):
             local = nodes[comm.node_ids[comm.world_rank]]
-            for members in nodes.values():  # every node's segment, one node at a time
-                _attach_shm(gid, 1, comm, members)
+            _attach_shm(gid, 1, comm, list(nodes.values()))  # every node's segment
             leader = local[0] == comm.rank
             leaders = reg.data.Split(0 if leader else MPI.UNDEFINED, comm.rank)
             if leader:
@@ -290,9 +312,7 @@ def _apply_backend(gid: int, reg: _Registered) -> None:
 def _finalize() -> None:
     with _lock:
         for gid, reg in list(_registered.items()):
-            native().group_destroy(gid)
-            for c in reg.mpi_comms:
-                c.Free()
+            _release(gid, reg)
         _registered.clear()
         _gpu_checked.clear()
 
@@ -317,13 +337,24 @@ def prepare_world(world: Communicator) -> None:
     """Register the world group and attach its transports, at ``spmd.init`` where every rank
     takes part: then the first collective on the world, tracing one, or asking for its backend
     exchanges nothing, and any rank may do it alone. The backend is chosen at the first call
-    (:func:`_complete`), so that one not available raises there."""
+    (:func:`_complete`), so that one not available raises there.
+
+    A failure (no usable /dev/shm, no MPI library found) undoes the registration and does not
+    fail ``init``: the first collective prepares the group again and raises it, as it did
+    before the world was prepared at init, so that programs without collectives still run.
+    (The GPU side of a group is still set up at its first collective: docs/gpu.md.)"""
     if world.size == 1:
         return
     with _lock:
-        gid, reg = _registration(world)
-        assert reg is not None
-        _attach(gid, reg)
+        try:
+            gid, reg = _registration(world)
+            assert reg is not None
+            _attach(gid, reg)
+        except Exception:
+            for gid, reg in list(_registered.items()):
+                if reg.comm is world:
+                    del _registered[gid]
+                    _release(gid, reg)
 
 
 def group_ref(comm: Communicator, p2p: bool = False) -> GroupRef:

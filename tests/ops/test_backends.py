@@ -3,6 +3,8 @@ simulated nodes, and the file-store communicator (shared memory only)."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,3 +155,28 @@ def test_tracing_a_new_group_on_one_rank_alone_is_an_error_not_a_hang():
     assert "rank 0: creating the communicator of ranks [1, 0] timed out" in messages[0]
     assert "rank 1 (the group's root) did not confirm that all joined" in messages[0]
     assert "rank 1: allgather_object on the group of ranks [0, 1] timed out" in messages[1]
+
+
+def _segment_of_a_timed_out_preparation():
+    comm = spmd.init()
+    sub = spmd.get_communicator([[1, 0]])  # its first rank, world rank 1, makes its segment
+    sub.barrier()  # both ranks make the group's channels
+    error = None
+    if comm.rank == 1:  # prepares the group for collectives alone: times out
+        try:
+            jax.make_jaxpr(lambda v: spmd.allreduce(v, group=sub))(jnp.ones(2))
+        except spmd.SpmdError as e:
+            error = str(e)
+    prefix = f"spmd-{os.getpid()}-"
+    return error, [f for f in os.listdir("/dev/shm") if f.startswith(prefix)]
+
+
+def test_a_timed_out_preparation_leaves_no_shared_memory():
+    """The rank that made a segment removes its name even when the exchange that follows
+    fails (it stayed in /dev/shm until reboot)."""
+    (error0, left0), (error1, left1) = run(
+        _segment_of_a_timed_out_preparation, 2, env={"SPMD_TIMEOUT": "2"}, fresh=True
+    )
+    assert error0 is None and error1 is not None
+    assert "rank 1: preparing the group for collectives" in error1 and "timed out" in error1
+    assert left0 == [] and left1 == []

@@ -3,8 +3,9 @@
 Every collective has a CUDA lowering next to its CPU one (``_core.register_lowering``): the same
 operands, results and attributes, handled by ``spmd._native_cuda`` (built where nvcc is found)
 on the stream XLA gives the handler. A GPU group holds an NCCL communicator (its unique id
-travels through spmd's bootstrap, the Communicator's ``allgather_object``) and, when all its
-ranks share one node and each has a GPU of its own, the custom all-reduce's CUDA IPC buffers.
+travels through spmd's bootstrap: the Communicator's setup channel, ``_setup_allgather``) and,
+when all its ranks share one node and each has a GPU of its own, the custom all-reduce's CUDA
+IPC buffers.
 
 The all-reduce backend chain, as AITER's, chosen per leaf when a program is compiled, from the
 leaf's size and dtype and the group's topology (:func:`select_allreduce`):

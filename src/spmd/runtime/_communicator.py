@@ -229,11 +229,12 @@ class Communicator:
         transport = self._get_transport()
         return getattr(transport, "comm", None)
 
-    def _setup_mpi_comm(self) -> Any:
-        """The mpi4py communicator of the setup channel (see :meth:`_setup_allgather`), or
-        None without MPI."""
+    def _setup_dup(self) -> Any:
+        """A new MPI communicator of the group, duplicated over the setup channel (see
+        :meth:`_setup_allgather`) with its deadline; None without MPI."""
         self._get_transport()
-        return getattr(self._setup, "comm", None)
+        dup = getattr(self._setup, "dup", None)
+        return dup() if dup is not None else None
 
     def _close(self) -> None:
         for transport in (self._setup, self._transport):

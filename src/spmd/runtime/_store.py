@@ -67,7 +67,12 @@ class FileStore:
             return True
 
         if not wait_until(all_present, self.timeout):
-            missing = [owners[i] for i, v in enumerate(values) if v is None]
+            # all_present stops at the first missing key: look at every key once more.
+            missing = [
+                owners[i]
+                for i, key in enumerate(keys)
+                if values[i] is None and not (self.dir / key).exists()
+            ]
             raise SpmdError(
                 f"rank {self.rank}: {what} timed out after {self.timeout:g} s waiting for "
                 f"ranks {missing} (store {self.dir}). Every rank of the group must make the "

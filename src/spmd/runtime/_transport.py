@@ -74,11 +74,7 @@ class MpiTransport:
         from mpi4py import MPI
 
         what = self.what
-        if self.broken is not None:
-            raise SpmdError(
-                f"rank {self.world_rank}: {what}: the group of ranks {self.ranks} is unusable "
-                f"after an earlier exchange timed out ({self.broken})"
-            )
+        refuse_if_broken(self.broken, self.world_rank, what, self.ranks)
         data = np.frombuffer(pickle.dumps(obj), np.uint8)
         mine, sizes = np.array([data.size], np.int64), np.zeros(len(self.ranks), np.int64)
         self._wait(self.comm.Iallgather(mine, sizes), (mine, sizes), what)
@@ -88,6 +84,14 @@ class MpiTransport:
         self._wait(self.comm.Iallgatherv(data, spec), (data, out), what)
         return [pickle.loads(out[o : o + n].tobytes()) for o, n in zip(offsets, sizes, strict=True)]
 
+    def dup(self) -> Any:
+        """A duplicate of the communicator (``MPI_Comm_idup``), with the exchanges' deadline
+        and their refusal after a timeout."""
+        refuse_if_broken(self.broken, self.world_rank, self.what, self.ranks)
+        new, request = self.comm.Idup()
+        self._wait(request, (new,), self.what)
+        return new
+
     def close(self) -> None:
         from mpi4py import MPI
 
@@ -95,27 +99,22 @@ class MpiTransport:
             self.comm.Free()
 
 
+def refuse_if_broken(broken: str | None, world_rank: int, what: str, ranks: list[int]) -> None:
+    """After a timed-out exchange a group's channel is unusable: its ranks may be out of step."""
+    if broken is not None:
+        raise SpmdError(
+            f"rank {world_rank}: {what}: the group of ranks {ranks} is unusable after an "
+            f"earlier exchange timed out ({broken})"
+        )
+
+
 _ARRIVAL_TAG = 0x5D0
 
 # What a timed-out exchange of the setup channel (Communicator._setup_allgather) was doing.
 SETUP_WHAT = (
-    "preparing the group for collectives (done at its first collective, also when one is "
-    "only traced, or its backend asked for)"
+    "preparing the group for collectives (the world's in spmd.init; another group's at its "
+    "first collective, also when one is only traced or its backend asked for)"
 )
-
-
-def mpi_dup(comm: Any, world_rank: int, ranks: Sequence[int], timeout: float) -> Any:
-    """``MPI_Comm_idup`` of ``comm`` with a deadline: a member that never calls it is an
-    error naming the group, not a hang."""
-    new, request = comm.Idup()
-    if not wait_until(request.Test, timeout):
-        raise SpmdError(
-            f"rank {world_rank}: {SETUP_WHAT} on the group of ranks {list(ranks)} timed out "
-            f"after {timeout:g} s: at least one rank of the group never did it. Every rank of "
-            "a group must make the same calls in the same order; raise SPMD_TIMEOUT if they "
-            "are just slow."
-        )
-    return new
 
 
 def mpi_create_group(world: Any, world_rank: int, ranks: Sequence[int], timeout: float) -> Any:
@@ -184,19 +183,27 @@ class FileTransport:
         name = repr((self.ranks, key)).encode()
         self.tag = "g" + hashlib.blake2b(name, digest_size=6).hexdigest()
         self.seq = 0
+        self.broken: str | None = None
 
     def _key(self, seq: int, rank: int) -> str:
         return f"{self.tag}.{seq}.{rank}"
 
     def allgather(self, obj: Any) -> list[Any]:
+        # After a timeout the ranks' sequence numbers may differ: a later exchange would read
+        # another one's files. Refuse, as MpiTransport does.
+        refuse_if_broken(self.broken, self.world_rank, self.what, self.ranks)
         seq = self.seq
         self.seq += 1
         self.store.set(self._key(seq, self.world_rank), pickle.dumps(obj))
-        blobs = self.store.wait(
-            [self._key(seq, r) for r in self.ranks],
-            f"{self.what} on the group of ranks {self.ranks}",
-            self.ranks,
-        )
+        try:
+            blobs = self.store.wait(
+                [self._key(seq, r) for r in self.ranks],
+                f"{self.what} on the group of ranks {self.ranks}",
+                self.ranks,
+            )
+        except SpmdError as e:
+            self.broken = str(e)
+            raise
         if seq > 0:
             self.store.delete(self._key(seq - 1, self.world_rank))
         return [pickle.loads(b) for b in blobs]
