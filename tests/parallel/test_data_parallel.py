@@ -322,8 +322,9 @@ def test_parameter_check_edge_cases(comm):
 @multirank(nprocs=(2,))
 def test_accumulated_aux_is_the_whole_batch_s(comm):
     """With accumulate_steps=k, has_aux outputs come back as the loss gives them on the whole
-    local batch: per-example values (leading dimension = a micro-batch's rows) end to end, not
-    averaged over micro-batches; floating scalars averaged; integers the last micro-batch's."""
+    local batch: per-example values (a leading dimension k times larger on the whole batch) end
+    to end, not averaged over micro-batches; other floating values averaged (also one whose
+    length happens to equal a micro-batch's rows); integers the last micro-batch's."""
     import jax.numpy as jnp
 
     x = np.random.default_rng(comm.rank).standard_normal((8, 3)).astype(np.float32)
@@ -331,7 +332,10 @@ def test_accumulated_aux_is_the_whole_batch_s(comm):
 
     def loss(w, x):
         pred = x @ w
-        return jnp.mean(pred**2), {"pred": pred, "mean": jnp.mean(pred), "rows": x.shape[0]}
+        # "pair" has as many entries as a micro-batch of 8 // 4 rows: not per-example.
+        pair = jnp.stack([jnp.mean(pred), jnp.mean(pred**2)])
+        aux = {"pred": pred, "mean": jnp.mean(pred), "rows": x.shape[0], "pair": pair}
+        return jnp.mean(pred**2), aux
 
     for k in (1, 2, 4):
         step = spmd.data_parallel(accumulate_steps=k)(
@@ -341,6 +345,8 @@ def test_accumulated_aux_is_the_whole_batch_s(comm):
         np.testing.assert_allclose(aux["pred"], x @ np.asarray(w), rtol=1e-6, err_msg=str(k))
         np.testing.assert_allclose(aux["mean"], np.mean(x @ np.asarray(w)), rtol=1e-5)
         assert int(aux["rows"]) == 8 // k
+        full = x @ np.asarray(w)
+        np.testing.assert_allclose(aux["pair"], [full.mean(), (full**2).mean()], rtol=1e-5)
 
 
 @multirank(nprocs=(2,))

@@ -235,13 +235,19 @@ def _accumulate(
     value, grads = jax.tree_util.tree_map(lambda t: t if _is_float0(t) else t / k, (v, g))
     if not has_aux:
         return value, grads
-    # aux, as the loss would give it on the whole batch: a leaf whose leading dimension is a
-    # micro-batch's rows (per-example values) is the micro-batches' rows end to end; any other
-    # the mean over micro-batches where it is floating point, else the last micro-batch's.
-    rows = {s.shape[1] for s in split if s is not None}
+    # aux, as the loss would give it on the whole batch: a leaf whose leading dimension the
+    # whole batch makes k times a micro-batch's (per-example values; found by evaluating the
+    # loss's shapes on the whole batch) is the micro-batches' rows end to end; any other the
+    # mean over micro-batches where it is floating point, else the last micro-batch's.
+    whole = jax.tree_util.tree_leaves(jax.eval_shape(lambda: vg(*args, **kwargs))[0][1])
+    micro = [jnp.shape(a) for a in jax.tree_util.tree_leaves(aux0)]
+    flags = iter(
+        len(m) >= 1 and tuple(w.shape) == (k * m[0], *m[1:])
+        for w, m in zip(whole, micro, strict=True)
+    )
 
     def combine(a0: Any, rest: Any) -> Any:
-        if rest.ndim >= 2 and rest.shape[1] in rows:
+        if next(flags):
             return jnp.concatenate([a0[None], rest]).reshape(k * rest.shape[1], *rest.shape[2:])
         if jnp.issubdtype(rest.dtype, jnp.inexact):
             return (a0 + rest.sum(0)) / k
