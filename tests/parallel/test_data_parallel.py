@@ -136,6 +136,9 @@ def _every_dtype(r):
         "u16": jnp.array([[60000 + r]], jnp.uint16),
         "c64": jnp.array([1.5 - 0.25j * (r + 1), r]),
         "f8": jnp.array([0.5 * (r + 1)], jnp.float8_e4m3fn),
+        "i4": jnp.array([-8, 7 - r], jnp.int4),
+        "u4": jnp.array([15 - r], jnp.uint4),
+        "f4": jnp.array([0.5 * (r + 1), -6.0], jnp.float4_e2m1fn),
         "f32": jnp.float32(r),
     }
 
@@ -149,8 +152,9 @@ def _bits(x):
 @multirank(nprocs=(2, 3))
 def test_broadcast_params_moves_every_dtype_bit_for_bit(comm):
     """PRNG keys (typed, of two implementations, and raw uint32), and dtypes the collectives do
-    not take (int16, uint16, uint32 beyond float32's range, complex, float8) arrive as the root
-    holds them; they were refused, with the lossy advice to cast them to float32."""
+    not take (int16, uint16, uint32 beyond float32's range, complex, float8, 4-bit types)
+    arrive as the root holds them; they were refused, with the lossy advice to cast them to
+    float32."""
     root = comm.size - 1
     out = spmd.broadcast_params(_every_dtype(comm.rank), root=root)
     want = _every_dtype(root)
@@ -162,6 +166,9 @@ def test_broadcast_params_moves_every_dtype_bit_for_bit(comm):
         spmd.broadcast(want["u32"])
     with pytest.raises(spmd.SpmdError, match=r"dtype key<fry>, .*key_data"):
         spmd.allgather(want["key"])
+    # A leaf that is not an array (an activation function in a model object) is named.
+    with pytest.raises(spmd.SpmdTypeError, match=r"\['act'\] is a custom_jvp, not an array"):
+        spmd.broadcast_params({"w": jnp.ones(2), "act": jax.nn.relu})
 
 
 @multirank(nprocs=(2,))

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import core
 
-from .._errors import SpmdError
+from .._errors import SpmdError, SpmdTypeError
 from ..mesh import mesh_key
 from ..runtime import Communicator, this_rank
 from ._grad import mark_p, marking
@@ -88,12 +88,20 @@ def broadcast_params(tree: Any, root: int = 0, *, group: Any = None) -> Any:
     comm = _communicator(group, "broadcast_params")
     with_path, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sharded)
     for path, leaf in with_path:
+        name = jax.tree_util.keystr(path) or "the tree"
         if is_sharded(leaf):
             # Each rank's shard is its own data: rank root's would overwrite the others'.
             raise SpmdError(
-                f"{this_rank()}: broadcast_params: {jax.tree_util.keystr(path) or 'the tree'} is "
-                "a ShardedArray, whose shards differ between ranks by design; broadcast the "
-                "full array before sharding it, or leave sharded state out of the tree"
+                f"{this_rank()}: broadcast_params: {name} is a ShardedArray, whose shards "
+                "differ between ranks by design; broadcast the full array before sharding it, "
+                "or leave sharded state out of the tree"
+            )
+        if not isinstance(leaf, jax.Array | np.ndarray | np.generic | int | float | complex):
+            raise SpmdTypeError(
+                f"{this_rank()}: broadcast_params: {name} is a {type(leaf).__name__}, not an "
+                "array; pass arrays or pytrees (lists, tuples, dicts) of arrays (for a model "
+                "object holding functions, e.g. equinox's, broadcast "
+                "eqx.filter(model, eqx.is_array))"
             )
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     wired = [_to_wire(x) for x in leaves]
@@ -120,6 +128,11 @@ def _to_wire(x: Any) -> tuple[Any, Callable[[Any], Any]]:
     if jnp.issubdtype(dtype, jnp.complexfloating):  # lax cannot bit-cast complex numbers
         parts, back = _to_wire(jnp.stack([x.real, x.imag], axis=-1))
         return parts, lambda w: jax.lax.complex(back(w)[..., 0], back(w)[..., 1]).astype(dtype)
+    integer = jnp.issubdtype(dtype, jnp.integer)
+    info = jnp.iinfo(dtype) if integer else jnp.finfo(dtype)
+    if info.bits < 8:  # int4, float4...: widened, which holds every value exactly
+        wide = (jnp.int8 if info.min < 0 else jnp.uint8) if integer else jnp.float32
+        return x.astype(wide), lambda w: w.astype(dtype)
     return jax.lax.bitcast_convert_type(x, jnp.uint8), lambda w: jax.lax.bitcast_convert_type(
         w, dtype
     )
