@@ -8,6 +8,7 @@ such as ``spmd-run`` start fast.
 from typing import TYPE_CHECKING, Any
 
 from . import _groups as _groups  # spmd.init prepares the world's native group
+from ._errors import PerExampleGradientWarning as PerExampleGradientWarning
 from ._errors import SpmdError as SpmdError
 from ._errors import SpmdTypeError as SpmdTypeError
 from ._version import __version__ as __version__
@@ -113,6 +114,7 @@ __all__ = [
     "Mesh",
     "SpmdError",
     "SpmdTypeError",
+    "PerExampleGradientWarning",
     "__version__",
     "current_mesh",
     "finalize",

@@ -1,4 +1,4 @@
-"""spmd's exceptions.
+"""spmd's exceptions and warnings.
 
 Every error spmd raises on purpose is a :class:`SpmdError`. Its messages start with the rank that
 raised it and say what was received, what was expected, and how to fix it.
@@ -13,3 +13,10 @@ class SpmdError(ValueError):
 
 class SpmdTypeError(SpmdError, TypeError):
     """An argument of the wrong type (both a :class:`SpmdError` and a ``TypeError``)."""
+
+
+class PerExampleGradientWarning(UserWarning):
+    """``spmd.grad`` under ``jax.vmap`` with unbatched parameters inside a parallel step: its
+    gradients are averaged across ranks index by index, wrong for per-example gradients
+    (docs/data_parallel.md). Silence it where the vmapped index means the same thing on every
+    rank: ``warnings.filterwarnings("ignore", category=spmd.PerExampleGradientWarning)``."""

@@ -389,7 +389,7 @@ def test_vmapped_grad_ensembles_and_per_example_gradients(comm):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5)
 
     # Per-example gradients through spmd.grad: warned about.
-    with pytest.warns(UserWarning, match=f"rank {r}: spmd.grad is called under jax.vmap"):
+    with pytest.warns(spmd.PerExampleGradientWarning, match=f"rank {r}: spmd.grad is called under"):
         spmd.data_parallel(lambda p, x: jax.vmap(spmd.grad(one), (None, 0))(p, x))(p, mine)
 
     # The recipe: clipped per-example gradients, their mean over the global batch.

@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 from jax._src import core
 from jax._src.interpreters import ad, batching, mlir
 
-from .._errors import SpmdError
+from .._errors import PerExampleGradientWarning, SpmdError
 from ..runtime import this_rank
 
 __all__ = ["grad", "mark_p", "marking", "value_and_grad"]
@@ -90,8 +92,22 @@ def _mark_batch(args: Sequence[Any], dims: Sequence[Any], **params: Any) -> Any:
     if ctx is not None and params["kind"] == "param":
         ctx.batched_params.add(params["call"])
     elif ctx is not None and params["kind"] == "grad" and params["call"] not in ctx.batched_params:
-        warnings.warn(PER_EXAMPLE.format(where=this_rank()), stacklevel=2)
+        warnings.warn(
+            PER_EXAMPLE.format(where=this_rank()),
+            PerExampleGradientWarning,
+            stacklevel=_user_stacklevel(),
+        )
     return mark_p.bind(*args, **params), list(dims)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the innermost caller outside jax and spmd (the user's line) for a
+    warning issued by the function that calls this one."""
+    inside = (os.path.dirname(jax.__file__), os.path.dirname(os.path.dirname(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 ad.primitive_jvps[mark_p] = _mark_jvp
