@@ -69,7 +69,7 @@ def allreduce(
             float16 sum does not overflow where the average would not), summed in float32 in
             rank order, and the sum rounded once before it is widened back to float32. On CPU
             the rounding happens inside the native call, as it copies the data (no extra passes
-            over memory), for calls of 8 MiB of float32 or more; XLA casts around the exact
+            over memory), for calls of 4 MiB of float32 or more; XLA casts around the exact
             all-reduce for smaller calls (faster in cache) and on GPU: the same bits either way.
             Leaves of other dtypes are reduced exactly.
 
@@ -100,12 +100,12 @@ WIRES = {"fp16": 1, "bf16": 2}
 _HALVES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
 # On CPU, a compressed call with fewer float32 bytes than this is lowered to XLA casts around an
 # exact half-precision allreduce (_cast_around: the same bits, as that allreduce also sums in
-# float32 in rank order and rounds once); larger ones round inside the native call. Below a few
-# MiB, where the data stays in cache, XLA's casts measured faster than the native rounding;
-# beyond, the native call is faster (2 ranks on 2 cores, benchmarks/allreduce_compression.py:
-# casts 0.60-0.66x of float32's speed at 1 MiB against 0.46-0.47x native; at 16 MiB 0.74x
-# against 0.93x).
-NATIVE_COMPRESSION_MIN_BYTES = 8 << 20
+# float32 in rank order and rounds once); larger ones round inside the native call. Around 1-2
+# MiB the casts measured a little faster; from 4 MiB the native call (2 ranks on 2 cores,
+# benchmarks/allreduce_compression.py, three runs, speed relative to float32: 1 MiB casts
+# 0.45-0.63x, native 0.42-0.47x; 4 MiB casts 0.67-0.87x, native 0.73-0.85x; 7.1 MiB casts
+# 0.71-0.79x, native 0.84-1.06x; 16 MiB casts 0.84-1.07x, native 0.98-1.34x).
+NATIVE_COMPRESSION_MIN_BYTES = 4 << 20
 
 
 def _check_compression(compression: Any, op: str, ref: GroupRef) -> None:
