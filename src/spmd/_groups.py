@@ -297,6 +297,13 @@ def _auto_backend(reg: _Registered) -> str:
 
 def _apply_backend(gid: int, reg: _Registered) -> None:
     requested = _requested_backend()
+    if not reg.available:
+        raise SpmdError(
+            f"rank {reg.comm.world_rank}: no backend can carry collectives for the group of "
+            f"ranks {list(reg.comm.ranks)}: its ranks span nodes, so shared memory cannot "
+            "reach them all, and this communicator has no MPI (the file store); launch with "
+            "an MPI launcher (spmd-run, mpiexec) to use MPI between nodes"
+        )
     backend = _auto_backend(reg) if requested == "auto" else requested
     if backend not in reg.available:
         raise SpmdError(

@@ -180,3 +180,12 @@ def test_a_timed_out_preparation_leaves_no_shared_memory():
     assert error0 is None and error1 is not None
     assert "rank 1: preparing the group for collectives" in error1 and "timed out" in error1
     assert left0 == [] and left1 == []
+
+
+@multirank(nprocs=(2,), launcher="env", env={"SPMD_SIMULATE_NODES": "2"})
+def test_the_file_store_across_nodes_has_no_backend(comm):
+    """Shared memory cannot span nodes and the file store has no MPI: every collective raises
+    saying so (it said "backend 'mpi' is not available (available: )")."""
+    for _ in range(2):
+        with pytest.raises(spmd.SpmdError, match=f"rank {comm.rank}: no backend can carry"):
+            spmd.allreduce(jnp.float32(1))
