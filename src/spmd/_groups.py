@@ -203,7 +203,7 @@ def _attach_shm(gid: int, which: int, comm: Communicator, parts: list[list[int]]
                 ) from None
         comm._setup_allgather(None)  # everyone mapped its segment: the names can go
     finally:
-        if creator and error is None:  # POSIX shared memory lives in /dev/shm on Linux
+        if creator:  # POSIX shared memory lives in /dev/shm on Linux
             try:
                 os.unlink(f"/dev/shm{name}")
             except OSError:
@@ -354,14 +354,15 @@ def prepare_world(world: Communicator) -> None:
         return
     with _lock:
         try:
-            gid, reg = _registration(world)
-            assert reg is not None
+            gid, reg = _registration(world)  # undoes itself if it fails
+        except Exception:
+            return
+        assert reg is not None
+        try:
             _attach(gid, reg)
         except Exception:
-            for gid, reg in list(_registered.items()):
-                if reg.comm is world:
-                    del _registered[gid]
-                    _release(gid, reg)
+            del _registered[gid]
+            _release(gid, reg)
 
 
 def group_ref(comm: Communicator, p2p: bool = False) -> GroupRef:

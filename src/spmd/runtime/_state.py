@@ -211,13 +211,8 @@ def init(backend: str | None = None) -> Communicator:
         if runtime.size > 1:
             install_abort_hook(runtime.rank)
         _runtime = runtime
-        try:
-            for callback in _initializers:
-                callback(runtime.world)
-        except BaseException:
-            _runtime = None
-            uninstall_abort_hook()
-            raise
+        for callback in _initializers:  # they handle their own failures (see on_init)
+            callback(runtime.world)
         return runtime.world
 
 
@@ -238,7 +233,9 @@ def finalize() -> None:
 
 
 def on_init(callback: Callable[[Communicator], None]) -> None:
-    """Run ``callback(world)`` at the end of every later :func:`init` that starts a runtime."""
+    """Run ``callback(world)`` at the end of every later :func:`init` that starts a runtime.
+    It must not raise: what it prepares is optional, and a failure is reported where it is
+    used (spmd's collectives: at the first one)."""
     with _lock:
         if callback not in _initializers:
             _initializers.append(callback)
