@@ -29,10 +29,11 @@ from ._core import (
     bind,
     check_reduce_op,
     collective_primitive,
+    collective_rules,
     flatten,
     from_sum,
     instantiate,
-    register_lowering,
+    register_rules,
     to_sum,
     zero_tangent,
 )
@@ -196,8 +197,7 @@ def _cpu_attrs(*, group: GroupRef, op: str, compression: str | None, **_: Any) -
 
 
 allreduce_p.def_abstract_eval(_abstract_eval)
-_cpu_rule, _cuda_rule = register_lowering(
-    allreduce_p,
+_cpu_rule, _cuda_rule = collective_rules(
     "spmd_allreduce",
     cuda_attrs=_cuda_attrs,
     cpu_attrs=_cpu_attrs,
@@ -206,8 +206,9 @@ _cpu_rule, _cuda_rule = register_lowering(
 
 
 def _lower_cpu(ctx: Any, *operands: Any, **params: Any) -> list[Any]:
-    nbytes = sum(int(np.prod(a.shape)) * 4 for a in ctx.avals_in)
-    if params["compression"] is not None and nbytes < NATIVE_COMPRESSION_MIN_BYTES:
+    if params["compression"] is not None and (
+        sum(int(np.prod(a.shape)) * 4 for a in ctx.avals_in) < NATIVE_COMPRESSION_MIN_BYTES
+    ):
         return _cast_around(ctx, operands, **params)
     return _cpu_rule(ctx, *operands, **params)
 
@@ -218,9 +219,7 @@ def _lower_cuda(ctx: Any, *operands: Any, **params: Any) -> list[Any]:
     return _cuda_rule(ctx, *operands, **params)
 
 
-# Not cacheable, as register_lowering's rules: the collectives' chain lives in the block.
-mlir.register_lowering(allreduce_p, _lower_cpu, platform="cpu", cacheable=False)
-mlir.register_lowering(allreduce_p, _lower_cuda, platform="cuda", cacheable=False)
+register_rules(allreduce_p, _lower_cpu, _lower_cuda)
 
 
 def _sum(

@@ -551,6 +551,9 @@ _keep_calls_holding_collectives()
 _thread_loops_and_branches()
 
 
+Rule = Callable[..., list[Any]]
+
+
 def register_lowering(
     prim: core.Primitive,
     target: str,
@@ -558,9 +561,29 @@ def register_lowering(
     pass_operands: bool = True,
     cpu_attrs: Callable[..., dict[str, Any]] | None = None,
     **attr_params: Callable[..., Any],
-) -> tuple[Callable[..., list[Any]], Callable[..., list[Any]]]:
-    """Lower ``prim`` to the FFI target ``target`` on CPU and ``spmd_cuda_<op>`` on GPU; returns
-    the two rules (CPU, GPU), for a primitive that lowers some calls otherwise to wrap.
+) -> None:
+    """Lower ``prim`` to the FFI target ``target`` on CPU and ``spmd_cuda_<op>`` on GPU (the
+    rules of :func:`collective_rules`)."""
+    register_rules(
+        prim, *collective_rules(target, cuda_attrs, pass_operands, cpu_attrs, **attr_params)
+    )
+
+
+def register_rules(prim: core.Primitive, cpu_rule: Rule, cuda_rule: Rule) -> None:
+    # Not cacheable: the rule must run in the block it lowers into, where the chain lives.
+    mlir.register_lowering(prim, cpu_rule, platform="cpu", cacheable=False)
+    mlir.register_lowering(prim, cuda_rule, platform="cuda", cacheable=False)
+
+
+def collective_rules(
+    target: str,
+    cuda_attrs: Callable[..., dict[str, Any]] | None = None,
+    pass_operands: bool = True,
+    cpu_attrs: Callable[..., dict[str, Any]] | None = None,
+    **attr_params: Callable[..., Any],
+) -> tuple[Rule, Rule]:
+    """The lowering rules (CPU, GPU) of a collective to the FFI target ``target`` on CPU and
+    ``spmd_cuda_<op>`` on GPU.
 
     ``attr_params`` map FFI attribute names to functions of the primitive's parameters;
     ``cuda_attrs(ctx, **params)`` adds the GPU handler's own attributes (the all-reduce's
@@ -594,9 +617,6 @@ def register_lowering(
         cuda_target = "spmd_cuda_" + op
         return lower_collective(ctx, cuda_target, operands, group=group.attr, **attrs)
 
-    # Not cacheable: the rule must run in the block it lowers into, where the chain lives.
-    mlir.register_lowering(prim, cpu_rule, platform="cpu", cacheable=False)
-    mlir.register_lowering(prim, cuda_rule, platform="cuda", cacheable=False)
     return cpu_rule, cuda_rule
 
 
@@ -617,13 +637,17 @@ def bind(prim: core.Primitive, *args: Any, **params: Any) -> list[Any]:
     return list(prim.bind(*args, **params))
 
 
+# What a collective takes as a leaf: arrays and scalars (then checked for their dtype).
+ARRAY_LIKE = (jax.Array, np.ndarray, np.generic, int, float, complex)
+
+
 def flatten(x: Any, op: str, group: GroupRef) -> tuple[list[jax.Array], Any, list[str]]:
     """Leaves of ``x`` as arrays, their treedef and pytree paths; checks the dtypes."""
     with_path, treedef = jax.tree_util.tree_flatten_with_path(x)
     leaves, paths = [], []
     for path, leaf in with_path:
         name = "x" + jax.tree_util.keystr(path)
-        if not isinstance(leaf, jax.Array | np.ndarray | np.generic | int | float | bool):
+        if not isinstance(leaf, ARRAY_LIKE):
             raise SpmdTypeError(
                 f"rank {group.world_rank}: {op}: {name} is a {type(leaf).__name__}, not an "
                 "array; pass arrays or pytrees (lists, tuples, dicts) of arrays"
