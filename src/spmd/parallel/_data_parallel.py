@@ -83,6 +83,7 @@ def broadcast_params(tree: Any, root: int = 0, *, group: Any = None) -> Any:
     take go as their bytes).
     """
     from ..ops import broadcast
+    from ..ops._core import ARRAY_LIKE
     from ..sharded import is_sharded
 
     comm = _communicator(group, "broadcast_params")
@@ -96,7 +97,7 @@ def broadcast_params(tree: Any, root: int = 0, *, group: Any = None) -> Any:
                 "differ between ranks by design; broadcast the full array before sharding it, "
                 "or leave sharded state out of the tree"
             )
-        if not isinstance(leaf, jax.Array | np.ndarray | np.generic | int | float | complex):
+        if not isinstance(leaf, ARRAY_LIKE):
             raise SpmdTypeError(
                 f"{this_rank()}: broadcast_params: {name} is a {type(leaf).__name__}, not an "
                 "array; pass arrays or pytrees (lists, tuples, dicts) of arrays (for a model "

@@ -256,18 +256,18 @@ def _accumulate(
     # loss's shapes on the whole batch) is the micro-batches' rows end to end; any other the
     # mean over micro-batches where it is floating point, else the last micro-batch's.
     whole = jax.tree_util.tree_leaves(jax.eval_shape(lambda: vg(*args, **kwargs))[0][1])
-    micro = [jnp.shape(a) for a in jax.tree_util.tree_leaves(aux0)]
-    flags = iter(
-        len(m) >= 1 and tuple(w.shape) == (k * m[0], *m[1:])
-        for w, m in zip(whole, micro, strict=True)
-    )
+    firsts, treedef = jax.tree_util.tree_flatten(aux0)
 
-    def combine(a0: Any, rest: Any) -> Any:
-        if next(flags):
-            return jnp.concatenate([a0[None], rest]).reshape(k * rest.shape[1], *rest.shape[2:])
+    def combine(a0: Any, rest: Any, whole_shape: tuple[int, ...]) -> Any:
+        m = jnp.shape(a0)
+        if m and whole_shape == (k * m[0], *m[1:]):
+            return jnp.concatenate([a0[None], rest]).reshape(whole_shape)
         if jnp.issubdtype(rest.dtype, jnp.inexact):
             return (a0 + rest.sum(0)) / k
         return rest[-1]
 
-    aux = jax.tree_util.tree_map(combine, aux0, auxs)
-    return (value, aux), grads
+    combined = [
+        combine(a0, rest, tuple(w.shape))
+        for a0, rest, w in zip(firsts, jax.tree_util.tree_leaves(auxs), whole, strict=True)
+    ]  # (the scan stacks aux0's structure: the same leaves in the same order)
+    return (value, jax.tree_util.tree_unflatten(treedef, combined)), grads
