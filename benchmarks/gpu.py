@@ -6,7 +6,8 @@ process and one launch; see native/cuda/custom_ar.h):
   and writing the output; for two-shot reading n slices, writing one, reading n slices and
   writing the output), over the call's time;
 - the fused all-reduce + RMSNorm against the two separate steps (all-reduce, then the norm);
-- the quantized all-reduce's error against the exact sum, and its time against two-shot.
+- the quantized all-reduce's error against the exact sum, and its time against two-shot;
+- small leaves sent one call each against one call on the buffer they are packed into.
 
     python benchmarks/gpu.py [--world 2 4 8] [--iters 50]
 
@@ -127,6 +128,31 @@ def quantized_table(mod, worlds, iters) -> list[str]:
     return rows
 
 
+def packing_table(mod, worlds, iters) -> list[str]:
+    """Small leaves of one fused call (a layer's norm weights and biases), each its own one-shot
+    call against one call on the buffer they are packed into, plus the copies in and out that XLA
+    makes for the pack (timed as device-to-device copies of the same bytes)."""
+    rows = ["| ranks | leaves | per-leaf calls | packed call | copies in and out | speed-up |",
+            "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for world in worlds:
+        for leaves, count in ((16, 4096), (64, 4096), (64, 1024)):
+            one = [x.tobytes() for x in _bf16(world, count)]
+            _, leaf = mod.sim_allreduce(world, CUSTOM_DTYPE_CODES["bfloat16"], ALGOS["one_shot"],
+                                        0, one, iters)  # fmt: skip
+            flat = [x.tobytes() for x in _bf16(world, leaves * count)]
+            _, packed = mod.sim_allreduce(world, CUSTOM_DTYPE_CODES["bfloat16"],
+                                          ALGOS["one_shot"], 0, flat, iters)  # fmt: skip
+            # Two copies (into the pack, the results out of it) of every rank's bytes, read and
+            # written.
+            copies = 2 * roofline(mod, world * 2 * leaves * count * 2, iters)
+            rows.append(
+                f"| {world} | {leaves} x {count * 2 >> 10} KiB | {leaves * leaf * 1e3:.1f} us | "
+                f"{packed * 1e3:.1f} us | {copies * 1e3:.1f} us | "
+                f"{leaves * leaf / (packed + copies):.1f}x |"
+            )
+    return rows
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4, 8])
@@ -163,6 +189,15 @@ def main(argv: list[str]) -> int:
         "## Quantized all-reduce: error against the exact sum, speed against two-shot",
         "",
         *quantized_table(mod, args.world, args.iters),
+        "",
+        "## Packing: small leaves of one fused call in one launch",
+        "",
+        "`allreduce` of a pytree packs the leaves the chain sends one-shot, by dtype, into one",
+        "buffer (spmd/ops/_cuda.py, `pack_allreduce`): one launch and one barrier instead of one",
+        "per leaf. Per-leaf calls: the leaf's call time x leaves; packed: one call on their",
+        "bytes plus XLA's copies into the buffer and out of it.",
+        "",
+        *packing_table(mod, args.world, args.iters),
         "",
     ]
     text = "\n".join(lines)

@@ -3,12 +3,17 @@ pure functions of size, dtype and topology, so they are checked here without a G
 
 from __future__ import annotations
 
+import re
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import spmd
 from spmd.ops import _cuda
 from spmd.ops._cuda import ChainConfig, GpuGroup, select_allreduce, select_rmsnorm
+from spmd.testing import multirank
 
 UP = GpuGroup(2, True)
 KB, MB = 1 << 10, 1 << 20
@@ -197,3 +202,76 @@ def test_ranks_with_different_settings_are_named():
     assert "different all-reduce settings" in msg
     assert "rank 1: ChainConfig(backend='auto', quantize=None" in msg
     assert "one_shot_max_bytes=4096" in msg and msg.count("\n  rank ") == 3
+
+
+F32, BF16 = np.dtype("float32"), np.dtype("bfloat16")
+
+
+def test_latency_bound_leaves_of_a_dtype_are_packed_into_one_buffer():
+    leaves = [
+        (15, F32),  # 60 bytes: padded to 64
+        (1000, F32),
+        (7, BF16),  # alone in its dtype, but unaligned: packed to be padded
+        (1 << 20, F32),  # 4 MiB: two-shot on its own
+        (4, np.dtype("int32")),  # NCCL
+        (8, BF16),
+        (0, F32),  # nothing moves
+    ]
+    assert _cuda.pack_allreduce(leaves, "sum", UP, ChainConfig()) == [[0, 1], [2, 5]]
+    assert [_cuda.padded_count(c, d) for c, d in leaves[:3]] == [16, 1000, 8]
+
+
+def test_packs_stay_one_shot_and_alignment_alone_justifies_a_pack():
+    cfg = ChainConfig()
+    # Three 400 KiB float32 leaves: the 2-rank one-shot limit (1 MiB) holds two of them.
+    big = [(100 << 10, F32)] * 3
+    assert _cuda.pack_allreduce(big, "sum", UP, cfg) == [[0, 1]]
+    # At 8 ranks (256 KiB one-shot) none fit together, and aligned leaves are left alone.
+    assert _cuda.pack_allreduce(big, "sum", GpuGroup(8, True), cfg) == []
+    assert _cuda.pack_allreduce([(4, F32)], "sum", UP, cfg) == []
+    assert _cuda.pack_allreduce([(5, F32)], "sum", UP, cfg) == [[0]]
+
+
+def test_nothing_is_packed_where_the_custom_kernel_does_not_run():
+    leaves = [(3, F32), (5, F32)]
+    assert _cuda.pack_allreduce(leaves, "max", UP, ChainConfig()) == []
+    assert _cuda.pack_allreduce(leaves, "sum", GpuGroup(3, False, "x"), ChainConfig()) == []
+    nccl = ChainConfig.from_env({"SPMD_GPU_BACKEND": "nccl"})
+    assert _cuda.pack_allreduce(leaves, "sum", UP, nccl) == []
+    # A leaf the chain quantizes (its threshold lowered to 8 KiB) keeps its own path, and a pack
+    # closes before its total would be quantized: packing never changes a leaf's bits.
+    cfg = ChainConfig(quantize="int8", quantize_min_bytes=8 * KB)
+    mixed = [(3 << 10, F32), (5, F32), (1 << 10, F32), (1 << 10, F32)]
+    # 32 + 4096 bytes stay below it; a third leaf would reach it, and alone it needs no pack.
+    assert _cuda.pack_allreduce(mixed, "sum", UP, cfg) == [[1, 2]]
+
+
+@multirank(nprocs=(2,), env={"JAX_PLATFORMS": "cpu"})
+def test_a_fused_call_is_lowered_with_its_packs(comm):
+    """The GPU lowering, checked on CPU (JAX lowers for a platform it does not run): the packs
+    reach the one custom call as flat padded buffers, each with its chain choice. (On a GPU
+    machine too the ranks compute on CPU: test_device.py runs the packs on the GPU.)"""
+    if _cuda.native_cuda() is None:
+        pytest.skip("spmd was installed without its GPU module (no nvcc at install time)")
+    from spmd._groups import resolve
+
+    gid = resolve().gid
+    _cuda._groups[gid] = GpuGroup(comm.size, True)  # the GPU side a GPU node would register
+    try:
+        tree = {
+            "a": jnp.ones((3, 5), jnp.float32),
+            "b": jnp.ones((1000,), jnp.float32),
+            "c": jnp.ones((7,), jnp.bfloat16),
+            "d": jnp.ones((1 << 20,), jnp.float32),
+            "e": jnp.ones((4,), jnp.int32),
+            "f": jnp.ones((2, 4), jnp.bfloat16),
+        }
+        lowered = jax.jit(spmd.allreduce).trace(tree).lower(lowering_platforms=("cuda",))
+        calls = [ln for ln in lowered.as_text().splitlines() if "@spmd_cuda_allreduce" in ln]
+        assert len(calls) == 1, calls
+        operands = re.findall(r"tensor<(\w+)>", calls[0].split("} : (")[-1].split(" -> ")[0])
+        assert operands == ["1xui8", "1016xf32", "16xbf16", "1048576xf32", "4xi32"], calls[0]
+        algos = re.search(r"algos = array<i64: ([\d, ]+)>", calls[0]).group(1)
+        assert algos == "1, 1, 2, 0", calls[0]
+    finally:
+        del _cuda._groups[gid]

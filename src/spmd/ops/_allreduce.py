@@ -216,7 +216,52 @@ def _lower_cpu(ctx: Any, *operands: Any, **params: Any) -> list[Any]:
 def _lower_cuda(ctx: Any, *operands: Any, **params: Any) -> list[Any]:
     if params["compression"] is not None:  # no native codec on GPU
         return _cast_around(ctx, operands, **params)
-    return _cuda_rule(ctx, *operands, **params)
+    group: GroupRef = params["group"]
+    packs = _cuda.pack_allreduce(
+        [(int(np.prod(a.shape)), a.dtype) for a in ctx.avals_in],
+        params["op"],
+        _cuda.registered(group.gid, f"rank {group.world_rank}: allreduce: "),
+        _cuda.config(),
+        params["quantize"],
+    )
+    if not packs:
+        return _cuda_rule(ctx, *operands, **params)
+    return _packed(ctx, operands, packs, params)
+
+
+def _packed(ctx: Any, operands: Any, packs: list[list[int]], params: Any) -> list[Any]:
+    """One fused call with the leaves of each pack (``_cuda.pack_allreduce``) flattened into one
+    buffer, each padded to 16 bytes: XLA copies them in and slices the results out; the handler
+    sends each pack with one launch instead of one per leaf."""
+    avals = ctx.avals_in
+    packed = {i for pack in packs for i in pack}
+    rest = [i for i in range(len(avals)) if i not in packed]
+    sizes = [_cuda.padded_count(int(np.prod(a.shape)), a.dtype) for a in avals]
+    wire = [
+        core.ShapedArray((sum(sizes[i] for i in pack),), avals[pack[0]].dtype) for pack in packs
+    ] + [avals[i] for i in rest]
+
+    def pack_in(*xs: Any) -> list[Any]:
+        flats = [
+            jnp.concatenate([jnp.pad(xs[i].ravel(), (0, sizes[i] - xs[i].size)) for i in pack])
+            for pack in packs
+        ]
+        return [*flats, *(xs[i] for i in rest)]
+
+    def unpack(*ys: Any) -> list[Any]:
+        outs: list[Any] = [None] * len(avals)
+        for pack, flat in zip(packs, ys, strict=False):
+            start = 0
+            for i in pack:
+                outs[i] = flat[start : start + avals[i].size].reshape(avals[i].shape)
+                start += sizes[i]
+        for i, y in zip(rest, ys[len(packs) :], strict=True):
+            outs[i] = y
+        return outs
+
+    sent = mlir.lower_fun(pack_in, multiple_results=True)(ctx.replace(avals_out=wire), *operands)
+    summed = _cuda_rule(ctx.replace(avals_in=wire, avals_out=wire), *sent, **params)
+    return list(mlir.lower_fun(unpack, multiple_results=True)(ctx.replace(avals_in=wire), *summed))
 
 
 register_rules(allreduce_p, _lower_cpu, _lower_cuda)

@@ -27,7 +27,7 @@ import importlib
 import importlib.util
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -178,6 +178,59 @@ def select_allreduce(
         return "one_shot" if nbytes <= cfg.one_shot_max(group.size) else "two_shot"
     group.require_nccl(f"allreduce of {nbytes} bytes of {name} (op={op})")
     return "nccl"
+
+
+def padded_count(count: int, dtype: Any) -> int:
+    """Elements of a leaf inside a packed buffer: rounded up to 16 bytes, the kernels' unit."""
+    per = 16 // int(np.dtype(dtype).itemsize)
+    return -(-count // per) * per
+
+
+def pack_allreduce(
+    leaves: Sequence[tuple[int, Any]],
+    op: str,
+    group: GpuGroup,
+    cfg: ChainConfig,
+    quantize: str | None = None,
+) -> list[list[int]]:
+    """Which leaves of one fused all-reduce travel together in one buffer (``leaves``: each
+    leaf's element count and dtype): groups of indices, in leaf order. A pure function of its
+    arguments, so every rank packs the same.
+
+    A leaf the chain would send one-shot (latency-bound) costs a launch and a barrier of its own;
+    packed with the other such leaves of its dtype it shares them. A leaf whose size is not a
+    multiple of 16 bytes is padded to one, so the custom all-reduce takes it instead of NCCL. A
+    pack stays within the one-shot range (what ``select_allreduce`` sends one-shot), so every
+    leaf gets the bits it gets alone: the one-shot sum runs in rank order element by element.
+    Packs of one leaf are kept only where padding is what lets the custom kernel take it.
+    """
+    if cfg.backend == "nccl" or not group.custom or op != "sum":
+        return []
+
+    def one_shot(nbytes: int, dtype: Any) -> bool:
+        return select_allreduce(nbytes, dtype, op, group, cfg, quantize) == "one_shot"
+
+    by_dtype: dict[str, list[int]] = {}
+    for i, (count, dtype) in enumerate(leaves):
+        name = np.dtype(dtype).name
+        nbytes = padded_count(count, dtype) * np.dtype(dtype).itemsize
+        if name in CUSTOM_DTYPES and count > 0 and one_shot(nbytes, dtype):
+            by_dtype.setdefault(name, []).append(i)
+    packs: list[list[int]] = []
+    for name, members in by_dtype.items():
+        item = np.dtype(name).itemsize
+        chunk: list[int] = []
+        total = 0
+        for i in members:
+            nbytes = padded_count(leaves[i][0], name) * item
+            if chunk and not one_shot(total + nbytes, name):
+                packs.append(chunk)
+                chunk, total = [], 0
+            chunk.append(i)
+            total += nbytes
+        packs.append(chunk)
+    unaligned = {i for i, (n, dtype) in enumerate(leaves) if padded_count(n, dtype) != n}
+    return sorted((p for p in packs if len(p) > 1 or p[0] in unaligned), key=lambda p: p[0])
 
 
 def select_rmsnorm(rows: int, hidden: int, dtype: Any, group: GpuGroup, cfg: ChainConfig) -> str:
