@@ -289,6 +289,16 @@ def test_custom_allreduce_between_processes_sharing_the_gpu(nprocs, xla_flags):
     assert done.stdout.count("ok") == nprocs
 
 
+def test_more_processes_than_gpus_is_a_clear_error():
+    from spmd.runtime._device import _cuda_device_count
+
+    if (_cuda_device_count() or 0) != 1:
+        pytest.skip("needs a machine with exactly one GPU")
+    done = _run("import spmd; spmd.init(); print('started')", {}, 2)
+    assert done.returncode != 0 and "started" not in done.stdout, done.stdout
+    assert "2 processes run on this node, which has 1 cuda GPU(s)" in done.stdout + done.stderr
+
+
 _DATA_PARALLEL = """
     import jax, jax.numpy as jnp, numpy as np, optax, spmd
     jax.config.update("jax_default_matmul_precision", "highest")  # no TF32: compare to 1e-5

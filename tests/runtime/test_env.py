@@ -96,3 +96,26 @@ def test_timeout_seconds():
     assert timeout_seconds({"SPMD_TIMEOUT": "2.5"}) == 2.5
     with pytest.raises(SpmdError, match="SPMD_TIMEOUT='-1' must be positive"):
         timeout_seconds({"SPMD_TIMEOUT": "-1"})
+
+
+def test_a_node_with_fewer_gpus_than_processes_is_an_error_that_says_so():
+    from spmd.runtime._device import too_few_devices
+
+    assert too_few_devices(2, 2, 0, "cuda") == ""
+    assert too_few_devices(1, 8, 0, "cuda") == ""
+    assert too_few_devices(4, None, 0, "cuda") == ""  # no driver: nothing is known
+    assert too_few_devices(4, 0, 0, "cuda") == ""  # a driver without GPUs: JAX runs on CPU
+    message = too_few_devices(2, 1, 1, "cuda")
+    assert message.startswith("rank 1: 2 processes run on this node, which has 1 cuda GPU(s)")
+    assert "start at most 1 per node" in message and "SPMD_BIND_DEVICE=0" in message
+
+
+def test_jax_platforms_can_keep_the_binding_off_the_gpu(monkeypatch):
+    from spmd.runtime._device import _platforms_allow
+
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    assert _platforms_allow("cuda")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert not _platforms_allow("cuda")
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+    assert _platforms_allow("cuda") and not _platforms_allow("rocm")

@@ -8,9 +8,12 @@ peer-to-peer access and IPC between processes keep working. On CPU this does not
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import sys
+
+from .._errors import SpmdError
 
 _GPU_PLUGINS = {
     "cuda": (
@@ -33,20 +36,62 @@ def _has_plugin(names: tuple[str, ...]) -> bool:
     return False
 
 
-def bind_local_device(local_rank: int) -> str | None:
+def _cuda_device_count() -> int | None:
+    """GPUs the NVIDIA driver manages, asked through NVML, which starts no CUDA context in this
+    process (JAX starts CUDA when it first runs); None where there is no driver or it fails."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        count = ctypes.c_uint(0)
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        try:
+            if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+                return None
+        finally:
+            nvml.nvmlShutdown()
+    except (OSError, AttributeError):
+        return None
+    return count.value
+
+
+def too_few_devices(local_size: int, count: int | None, rank: int, platform: str) -> str:
+    """Why ``local_size`` processes cannot each have a GPU of the ``count`` a node has ("" if
+    they can, or where the count is unknown)."""
+    if not count or local_size <= count:
+        return ""
+    return (
+        f"rank {rank}: {local_size} processes run on this node, which has {count} {platform} "
+        f"GPU(s): spmd runs one process per GPU, so start at most {count} per node, or set "
+        "SPMD_BIND_DEVICE=0 to let processes share a GPU (their kernels then take turns, and "
+        "NCCL refuses two ranks on one GPU), or JAX_PLATFORMS=cpu to compute on CPU"
+    )
+
+
+def _platforms_allow(platform: str) -> bool:
+    chosen = os.environ.get("JAX_PLATFORMS", "")
+    return not chosen or any(p.strip() in (platform, "gpu") for p in chosen.split(","))
+
+
+def bind_local_device(local_rank: int, local_size: int = 1, rank: int = 0) -> str | None:
     """Restrict JAX to the GPU of ``local_rank``; returns what was done, or None if nothing.
 
-    ``SPMD_BIND_DEVICE=0`` turns this off.
+    Raises on every rank of a node that has fewer GPUs than processes. ``SPMD_BIND_DEVICE=0``
+    turns this off.
     """
     if os.environ.get("SPMD_BIND_DEVICE", "1") == "0":
         return None
     for platform, plugins in _GPU_PLUGINS.items():
-        if not _has_plugin(plugins):
+        if not _has_plugin(plugins) or not _platforms_allow(platform):
             continue
         visible_var = "CUDA_VISIBLE_DEVICES" if platform == "cuda" else "HIP_VISIBLE_DEVICES"
         visible = [d for d in os.environ.get(visible_var, "").split(",") if d.strip()]
         if len(visible) == 1:
             return None  # the launcher already gave this process one device
+        if platform == "cuda":
+            count = len(visible) if visible else _cuda_device_count()
+            reason = too_few_devices(local_size, count, rank, platform)
+            if reason:
+                raise SpmdError(reason)
         import jax
         from jax._src import xla_bridge
 

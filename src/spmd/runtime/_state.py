@@ -207,7 +207,7 @@ def init(backend: str | None = None) -> Communicator:
         _tune_malloc()
         runtime = _Runtime(launch, _generation)
         _generation += 1
-        bind_local_device(runtime.world.local_rank)
+        bind_local_device(runtime.world.local_rank, runtime.world.local_size, runtime.rank)
         if runtime.size > 1:
             install_abort_hook(runtime.rank)
         _runtime = runtime
