@@ -275,3 +275,12 @@ def test_a_fused_call_is_lowered_with_its_packs(comm):
         assert algos == "1, 1, 2, 0", calls[0]
     finally:
         del _cuda._groups[gid]
+
+
+def test_a_pack_never_grows_past_the_buffer_where_nccl_is_down():
+    # One-shot limit set above the buffer: two 300 KiB leaves each go one-shot alone, and packed
+    # they would not fit; the pack is not made (it raised "needs NCCL").
+    no_nccl = GpuGroup(2, True, "", False, "Duplicate GPU detected")
+    cfg = ChainConfig(custom_max_bytes=512 * KB, one_shot_max_bytes=4 * MB)
+    leaves = [(75 << 10, F32), (75 << 10, F32), (5, F32)]
+    assert _cuda.pack_allreduce(leaves, "sum", no_nccl, cfg) == [[1, 2]]

@@ -296,7 +296,7 @@ def test_more_processes_than_gpus_is_a_clear_error():
         pytest.skip("needs a machine with exactly one GPU")
     done = _run("import spmd; spmd.init(); print('started')", {}, 2)
     assert done.returncode != 0 and "started" not in done.stdout, done.stdout
-    assert "2 processes run on this node, which has 1 cuda GPU(s)" in done.stdout + done.stderr
+    assert "2 processes run on the node of rank 0, which has 1 GPU(s)" in done.stdout + done.stderr
 
 
 _DATA_PARALLEL = """

@@ -200,15 +200,21 @@ def pack_allreduce(
     A leaf the chain would send one-shot (latency-bound) costs a launch and a barrier of its own;
     packed with the other such leaves of its dtype it shares them. A leaf whose size is not a
     multiple of 16 bytes is padded to one, so the custom all-reduce takes it instead of NCCL. A
-    pack stays within the one-shot range (what ``select_allreduce`` sends one-shot), so every
-    leaf gets the bits it gets alone: the one-shot sum runs in rank order element by element.
+    pack stays within the one-shot range (what ``select_allreduce`` sends one-shot), so a leaf
+    the custom kernel took alone gets the same bits packed: the sum runs element by element in
+    rank order. (A padded leaf gets that rank-order sum instead of NCCL's order.)
     Packs of one leaf are kept only where padding is what lets the custom kernel take it.
     """
     if cfg.backend == "nccl" or not group.custom or op != "sum":
         return []
 
     def one_shot(nbytes: int, dtype: Any) -> bool:
-        return select_allreduce(nbytes, dtype, op, group, cfg, quantize) == "one_shot"
+        # Within the buffer first: select_allreduce raises for a size only NCCL takes where
+        # NCCL is down, and a pack too large is simply not made.
+        return (
+            nbytes <= cfg.custom_max_bytes
+            and select_allreduce(nbytes, dtype, op, group, cfg, quantize) == "one_shot"
+        )
 
     by_dtype: dict[str, list[int]] = {}
     for i, (count, dtype) in enumerate(leaves):

@@ -13,8 +13,6 @@ import importlib.util
 import os
 import sys
 
-from .._errors import SpmdError
-
 _GPU_PLUGINS = {
     "cuda": (
         "jax_cuda12_plugin",
@@ -54,44 +52,59 @@ def _cuda_device_count() -> int | None:
     return count.value
 
 
-def too_few_devices(local_size: int, count: int | None, rank: int, platform: str) -> str:
-    """Why ``local_size`` processes cannot each have a GPU of the ``count`` a node has ("" if
-    they can, or where the count is unknown)."""
+def too_few_devices(local_size: int, count: int | None, rank: int) -> str:
+    """Why ``local_size`` processes cannot each have one of the ``count`` GPUs of the node of
+    ``rank`` ("" if they can, or where the count is unknown)."""
     if not count or local_size <= count:
         return ""
     return (
-        f"rank {rank}: {local_size} processes run on this node, which has {count} {platform} "
-        f"GPU(s): spmd runs one process per GPU, so start at most {count} per node, or set "
-        "SPMD_BIND_DEVICE=0 to let processes share a GPU (their kernels then take turns, and "
-        "NCCL refuses two ranks on one GPU), or JAX_PLATFORMS=cpu to compute on CPU"
+        f"{local_size} processes run on the node of rank {rank}, which has {count} GPU(s): spmd "
+        f"runs one process per GPU, so start at most {count} per node, or set SPMD_BIND_DEVICE=0 "
+        "to let processes share a GPU (their kernels then take turns, and NCCL refuses two ranks "
+        "on one GPU), or JAX_PLATFORMS=cpu to compute on CPU"
     )
 
 
-def _platforms_allow(platform: str) -> bool:
-    chosen = os.environ.get("JAX_PLATFORMS", "")
+def _platforms_allow(chosen: str, platform: str) -> bool:
+    """Whether JAX's platform setting (``JAX_PLATFORMS``, or ``jax_platforms``) lets it use
+    ``platform``."""
     return not chosen or any(p.strip() in (platform, "gpu") for p in chosen.split(","))
 
 
-def bind_local_device(local_rank: int, local_size: int = 1, rank: int = 0) -> str | None:
+def device_shortage(local_size: int, rank: int) -> str:
+    """Why this node cannot give each of its ``local_size`` processes an NVIDIA GPU of its own:
+    :func:`too_few_devices`, or "" where spmd binds no device (``SPMD_BIND_DEVICE=0``, no CUDA
+    plugin, one device per process already, CUDA seeing none, JAX kept off the GPU or started
+    before ``spmd.init``)."""
+    if os.environ.get("SPMD_BIND_DEVICE", "1") == "0" or not _has_plugin(_GPU_PLUGINS["cuda"]):
+        return ""
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [d for d in (raw or "").split(",") if d.strip()]
+    if (raw is not None and not visible) or len(visible) == 1:
+        return ""  # CUDA sees no GPU (JAX runs on CPU), or the launcher gave one per process
+    import jax
+    from jax._src import xla_bridge
+
+    chosen = getattr(jax.config, "jax_platforms", None) or ""
+    if xla_bridge.backends_are_initialized() or not _platforms_allow(chosen, "cuda"):
+        return ""
+    return too_few_devices(local_size, len(visible) if visible else _cuda_device_count(), rank)
+
+
+def bind_local_device(local_rank: int) -> str | None:
     """Restrict JAX to the GPU of ``local_rank``; returns what was done, or None if nothing.
 
-    Raises on every rank of a node that has fewer GPUs than processes. ``SPMD_BIND_DEVICE=0``
-    turns this off.
+    ``SPMD_BIND_DEVICE=0`` turns this off.
     """
     if os.environ.get("SPMD_BIND_DEVICE", "1") == "0":
         return None
     for platform, plugins in _GPU_PLUGINS.items():
-        if not _has_plugin(plugins) or not _platforms_allow(platform):
+        if not _has_plugin(plugins):
             continue
         visible_var = "CUDA_VISIBLE_DEVICES" if platform == "cuda" else "HIP_VISIBLE_DEVICES"
         visible = [d for d in os.environ.get(visible_var, "").split(",") if d.strip()]
         if len(visible) == 1:
             return None  # the launcher already gave this process one device
-        if platform == "cuda":
-            count = len(visible) if visible else _cuda_device_count()
-            reason = too_few_devices(local_size, count, rank, platform)
-            if reason:
-                raise SpmdError(reason)
         import jax
         from jax._src import xla_bridge
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from .._errors import SpmdError
 from ._communicator import Communicator, Groups, resolve_rank_list
-from ._device import bind_local_device, drain_device_work
+from ._device import bind_local_device, device_shortage, drain_device_work
 from ._env import COMMUNICATOR_NAMES, CommunicatorName, LaunchInfo, detect, node_id
 from ._env import timeout_seconds as _timeout_seconds
 from ._failure import install_abort_hook, uninstall_abort_hook
@@ -207,7 +207,13 @@ def init(backend: str | None = None) -> Communicator:
         _tune_malloc()
         runtime = _Runtime(launch, _generation)
         _generation += 1
-        bind_local_device(runtime.world.local_rank, runtime.world.local_size, runtime.rank)
+        # Every rank learns of a node with too few GPUs, also those on nodes that have enough.
+        shortage = device_shortage(runtime.world.local_size, runtime.rank)
+        if runtime.size > 1:
+            shortage = next((s for s in runtime.world._setup_allgather(shortage) if s), "")
+        if shortage:
+            raise SpmdError(f"rank {runtime.rank}: {shortage}")
+        bind_local_device(runtime.world.local_rank)
         if runtime.size > 1:
             install_abort_hook(runtime.rank)
         _runtime = runtime
