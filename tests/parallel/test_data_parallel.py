@@ -391,6 +391,15 @@ def test_vmapped_grad_ensembles_and_per_example_gradients(comm):
     # Per-example gradients through spmd.grad: warned about.
     with pytest.warns(spmd.PerExampleGradientWarning, match=f"rank {r}: spmd.grad is called under"):
         spmd.data_parallel(lambda p, x: jax.vmap(spmd.grad(one), (None, 0))(p, x))(p, mine)
+    # Each vmap level is judged on its own: per-example gradients inside an ensemble's vmap...
+    per_member = jax.vmap(lambda q, x: jax.vmap(spmd.grad(one), (None, 0))(q, x), (0, None))
+    with pytest.warns(spmd.PerExampleGradientWarning):
+        spmd.data_parallel(per_member)(members, mine)
+    # ...and with respect to the (batched) examples as well as the (unbatched) parameters (the
+    # examples then count as parameters, which differ between ranks).
+    both = jax.vmap(spmd.grad(one, (0, 1)), (None, 0))
+    with pytest.warns(spmd.PerExampleGradientWarning):
+        spmd.data_parallel(check_params=False)(both)(p, mine)
 
     # The recipe: clipped per-example gradients, their mean over the global batch.
     clip = 1.0

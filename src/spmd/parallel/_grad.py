@@ -41,8 +41,9 @@ __all__ = ["grad", "mark_p", "marking", "value_and_grad"]
 class _Marking:
     calls: int = 0
     accumulate_steps: int = 1
-    # spmd.grad calls whose parameters a jax.vmap batched (an ensemble, not per-example).
-    batched_params: set[int] = field(default_factory=set)
+    # (spmd.grad call, vmap level) where that vmap left some parameter leaf unbatched: its
+    # batched gradients are per-example (or a sweep's), not an ensemble's.
+    unbatched_params: set[tuple[int, int]] = field(default_factory=set)
 
 
 _MARKING: contextvars.ContextVar[_Marking | None] = contextvars.ContextVar(
@@ -87,16 +88,22 @@ PER_EXAMPLE = (
 )
 
 
-def _mark_batch(args: Sequence[Any], dims: Sequence[Any], **params: Any) -> Any:
+def _mark_batch(axis_data: Any, args: Sequence[Any], dims: Sequence[Any], **params: Any) -> Any:
+    """Called at every vmap level around a mark, batched or not (a fancy batching rule), so that
+    each level is judged on its own: an ensemble vmap around a per-example one still warns, and
+    differentiating with respect to a batched input as well as unbatched parameters warns."""
     ctx = _MARKING.get()
-    if ctx is not None and params["kind"] == "param":
-        ctx.batched_params.add(params["call"])
-    elif ctx is not None and params["kind"] == "grad" and params["call"] not in ctx.batched_params:
-        warnings.warn(
-            PER_EXAMPLE.format(where=this_rank()),
-            PerExampleGradientWarning,
-            stacklevel=_user_stacklevel(),
-        )
+    if ctx is not None:
+        level = (params["call"], id(axis_data))
+        batched = [d is not None for d in dims]
+        if params["kind"] == "param" and not all(batched):
+            ctx.unbatched_params.add(level)
+        elif params["kind"] == "grad" and any(batched) and level in ctx.unbatched_params:
+            warnings.warn(
+                PER_EXAMPLE.format(where=this_rank()),
+                PerExampleGradientWarning,
+                stacklevel=_user_stacklevel(),
+            )
     return mark_p.bind(*args, **params), list(dims)
 
 
@@ -112,7 +119,7 @@ def _user_stacklevel() -> int:
 
 ad.primitive_jvps[mark_p] = _mark_jvp
 ad.primitive_transposes[mark_p] = _mark_transpose
-batching.primitive_batchers[mark_p] = _mark_batch
+batching.fancy_primitive_batchers[mark_p] = _mark_batch
 
 
 def _mark(tree: Any, kind: str, call: int) -> Any:
