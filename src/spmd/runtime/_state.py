@@ -183,9 +183,10 @@ def init(backend: str | None = None) -> Communicator:
     collective, or tracing one on one rank alone, exchanges nothing. It also raises glibc's
     malloc thresholds, so that large XLA buffers are reused rather than mapped afresh on every
     call (``SPMD_MALLOC_TUNING=0`` to skip; see runtime/_malloc.py), binds this process to the
-    GPU of its ``local_rank`` (GPU nodes only) and, in a world of more than one process, makes
-    an uncaught exception print a rank-prefixed traceback and stop the whole job
-    (``SPMD_ABORT_ON_ERROR=0`` turns that off).
+    GPU of its ``local_rank`` (GPU nodes only; :class:`spmd.SpmdError` on every rank if a node
+    has fewer GPUs than processes, unless ``SPMD_BIND_DEVICE=0``) and, in a world of more than
+    one process, makes an uncaught exception print a rank-prefixed traceback and stop the whole
+    job (``SPMD_ABORT_ON_ERROR=0`` turns that off).
     """
     global _runtime, _generation
     with _lock:
