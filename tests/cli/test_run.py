@@ -286,3 +286,36 @@ def test_bad_bind_setting(monkeypatch):
     out, _ = spmd_run("-n", "2", "true")
     assert out.returncode == 2
     assert "SPMD_BIND='cores'; expected one of auto, none" in out.stderr
+
+
+def test_output_dir_keeps_each_ranks_output_apart(tmp_path):
+    code = (
+        "import os, subprocess, sys\n"
+        "import spmd\n"
+        "comm = spmd.init()\n"
+        "print('out of', comm.rank)\n"
+        "print('err of', comm.rank, file=sys.stderr)\n"
+        "subprocess.run(['echo', 'child of', str(comm.rank)])\n"  # children write there too
+        "assert 'SPMD_RUN_OUTPUT_DIR' not in os.environ\n"  # a nested job would not overwrite
+        "if comm.rank == 1:\n"
+        "    raise ValueError('rank one fails')\n"
+    )
+    out, _ = spmd_run("--output", str(tmp_path / "logs"), "-n", "2", sys.executable, "-c", code)
+    assert out.returncode == 1
+    assert out.stdout == ""  # nothing reached the terminal but spmd-run's own summary
+    assert out.stderr.strip() == "spmd-run: rank 1 failed: ValueError: rank one fails"
+    logs = tmp_path / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == [
+        "rank0.stderr", "rank0.stdout", "rank1.stderr", "rank1.stdout"
+    ]  # fmt: skip
+    for r in (0, 1):
+        assert (logs / f"rank{r}.stdout").read_text() == f"out of {r}\nchild of {r}\n"
+    assert (logs / "rank0.stderr").read_text() == "err of 0\n"
+    err1 = (logs / "rank1.stderr").read_text()
+    assert err1.startswith("err of 1\n[rank 1] Traceback")
+    assert "[rank 1] ValueError: rank one fails" in err1
+    bad = tmp_path / "file"
+    bad.write_text("")
+    out, _ = spmd_run("--output", str(bad / "sub"), "-n", "1", "true")
+    assert out.returncode == 2 and "spmd-run: --output" in out.stderr
+    assert "cannot create the directory" in out.stderr

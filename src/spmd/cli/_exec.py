@@ -127,10 +127,25 @@ def _whole_lines() -> None:
             stream.reconfigure(line_buffering=True, write_through=False)
 
 
+def _redirect_output(rank: int) -> None:
+    """With ``spmd-run --output DIR``: this rank's standard output and error (its child
+    processes' included) go to ``DIR/rank<N>.stdout`` and ``DIR/rank<N>.stderr``. The variable
+    is dropped so that a job this rank starts does not write over these files."""
+    directory = os.environ.pop("SPMD_RUN_OUTPUT_DIR", None)
+    if not directory:
+        return
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        path = os.path.join(directory, f"rank{rank}.{name}")
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+
+
 def main() -> int:
-    _whole_lines()
     mode, rest = sys.argv[1], sys.argv[2:]
     rank = launch_rank()
+    _redirect_output(rank)
+    _whole_lines()
     bind_rank()
     report_status(rank, {"state": "running", "pid": os.getpid()})
     if mode == "--python":

@@ -8,7 +8,10 @@ rank fails, the others get ``--grace`` seconds to finish printing, then the whol
 stopped; the summary names the failing rank and its error (its traceback, prefixed with
 ``[rank N]``, is printed above). The exit code is the failing rank's (128 + N for a rank
 killed by signal N, as a shell reports it), 124 after ``--timeout``. Ctrl-C, SIGTERM and SIGHUP
-to ``spmd-run`` stop the whole job (exit 130, 143, 129).
+to ``spmd-run`` stop the whole job (exit 130, 143, 129). ``--output DIR`` keeps the ranks'
+output apart: rank N writes ``DIR/rankN.stdout`` and ``DIR/rankN.stderr`` instead of the
+terminal (a directory every node can write, on several nodes); ``spmd-run``'s own summary
+still goes to its standard error.
 """
 
 from __future__ import annotations
@@ -145,14 +148,23 @@ def launch(
     mpiexec: str | None = None,
     mpi_args: list[str] | None = None,
     env: dict[str, str] | None = None,
+    output_dir: str | os.PathLike[str] | None = None,
 ) -> int:
     """Run ``command`` on ``nprocs`` ranks; returns the job's exit code (see module doc)."""
     if nprocs < 1:
         raise SpmdError(f"-n {nprocs}: need at least one rank")
     if not command:
         raise SpmdError("no command given; e.g. spmd-run -n 2 python train.py")
-    status_dir = Path(tempfile.mkdtemp(prefix="spmd-run-"))
     child_env = dict(os.environ if env is None else env)
+    child_env.pop("SPMD_RUN_OUTPUT_DIR", None)
+    if output_dir is not None:
+        out = Path(output_dir).resolve()
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SpmdError(f"--output {output_dir}: cannot create the directory: {e}") from None
+        child_env["SPMD_RUN_OUTPUT_DIR"] = str(out)
+    status_dir = Path(tempfile.mkdtemp(prefix="spmd-run-"))
     child_env["SPMD_RUN_STATUS_DIR"] = str(status_dir)
     if nodes is not None:
         child_env["SPMD_SIMULATE_NODES"] = str(nodes)
@@ -258,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         dest="mpi_args",
         help="an extra argument for the MPI launcher (repeatable)",
     )
+    parser.add_argument(
+        "--output",
+        metavar="DIR",
+        help="write rank N's stdout and stderr to DIR/rankN.stdout and DIR/rankN.stderr",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -270,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             grace=args.grace,
             mpiexec=args.mpiexec,
             mpi_args=args.mpi_args,
+            output_dir=args.output,
         )
     except SpmdError as e:
         print(f"spmd-run: {e}", file=sys.stderr)
