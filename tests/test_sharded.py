@@ -166,17 +166,19 @@ def test_gather_tree_and_pytree_through_jit(comm):
 def _repr_after_finalize():
     comm = spmd.init()
     s = spmd.shard(jnp.arange(5.0), spmd.PartitionSpec("dp"), mesh=spmd.Mesh(dp=comm.size))
+    shapes = repr(jax.tree.map(lambda a: a.shape, s))  # a leaf that is not an array
     spmd.finalize()
-    return repr(s), s.local.tolist()
+    return repr(s), s.local.tolist(), shapes
 
 
 def test_repr_works_after_finalize():
     """The repr used to ask the finalized runtime for the mesh's groups and raise ("MPI was
     finalized ... cannot be initialized again")."""
     results = run(_repr_after_finalize, 2, fresh=True)
-    for rank, (text, local) in enumerate(results):
+    for rank, (text, local, shapes) in enumerate(results):
         assert text == (
             "ShardedArray(shape=(5,), dtype=float32, spec=P('dp',), mesh=Mesh(dp=2), "
             "local_shape=(3,))"
         )
+        assert shapes == "ShardedArray(shape=(5,), spec=P('dp',), mesh=Mesh(dp=2), local=(3,))"
         assert local == [[0.0, 1.0, 2.0], [3.0, 4.0, 0.0]][rank]

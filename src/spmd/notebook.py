@@ -10,7 +10,7 @@ extension once and start a cell with ``%%spmd -n N``::
     comm = spmd.init()
     print(spmd.allreduce(jnp.float32(comm.rank + 1)))
 
-The cell runs as ``spmd-run -n 4 python -c CELL`` would: a program of its own on every rank,
+The cell runs as ``spmd-run -n 4 python -c CELL`` does: a program of its own on every rank,
 started by the MPI launcher, in the kernel's working directory and environment. It sees
 nothing the notebook defined (import what it needs; put shared code in a module, for example
 with ``%%writefile``). When the job ends, each rank's output is shown in rank order, every line
@@ -26,9 +26,9 @@ the job after S seconds).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import shlex
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -65,36 +65,55 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _show(rank: int, text: str, stream: Any) -> None:
-    prefix = f"[rank {rank}]"
-    for line in text.splitlines():
+def _show(who: str, text: str, stream: Any) -> None:
+    prefix = f"[{who}]"
+    for line in text.split("\n")[: -1 if text.endswith("\n") else None]:
+        line = line.rsplit("\r", 1)[-1]  # a progress bar redrawn in place: its last state
         # spmd-run's wrapper already prefixes a failing rank's traceback.
         stream.write(line if line.startswith(prefix) else f"{prefix} {line}")
         stream.write("\n")
+
+
+def _read(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", errors="replace")  # keeps "\r" (no newline mode)
 
 
 def run_cell(line: str, cell: str) -> int:
     """What ``%%spmd LINE`` does with the cell's source ``cell``: run it on the ranks, show
     their output, and return 0, or raise :class:`CellFailed` with the job's exit code."""
     args = _parser().parse_args(shlex.split(line))
+    summary = io.StringIO()
+    code = None
     with tempfile.TemporaryDirectory(prefix="spmd-cell-") as tmp:
-        summary = io.StringIO()
-        with contextlib.redirect_stderr(summary):
+        out = Path(tmp)
+        try:
             code = launch(
                 args.nprocs,
                 [sys.executable, "-c", cell],
                 nodes=args.nodes,
                 timeout=args.timeout,
-                output_dir=tmp,
+                output_dir=out,
+                stdin=subprocess.DEVNULL,
+                report=summary,
             )
-        for rank in range(args.nprocs):
+        finally:  # shown even if the wait for the job was cut short
+            started = (out / "launcher.stdout").exists()
+            for rank in range(args.nprocs if started else 0):
+                if not (out / f"rank{rank}.stdout").exists():
+                    _show(f"rank {rank}", "(no output: the rank did not start)\n", sys.stderr)
+                    continue
+                for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+                    path = out / f"rank{rank}.{name}"
+                    if path.exists():
+                        _show(f"rank {rank}", _read(path), stream)
             for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
-                path = Path(tmp) / f"rank{rank}.{name}"
-                if path.exists():
-                    _show(rank, path.read_text(errors="replace"), stream)
-    sys.stdout.flush()
-    sys.stderr.write(summary.getvalue())
-    sys.stderr.flush()
+                path = out / f"launcher.{name}"
+                text = _read(path) if path.exists() else ""
+                if text.strip():  # MPICH's launcher ends with an empty line
+                    _show("launcher", text, stream)
+            sys.stdout.flush()
+            sys.stderr.write(summary.getvalue())
+            sys.stderr.flush()
     if code != 0:
         raise CellFailed(f"the cell's job on {args.nprocs} ranks ended with exit code {code}")
     return 0

@@ -227,10 +227,16 @@ class ShardedArray:
     def __repr__(self) -> str:
         # The shape of the shard held, not the layout's (which asks the runtime for the groups:
         # a repr must work after spmd.finalize too).
-        local_shape = tuple(getattr(self.local, "shape", ()))
+        if not (hasattr(self.local, "dtype") and hasattr(self.local, "shape")):
+            # A pytree function put something else at the leaf (jax.tree.map(lambda a: a.shape,
+            # ...) gives a tuple): show it as it is.
+            return (
+                f"ShardedArray(shape={self.shape}, spec={self.spec}, mesh={self.mesh!r}, "
+                f"local={self.local!r})"
+            )
         return (
             f"ShardedArray(shape={self.shape}, dtype={jnp.dtype(self.dtype).name}, "
-            f"spec={self.spec}, mesh={self.mesh!r}, local_shape={local_shape})"
+            f"spec={self.spec}, mesh={self.mesh!r}, local_shape={tuple(self.local.shape)})"
         )
 
     # -- moving data --

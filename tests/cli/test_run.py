@@ -306,7 +306,8 @@ def test_output_dir_keeps_each_ranks_output_apart(tmp_path):
     assert out.stderr.strip() == "spmd-run: rank 1 failed: ValueError: rank one fails"
     logs = tmp_path / "logs"
     assert sorted(p.name for p in logs.iterdir()) == [
-        "rank0.stderr", "rank0.stdout", "rank1.stderr", "rank1.stdout"
+        "launcher.stderr", "launcher.stdout",
+        "rank0.stderr", "rank0.stdout", "rank1.stderr", "rank1.stdout",
     ]  # fmt: skip
     for r in (0, 1):
         assert (logs / f"rank{r}.stdout").read_text() == f"out of {r}\nchild of {r}\n"
@@ -314,6 +315,14 @@ def test_output_dir_keeps_each_ranks_output_apart(tmp_path):
     err1 = (logs / "rank1.stderr").read_text()
     assert err1.startswith("err of 1\n[rank 1] Traceback")
     assert "[rank 1] ValueError: rank one fails" in err1
+    assert "MPI_Abort" in (logs / "launcher.stderr").read_text() + err1  # MPICH's own line
+    out, _ = spmd_run("--output", str(logs), "-n", "1", sys.executable, "-c", "print('again')")
+    assert out.returncode == 0, out.stderr
+    names = sorted(p.name for p in logs.iterdir())  # rank 1's files of the first job are gone
+    assert names == ["launcher.stderr", "launcher.stdout", "rank0.stderr", "rank0.stdout"]
+    assert (logs / "rank0.stdout").read_text() == "again\n"
+    out, _ = spmd_run("--output", "", "-n", "1", "true")
+    assert out.returncode == 2 and "spmd-run: --output needs a directory" in out.stderr
     bad = tmp_path / "file"
     bad.write_text("")
     out, _ = spmd_run("--output", str(bad / "sub"), "-n", "1", "true")

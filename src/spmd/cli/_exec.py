@@ -144,7 +144,12 @@ def _redirect_output(rank: int) -> None:
 def main() -> int:
     mode, rest = sys.argv[1], sys.argv[2:]
     rank = launch_rank()
-    _redirect_output(rank)
+    try:
+        _redirect_output(rank)
+    except OSError as e:
+        sys.stderr.write(f"[rank {rank}] spmd-run --output: cannot write this rank's output: {e}\n")
+        report_status(rank, {"state": "failed", "exit_code": 2, "error": f"--output: {e}"})
+        return 2
     _whole_lines()
     bind_rank()
     report_status(rank, {"state": "running", "pid": os.getpid()})

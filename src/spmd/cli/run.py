@@ -10,8 +10,9 @@ stopped; the summary names the failing rank and its error (its traceback, prefix
 killed by signal N, as a shell reports it), 124 after ``--timeout``. Ctrl-C, SIGTERM and SIGHUP
 to ``spmd-run`` stop the whole job (exit 130, 143, 129). ``--output DIR`` keeps the ranks'
 output apart: rank N writes ``DIR/rankN.stdout`` and ``DIR/rankN.stderr`` instead of the
-terminal (a directory every node can write, on several nodes); ``spmd-run``'s own summary
-still goes to its standard error.
+terminal (a directory every node can write, on several nodes), the MPI launcher writes
+``DIR/launcher.stdout`` and ``.stderr``; ``spmd-run``'s own summary still goes to its standard
+error.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from .._errors import SpmdError
 from ..runtime._affinity import bind_mode, record_cpus
@@ -89,16 +90,26 @@ def _read_status(directory: Path) -> dict[int, dict[str, object]]:
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """Stops the job: SIGTERM, then SIGKILL. Ctrl-C, SIGTERM and SIGHUP to this process are
+    ignored meanwhile, so that a second interrupt cannot cut the stop short and leave ranks
+    running."""
+    ignored: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, *_TERMINATING):
+            ignored[sig] = signal.signal(sig, signal.SIG_IGN)
+    try:
+        for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+    finally:
+        _restore(ignored)
 
 
 def _launcher_binds(mpi_args: list[str]) -> bool:
@@ -149,20 +160,23 @@ def launch(
     mpi_args: list[str] | None = None,
     env: dict[str, str] | None = None,
     output_dir: str | os.PathLike[str] | None = None,
+    stdin: int | None = None,
+    report: TextIO | None = None,
 ) -> int:
-    """Run ``command`` on ``nprocs`` ranks; returns the job's exit code (see module doc)."""
+    """Run ``command`` on ``nprocs`` ranks; returns the job's exit code (see module doc).
+
+    ``output_dir``: as ``--output`` (the launcher's own output goes to ``launcher.stdout`` and
+    ``launcher.stderr`` there too). ``stdin``: the job's standard input (as for ``Popen``).
+    ``report``: where spmd-run's own messages go (default: standard error).
+    """
     if nprocs < 1:
         raise SpmdError(f"-n {nprocs}: need at least one rank")
     if not command:
         raise SpmdError("no command given; e.g. spmd-run -n 2 python train.py")
     child_env = dict(os.environ if env is None else env)
     child_env.pop("SPMD_RUN_OUTPUT_DIR", None)
-    if output_dir is not None:
-        out = Path(output_dir).resolve()
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise SpmdError(f"--output {output_dir}: cannot create the directory: {e}") from None
+    out = None if output_dir is None else _output_dir(output_dir)
+    if out is not None:
         child_env["SPMD_RUN_OUTPUT_DIR"] = str(out)
     status_dir = Path(tempfile.mkdtemp(prefix="spmd-run-"))
     child_env["SPMD_RUN_STATUS_DIR"] = str(status_dir)
@@ -172,12 +186,20 @@ def launch(
     if _launcher_binds(mpi_args or []) and child_env.get("SPMD_BIND", "auto") == "auto":
         child_env["SPMD_BIND"] = "none"  # -bind-to none included: the launcher's choice
     record_cpus(child_env)
+    report = sys.stderr if report is None else report
+    logs: list[Any] = []
     try:
         argv = mpiexec_argv(nprocs, wrap_command(command), mpiexec, mpi_args)
-        proc = subprocess.Popen(argv, env=child_env, start_new_session=True)
+        if out is not None:
+            logs = [open(out / f"launcher.{name}", "wb") for name in ("stdout", "stderr")]  # noqa: SIM115
+        streams = {"stdout": logs[0], "stderr": logs[1]} if logs else {}
+        proc = subprocess.Popen(argv, env=child_env, start_new_session=True, stdin=stdin, **streams)
     except BaseException:
         shutil.rmtree(status_dir, ignore_errors=True)
         raise
+    finally:
+        for log in logs:  # the launcher holds its own copies
+            log.close()
     start = time.monotonic()
     failed_at: float | None = None
     stopped = timed_out = False
@@ -205,13 +227,29 @@ def launch(
     except _Terminated as e:
         _stop(proc)
         shutil.rmtree(status_dir, ignore_errors=True)
-        print(f"spmd-run: stopped the job on {e.name}", file=sys.stderr, flush=True)
+        print(f"spmd-run: stopped the job on {e.name}", file=report, flush=True)
         return 128 + e.signum
     finally:
         _restore(previous)
     status = _read_status(status_dir)
     shutil.rmtree(status_dir, ignore_errors=True)
-    return _summarize(nprocs, status, proc.returncode, stopped, timed_out, timeout)
+    return _summarize(nprocs, status, proc.returncode, stopped, timed_out, timeout, report)
+
+
+def _output_dir(output_dir: str | os.PathLike[str]) -> Path:
+    """The ``--output`` directory, created, writable, and cleared of an earlier job's files."""
+    if not str(output_dir):
+        raise SpmdError("--output needs a directory")
+    out = Path(output_dir).resolve()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpmdError(f"--output {output_dir}: cannot create the directory: {e}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise SpmdError(f"--output {output_dir}: the directory is not writable")
+    for old in [*out.glob("rank*.stdout"), *out.glob("rank*.stderr"), *out.glob("launcher.*")]:
+        old.unlink(missing_ok=True)  # a rank count smaller than last time leaves none behind
+    return out
 
 
 def _summarize(
@@ -221,13 +259,14 @@ def _summarize(
     stopped: bool,
     timed_out: bool,
     timeout: float | None,
+    report: TextIO,
 ) -> int:
     failed = sorted(r for r, s in status.items() if s["state"] == "failed")
     unfinished = [r for r in range(nprocs) if status.get(r, {}).get("state") not in ("done",)]
     unfinished = [r for r in unfinished if r not in failed]
 
     def say(msg: str) -> None:
-        print(f"spmd-run: {msg}", file=sys.stderr, flush=True)
+        print(f"spmd-run: {msg}", file=report, flush=True)
 
     for r in failed:
         say(f"rank {r} failed: {status[r].get('error')}")
