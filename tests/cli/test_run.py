@@ -142,6 +142,46 @@ def test_sigterm_or_sighup_stops_the_whole_job(tmp_path, sig):
             os.kill(pid, 0)
 
 
+def test_a_second_interrupt_does_not_cut_the_stop_short(tmp_path):
+    """Ranks that ignore SIGTERM are stopped by SIGKILL 3 s later; an interrupt in between used
+    to escape from the stop and leave them running."""
+    script = tmp_path / "stubborn.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"open(os.path.join({str(tmp_path)!r}, 'pid.' + os.environ['PMI_RANK']), 'w')"
+        ".write(str(os.getpid()))\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([*SPMD_RUN, "-n", "2", sys.executable, str(script)],
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid.*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
+    assert len(pids) == 2
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)  # spmd-run is now waiting for the ranks to go
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err
+    # MPICH starts each rank in a session of its own: the launcher's proxy kills them once
+    # the launcher is gone (SIGKILLed), which takes a moment.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def test_python_c_code_runs_as_main_and_exits_normally(tmp_path):
     code = (
         "import atexit, pickle, sys, __main__\n"
