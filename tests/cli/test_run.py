@@ -114,13 +114,12 @@ def test_a_rank_killed_by_a_signal_exits_as_a_shell_would():
     assert "spmd-run: rank 1 failed: killed by SIGKILL" in out.stderr
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_sigterm_or_sighup_stops_the_whole_job(tmp_path, sig):
-    """spmd-run runs the job in a session of its own: killed without stopping it, it left
-    mpiexec and every rank running."""
+def _sleeping_job(tmp_path, preamble=""):
+    """A 2-rank job of sleepers (after ``preamble``); returns spmd-run's process and the ranks'
+    pids once both ranks are running."""
     script = tmp_path / "sleeper.py"
     script.write_text(
-        "import os, sys, time\n"
+        f"import os, signal, time\n{preamble}"
         f"open(os.path.join({str(tmp_path)!r}, 'pid.' + os.environ['PMI_RANK']), 'w')"
         ".write(str(os.getpid()))\n"
         "time.sleep(120)\n"
@@ -132,6 +131,14 @@ def test_sigterm_or_sighup_stops_the_whole_job(tmp_path, sig):
         time.sleep(0.1)
     pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
     assert len(pids) == 2
+    return proc, pids
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_stops_the_whole_job(tmp_path, sig):
+    """spmd-run runs the job in a session of its own: killed without stopping it, it left
+    mpiexec and every rank running."""
+    proc, pids = _sleeping_job(tmp_path)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + sig, err
@@ -145,21 +152,7 @@ def test_sigterm_or_sighup_stops_the_whole_job(tmp_path, sig):
 def test_a_second_interrupt_does_not_cut_the_stop_short(tmp_path):
     """Ranks that ignore SIGTERM are stopped by SIGKILL 3 s later; an interrupt in between used
     to escape from the stop and leave them running."""
-    script = tmp_path / "stubborn.py"
-    script.write_text(
-        "import os, signal, time\n"
-        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        f"open(os.path.join({str(tmp_path)!r}, 'pid.' + os.environ['PMI_RANK']), 'w')"
-        ".write(str(os.getpid()))\n"
-        "time.sleep(120)\n"
-    )
-    proc = subprocess.Popen([*SPMD_RUN, "-n", "2", sys.executable, str(script)],
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
-    deadline = time.monotonic() + 60
-    while len(list(tmp_path.glob("pid.*"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
-    assert len(pids) == 2
+    proc, pids = _sleeping_job(tmp_path, "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n")
     proc.send_signal(signal.SIGTERM)
     time.sleep(1.0)  # spmd-run is now waiting for the ranks to go
     proc.send_signal(signal.SIGINT)
