@@ -16,6 +16,7 @@ print("sum", spmd.allreduce(jnp.float32(comm.rank + 1)))
 print("rank", comm.rank, "of", comm.size)
 print("note from", comm.rank, file=sys.stderr)
 print(chr(13).join(["10%", "50%", "100%"]))  # a progress bar redrawn in place
+print("crlf", end=chr(13) + chr(10))
 """
 
 
@@ -23,7 +24,9 @@ def test_each_ranks_output_in_rank_order(capsys):
     assert run_cell("-n 3", CELL) == 0
     out, err = capsys.readouterr()
     assert out.splitlines() == [
-        f"[rank {r}] {line}" for r in range(3) for line in ("sum 6.0", f"rank {r} of 3", "100%")
+        f"[rank {r}] {line}"
+        for r in range(3)
+        for line in ("sum 6.0", f"rank {r} of 3", "100%", "crlf")
     ]
     assert err.splitlines() == [f"[rank {r}] note from {r}" for r in range(3)]
 

@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
 def _show(who: str, text: str, stream: Any) -> None:
     prefix = f"[{who}]"
     for line in text.split("\n")[: -1 if text.endswith("\n") else None]:
-        line = line.rsplit("\r", 1)[-1]  # a progress bar redrawn in place: its last state
+        line = line.rstrip("\r").rsplit("\r", 1)[-1]  # a line redrawn in place: its last state
         # spmd-run's wrapper already prefixes a failing rank's traceback.
         stream.write(line if line.startswith(prefix) else f"{prefix} {line}")
         stream.write("\n")
@@ -97,7 +97,7 @@ def run_cell(line: str, cell: str) -> int:
                 report=summary,
             )
         finally:  # shown even if the wait for the job was cut short
-            started = (out / "launcher.stdout").exists()
+            started = code is not None  # launch returned: the launcher ran
             for rank in range(args.nprocs if started else 0):
                 if not (out / f"rank{rank}.stdout").exists():
                     _show(f"rank {rank}", "(no output: the rank did not start)\n", sys.stderr)

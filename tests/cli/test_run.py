@@ -349,10 +349,16 @@ def test_output_dir_keeps_each_ranks_output_apart(tmp_path):
     assert err1.startswith("err of 1\n[rank 1] Traceback")
     assert "[rank 1] ValueError: rank one fails" in err1
     assert "MPI_Abort" in (logs / "launcher.stderr").read_text() + err1  # MPICH's own line
+    mine = ["launcher.py", "rank_notes.stdout", "rank1.stdout.txt"]  # the user's, kept
+    for name in mine:
+        (logs / name).write_text("keep")
     out, _ = spmd_run("--output", str(logs), "-n", "1", sys.executable, "-c", "print('again')")
     assert out.returncode == 0, out.stderr
     names = sorted(p.name for p in logs.iterdir())  # rank 1's files of the first job are gone
-    assert names == ["launcher.stderr", "launcher.stdout", "rank0.stderr", "rank0.stdout"]
+    assert names == sorted(
+        ["launcher.stderr", "launcher.stdout", "rank0.stderr", "rank0.stdout", *mine]
+    )
+    assert all((logs / name).read_text() == "keep" for name in mine)
     assert (logs / "rank0.stdout").read_text() == "again\n"
     out, _ = spmd_run("--output", "", "-n", "1", "true")
     assert out.returncode == 2 and "spmd-run: --output needs a directory" in out.stderr

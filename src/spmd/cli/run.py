@@ -160,7 +160,7 @@ def launch(
     mpi_args: list[str] | None = None,
     env: dict[str, str] | None = None,
     output_dir: str | os.PathLike[str] | None = None,
-    stdin: int | None = None,
+    stdin: Any = None,
     report: TextIO | None = None,
 ) -> int:
     """Run ``command`` on ``nprocs`` ranks; returns the job's exit code (see module doc).
@@ -175,14 +175,14 @@ def launch(
         raise SpmdError("no command given; e.g. spmd-run -n 2 python train.py")
     child_env = dict(os.environ if env is None else env)
     child_env.pop("SPMD_RUN_OUTPUT_DIR", None)
+    if nodes is not None:
+        child_env["SPMD_SIMULATE_NODES"] = str(nodes)
+    bind_mode(child_env)  # a bad SPMD_BIND fails here, once, not on every rank
     out = None if output_dir is None else _output_dir(output_dir)
     if out is not None:
         child_env["SPMD_RUN_OUTPUT_DIR"] = str(out)
     status_dir = Path(tempfile.mkdtemp(prefix="spmd-run-"))
     child_env["SPMD_RUN_STATUS_DIR"] = str(status_dir)
-    if nodes is not None:
-        child_env["SPMD_SIMULATE_NODES"] = str(nodes)
-    bind_mode(child_env)  # a bad SPMD_BIND fails here, once, not on every rank
     if _launcher_binds(mpi_args or []) and child_env.get("SPMD_BIND", "auto") == "auto":
         child_env["SPMD_BIND"] = "none"  # -bind-to none included: the launcher's choice
     record_cpus(child_env)
@@ -247,9 +247,14 @@ def _output_dir(output_dir: str | os.PathLike[str]) -> Path:
         raise SpmdError(f"--output {output_dir}: cannot create the directory: {e}") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise SpmdError(f"--output {output_dir}: the directory is not writable")
-    for old in [*out.glob("rank*.stdout"), *out.glob("rank*.stderr"), *out.glob("launcher.*")]:
-        old.unlink(missing_ok=True)  # a rank count smaller than last time leaves none behind
+    # An earlier job's files (with more ranks, some would stay behind); only those names.
+    for old in out.iterdir():
+        if _OUTPUT_FILE.fullmatch(old.name) and old.is_file() and not old.is_symlink():
+            old.unlink(missing_ok=True)
     return out
+
+
+_OUTPUT_FILE = re.compile(r"(rank\d+|launcher)\.(stdout|stderr)")
 
 
 def _summarize(
@@ -312,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--output",
         metavar="DIR",
-        help="write rank N's stdout and stderr to DIR/rankN.stdout and DIR/rankN.stderr",
+        help="write rank N's stdout and stderr to DIR/rankN.stdout and DIR/rankN.stderr (the "
+        "launcher's to DIR/launcher.stdout and .stderr), replacing an earlier job's",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
     args = parser.parse_args(argv)
