@@ -21,7 +21,7 @@ import contextvars
 import functools
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,20 @@ SUPPORTED_DTYPES = tuple(
 )  # fmt: skip
 REDUCE_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3}
 REDUCE_NAMES = (*REDUCE_OPS, "avg")
+# JAX 0.12 merged ClosedJaxpr into Jaxpr (a jaxpr carries its consts; ``.jaxpr`` is itself, and
+# ``Jaxpr(jaxpr, consts)`` still builds a closed one); earlier versions have both classes.
+_CLOSED_JAXPR: Any = getattr(core, "ClosedJaxpr", core.Jaxpr)
+if TYPE_CHECKING:
+    ClosedJaxpr: TypeAlias = Any
+else:
+    ClosedJaxpr = _CLOSED_JAXPR
+
+
+def is_closed_jaxpr(x: Any) -> TypeGuard[ClosedJaxpr]:
+    """Whether ``x`` is a closed jaxpr (from JAX 0.12 every jaxpr is: open ones have no consts)."""
+    return isinstance(x, _CLOSED_JAXPR)
+
+
 _MARKER = "spmd.SpmdError: "
 
 
@@ -52,8 +66,12 @@ def _supported_names() -> str:
 # -- primitives ---------------------------------------------------------------------------------
 
 
-def _keep(used_outputs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
-    """DCE rule of primitives whose only purpose is their side effect: never removed."""
+def _keep(used_outputs: list[bool], *live_ins_and_eqn: Any) -> tuple[list[bool], Any]:
+    """DCE rule of primitives whose only purpose is their side effect: never removed.
+
+    JAX calls DCE rules as ``rule(used_outputs, eqn)``, from 0.12 as ``rule(used_outputs,
+    live_ins, eqn)``; the equation comes last either way."""
+    eqn = live_ins_and_eqn[-1]
     return [True] * len(eqn.invars), eqn
 
 
@@ -266,9 +284,9 @@ def _inline_calls_holding_collectives() -> None:
             ctx: Any, *args: Any, _default: Any = default, _param: str = param, **params: Any
         ) -> Any:
             closed = params.get(_param)
-            if isinstance(closed, core.Jaxpr):  # remat holds an open jaxpr
-                closed = core.ClosedJaxpr(closed, ())
-            if not isinstance(closed, core.ClosedJaxpr) or not _holds_collective(closed.jaxpr):
+            if not is_closed_jaxpr(closed) and isinstance(closed, core.Jaxpr):
+                closed = ClosedJaxpr(closed, ())  # remat holds an open jaxpr (JAX < 0.12)
+            if not is_closed_jaxpr(closed) or not _holds_collective(closed.jaxpr):
                 return _default(ctx, *args, **params)
             return mlir.lower_fun(core.jaxpr_as_fun(closed), multiple_results=True)(ctx, *args)
 
@@ -308,13 +326,14 @@ def _keep_calls_holding_collectives() -> None:
     for prim in _higher_order_primitives():
         default = pe.dce_rules.get(prim)
 
-        def rule(used_outputs: list[bool], eqn: Any, _default: Any = default) -> Any:
+        def rule(used_outputs: list[bool], *rest: Any, _default: Any = default) -> Any:
+            eqn = rest[-1]  # rest: (eqn,), or (live_ins, eqn) from JAX 0.12 (see _keep)
             if not any(used_outputs) and any(
                 _holds_collective(j) for j in core.jaxprs_in_params(eqn.params)
             ):
                 return [True] * len(eqn.invars), eqn
             if _default is not None:
-                return _default(used_outputs, eqn)
+                return _default(used_outputs, *rest)
             if not any(used_outputs) and not pe.has_effects(eqn):  # JAX's default rule
                 return [False] * len(eqn.invars), None
             return [True] * len(eqn.invars), eqn
@@ -377,8 +396,8 @@ mlir.register_lowering(chain_exit_p, _lower_chain_exit, cacheable=False)
 
 
 def _threaded(
-    closed: core.ClosedJaxpr, returns_order: bool, order: core.ShapedArray = _ORDER_AVAL
-) -> core.ClosedJaxpr:
+    closed: ClosedJaxpr, returns_order: bool, order: core.ShapedArray = _ORDER_AVAL
+) -> ClosedJaxpr:
     """``closed`` with one more input, the order value its collectives continue from, and (with
     ``returns_order``) one more output, the order value they end on."""
 
@@ -387,7 +406,7 @@ def _threaded(
         outs = core.jaxpr_as_fun(closed)(*args[:-1])
         return [*outs, chain_exit_p.bind(shape=order.shape)] if returns_order else list(outs)
 
-    threaded: core.ClosedJaxpr = jax.make_jaxpr(fn)(*closed.in_avals, order)
+    threaded: ClosedJaxpr = jax.make_jaxpr(fn)(*closed.in_avals, order)
     return threaded
 
 
@@ -415,7 +434,7 @@ def _lower_threaded(
     return list(outs[:-1])
 
 
-def _is_threaded(closed: core.ClosedJaxpr) -> bool:
+def _is_threaded(closed: ClosedJaxpr) -> bool:
     """Whether ``closed`` is a body :func:`_threaded` made: JAX's lowering of a predicate with
     ordered effects binds the loop again around it, already carrying the order value."""
     return any(e.primitive is chain_enter_p for e in closed.jaxpr.eqns)
@@ -423,8 +442,8 @@ def _is_threaded(closed: core.ClosedJaxpr) -> bool:
 
 def _hoisted_predicate(
     while_p: core.Primitive,
-    cond_jaxpr: core.ClosedJaxpr,
-    body_jaxpr: core.ClosedJaxpr,
+    cond_jaxpr: ClosedJaxpr,
+    body_jaxpr: ClosedJaxpr,
     cond_nconsts: int,
     body_nconsts: int,
 ) -> Callable[..., list[Any]]:
@@ -436,7 +455,7 @@ def _hoisted_predicate(
     carry = list(body_jaxpr.out_avals)
     c_avals = cond_jaxpr.in_avals[:cond_nconsts]
     b_avals = body_jaxpr.in_avals[:body_nconsts]
-    verdict: core.ClosedJaxpr = jax.make_jaxpr(lambda p, *c: [p])(pred, *carry)
+    verdict: ClosedJaxpr = jax.make_jaxpr(lambda p, *c: [p])(pred, *carry)
 
     def step(*args: Any) -> list[Any]:
         cc, bc, (_, *z) = (
@@ -447,7 +466,7 @@ def _hoisted_predicate(
         z = core.jaxpr_as_fun(body_jaxpr)(*bc, *z)
         return [core.jaxpr_as_fun(cond_jaxpr)(*cc, *z)[0], *z]
 
-    body: core.ClosedJaxpr = jax.make_jaxpr(step)(*c_avals, *b_avals, pred, *carry)
+    body: ClosedJaxpr = jax.make_jaxpr(step)(*c_avals, *b_avals, pred, *carry)
 
     def fn(*args: Any) -> list[Any]:
         cc, bc, z = (
@@ -499,8 +518,8 @@ def _thread_loops_and_branches() -> None:
         ctx: mlir.LoweringRuleContext,
         *args: Any,
         _default: Any,
-        cond_jaxpr: core.ClosedJaxpr,
-        body_jaxpr: core.ClosedJaxpr,
+        cond_jaxpr: ClosedJaxpr,
+        body_jaxpr: ClosedJaxpr,
         **params: Any,
     ) -> Any:
         if _holds_collective(cond_jaxpr.jaxpr):
@@ -521,7 +540,7 @@ def _thread_loops_and_branches() -> None:
         index: Any,
         *args: Any,
         _default: Any,
-        branches: Sequence[core.ClosedJaxpr],
+        branches: Sequence[ClosedJaxpr],
         **params: Any,
     ) -> Any:
         if not any(_holds_collective(b.jaxpr) for b in branches):

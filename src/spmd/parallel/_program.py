@@ -31,6 +31,7 @@ from jax._src import core
 
 from .._errors import SpmdError
 from .._groups import FORWARD, ROLE_NAMES
+from ..ops._core import ClosedJaxpr, is_closed_jaxpr
 
 __all__ = ["Env", "Op", "Program", "eval_eqn", "retrace", "trace"]
 
@@ -57,7 +58,7 @@ class Program:
 
     def __init__(
         self,
-        jaxpr: core.ClosedJaxpr,
+        jaxpr: ClosedJaxpr,
         in_tree: Any,
         out_tree: Any,
         *,
@@ -75,7 +76,7 @@ class Program:
         if len(self.in_names) != n:
             raise SpmdError(f"Program {name}: {len(self.in_names)} input names for {n} inputs")
 
-    def replace(self, jaxpr: core.ClosedJaxpr, out_tree: Any = None) -> Program:
+    def replace(self, jaxpr: ClosedJaxpr, out_tree: Any = None) -> Program:
         """The same signature with another op list (what a pass returns)."""
         return Program(
             jaxpr,
@@ -221,7 +222,7 @@ def retrace(
     body: Callable[[Env, Sequence[Any]], Sequence[Any]],
     extra_in: Sequence[core.ShapedArray] = (),
     in_avals: Sequence[core.ShapedArray] | None = None,
-) -> core.ClosedJaxpr:
+) -> ClosedJaxpr:
     """The closed jaxpr of ``body(env, inputs)``, traced with the program's inputs followed by
     ``extra_in``. ``body`` re-evaluates the program's ops (``eval_eqn``) and may add its own.
     ``in_avals`` replaces the program's input types (a pass that changes their shapes)."""
@@ -272,7 +273,7 @@ def _attrs(eqn: core.JaxprEqn) -> list[str]:
         if k in _HIDDEN_PARAMS or k == "name" or v is None:
             continue
         text = repr(v)
-        if len(text) <= 40 and not isinstance(v, core.ClosedJaxpr | core.Jaxpr):
+        if len(text) <= 40 and not (is_closed_jaxpr(v) or isinstance(v, core.Jaxpr)):
             attrs.append(f"{k}={text}")
     return attrs
 
@@ -376,7 +377,7 @@ def _called_body(eqn: core.JaxprEqn) -> core.Jaxpr | None:
     from ..ops._core import _holds_collective
 
     for value in eqn.params.values():
-        body = value.jaxpr if isinstance(value, core.ClosedJaxpr) else value
+        body = value.jaxpr if is_closed_jaxpr(value) else value
         if (
             isinstance(body, core.Jaxpr)
             and len(body.invars) == len(eqn.invars)

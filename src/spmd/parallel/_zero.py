@@ -46,6 +46,7 @@ from jax._src import core
 
 from .._errors import SpmdError
 from ..mesh import mesh_key
+from ..ops._core import ClosedJaxpr, is_closed_jaxpr
 from ..runtime import Communicator, this_rank
 from ..sharded import ShardedArray, _normalize, _spec, is_sharded, pad_dim, shard, slice_dim
 from ._data_parallel import (
@@ -305,7 +306,7 @@ class _Partitioner:
 
     def _inline(self, eqn: Any) -> None:
         inner = next(eqn.params[k] for k in _INNER_JAXPR if k in eqn.params)
-        closed = inner if isinstance(inner, core.ClosedJaxpr) else core.ClosedJaxpr(inner, ())
+        closed = inner if is_closed_jaxpr(inner) else ClosedJaxpr(inner, ())
         jaxpr = closed.jaxpr
         for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
             self.write(v, c)
