@@ -167,6 +167,19 @@ def test_a_second_interrupt_does_not_cut_the_stop_short(tmp_path):
     assert not any(_alive(pid) for pid in pids)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_job_ends_when_spmd_run_is_killed(tmp_path):
+    """SIGKILL gives spmd-run no chance to stop the job (a notebook kernel killed mid-cell, the
+    out-of-memory killer): the launcher used to run on, and its ranks with it."""
+    proc, pids = _sleeping_job(tmp_path)
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

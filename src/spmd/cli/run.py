@@ -189,7 +189,7 @@ def launch(
     report = sys.stderr if report is None else report
     logs: list[Any] = []
     try:
-        argv = mpiexec_argv(nprocs, wrap_command(command), mpiexec, mpi_args)
+        argv = _dies_with_us(mpiexec_argv(nprocs, wrap_command(command), mpiexec, mpi_args))
         if out is not None:
             logs = [open(out / f"launcher.{name}", "wb") for name in ("stdout", "stderr")]  # noqa: SIM115
         streams = {"stdout": logs[0], "stderr": logs[1]} if logs else {}
@@ -234,6 +234,26 @@ def launch(
     status = _read_status(status_dir)
     shutil.rmtree(status_dir, ignore_errors=True)
     return _summarize(nprocs, status, proc.returncode, stopped, timed_out, timeout, report)
+
+
+# Run before the launcher, in its process: SIGTERM when spmd-run dies, whatever kills it (a
+# SIGKILL, an out-of-memory kill, a notebook kernel killed mid-cell), then become the launcher.
+# (prctl(PR_SET_PDEATHSIG) outlives exec; the check after it covers a parent already gone.)
+_DEATH_SIGNAL_SHIM = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(143)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _dies_with_us(argv: list[str]) -> list[str]:
+    """``argv`` started so that the launcher gets SIGTERM if this process dies without stopping
+    the job (it then stops the ranks, as on Ctrl-C); on Linux, elsewhere ``argv`` as is."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    return [sys.executable, "-I", "-S", "-c", _DEATH_SIGNAL_SHIM, str(os.getpid()), *argv]
 
 
 def _output_dir(output_dir: str | os.PathLike[str]) -> Path:
