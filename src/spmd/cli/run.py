@@ -8,7 +8,8 @@ rank fails, the others get ``--grace`` seconds to finish printing, then the whol
 stopped; the summary names the failing rank and its error (its traceback, prefixed with
 ``[rank N]``, is printed above). The exit code is the failing rank's (128 + N for a rank
 killed by signal N, as a shell reports it), 124 after ``--timeout``. Ctrl-C, SIGTERM and SIGHUP
-to ``spmd-run`` stop the whole job (exit 130, 143, 129). ``--output DIR`` keeps the ranks'
+to ``spmd-run`` stop the whole job (exit 130, 143, 129); on Linux, so does killing ``spmd-run``
+outright (SIGKILL: the launcher gets SIGTERM). ``--output DIR`` keeps the ranks'
 output apart: rank N writes ``DIR/rankN.stdout`` and ``DIR/rankN.stderr`` instead of the
 terminal (a directory every node can write, on several nodes), the MPI launcher writes
 ``DIR/launcher.stdout`` and ``.stderr``; ``spmd-run``'s own summary still goes to its standard
