@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import shlex
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
 from ._errors import SpmdError
+from .cli._exec import output_file
 from .cli.run import launch
 
 __all__ = ["CellFailed", "load_ipython_extension", "run_cell"]
@@ -74,8 +75,13 @@ def _show(who: str, text: str, stream: Any) -> None:
         stream.write("\n")
 
 
-def _read(path: Path) -> str:
-    return path.read_bytes().decode("utf-8", errors="replace")  # keeps "\r" (no newline mode)
+def _read(path: str) -> str:
+    """The file's text ("" if it is missing), "\r" kept (no newline translation)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
 
 
 def run_cell(line: str, cell: str) -> int:
@@ -85,7 +91,7 @@ def run_cell(line: str, cell: str) -> int:
     summary = io.StringIO()
     code = None
     with tempfile.TemporaryDirectory(prefix="spmd-cell-") as tmp:
-        out = Path(tmp)
+        out = tmp
         try:
             code = launch(
                 args.nprocs,
@@ -99,16 +105,13 @@ def run_cell(line: str, cell: str) -> int:
         finally:  # shown even if the wait for the job was cut short
             started = code is not None  # launch returned: the launcher ran
             for rank in range(args.nprocs if started else 0):
-                if not (out / f"rank{rank}.stdout").exists():
+                if not os.path.exists(output_file(out, f"rank{rank}", "stdout")):
                     _show(f"rank {rank}", "(no output: the rank did not start)\n", sys.stderr)
                     continue
                 for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
-                    path = out / f"rank{rank}.{name}"
-                    if path.exists():
-                        _show(f"rank {rank}", _read(path), stream)
+                    _show(f"rank {rank}", _read(output_file(out, f"rank{rank}", name)), stream)
             for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
-                path = out / f"launcher.{name}"
-                text = _read(path) if path.exists() else ""
+                text = _read(output_file(out, "launcher", name))
                 if text.strip():  # MPICH's launcher ends with an empty line
                     _show("launcher", text, stream)
             sys.stdout.flush()

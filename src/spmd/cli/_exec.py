@@ -127,6 +127,12 @@ def _whole_lines() -> None:
             stream.reconfigure(line_buffering=True, write_through=False)
 
 
+def output_file(directory: str | os.PathLike[str], who: str, stream: str) -> str:
+    """Where ``spmd-run --output DIR`` keeps ``stream`` ("stdout" or "stderr") of ``who``
+    ("rank<N>" or "launcher")."""
+    return os.path.join(directory, f"{who}.{stream}")
+
+
 def _redirect_output(rank: int) -> None:
     """With ``spmd-run --output DIR``: this rank's standard output and error (its child
     processes' included) go to ``DIR/rank<N>.stdout`` and ``DIR/rank<N>.stderr``. The variable
@@ -135,7 +141,7 @@ def _redirect_output(rank: int) -> None:
     if not directory:
         return
     for fd, name in ((1, "stdout"), (2, "stderr")):
-        path = os.path.join(directory, f"rank{rank}.{name}")
+        path = output_file(directory, f"rank{rank}", name)
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
         os.close(target)

@@ -34,6 +34,7 @@ from typing import Any, TextIO
 
 from .._errors import SpmdError
 from ..runtime._affinity import bind_mode, record_cpus
+from ._exec import output_file
 from ._mpiexec import mpiexec_argv
 
 _PYTHON = re.compile(r"python[0-9.]*$")
@@ -192,7 +193,7 @@ def launch(
     try:
         argv = _dies_with_us(mpiexec_argv(nprocs, wrap_command(command), mpiexec, mpi_args))
         if out is not None:
-            logs = [open(out / f"launcher.{name}", "wb") for name in ("stdout", "stderr")]  # noqa: SIM115
+            logs = [open(output_file(out, "launcher", n), "wb") for n in ("stdout", "stderr")]  # noqa: SIM115
         streams = {"stdout": logs[0], "stderr": logs[1]} if logs else {}
         proc = subprocess.Popen(argv, env=child_env, start_new_session=True, stdin=stdin, **streams)
     except BaseException:

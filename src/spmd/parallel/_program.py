@@ -31,7 +31,7 @@ from jax._src import core
 
 from .._errors import SpmdError
 from .._groups import FORWARD, ROLE_NAMES
-from ..ops._core import ClosedJaxpr, is_closed_jaxpr
+from ..ops._core import ClosedJaxpr, _holds_collective, is_closed_jaxpr
 
 __all__ = ["Env", "Op", "Program", "eval_eqn", "retrace", "trace"]
 
@@ -374,8 +374,6 @@ def _print_eqns(jaxpr: core.Jaxpr, names: _Names, lines: list[str], indent: str)
 def _called_body(eqn: core.JaxprEqn) -> core.Jaxpr | None:
     """The body of a call-like op (jit, closed_call, remat, custom derivatives) that holds
     collectives and takes the op's operands as its inputs; None for any other op."""
-    from ..ops._core import _holds_collective
-
     for value in eqn.params.values():
         body = value.jaxpr if is_closed_jaxpr(value) else value
         if (
