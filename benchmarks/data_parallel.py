@@ -7,7 +7,8 @@ Model: MLP 784-1024-1024-10 (float32), batch 64 per rank, cross-entropy, SGD wit
 (``--optimizer adam`` for Adam). Rounds alternate the implementations so that a noisy
 neighbour hits them alike; each round reports the median step time of its timed steps, and the
 table quotes the median over rounds. Writes
-``benchmarks/results/data_parallel-cpu<cores>-n<ranks>.{json,md}``.
+``benchmarks/results/data_parallel-cpu<cores>-n<ranks>.{json,md}`` (``cpu<cores>of<total>`` on a job
+given fewer cores than the machine has: ``taskset``, a cpuset).
 
 ``--zero`` adds ``@spmd.zero_shard`` stages 1, 2 and 3 on the same step and reports each
 against ``@data_parallel`` (results tagged ``-zero``).
@@ -37,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spmd.cli.bench import cpu_model, memory_gib, package_version
+from spmd.cli.bench import cores_tag, cpu_model, job_cores, memory_gib, package_version
 
 SIZES = (784, 1024, 1024, 10)
 HEADER = (
@@ -209,7 +210,7 @@ def worker_torch(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getppid() % 1000))
     dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // comm.size))
+    torch.set_num_threads(max(1, job_cores() // comm.size))
     one = _torch_step(args, args.batch, comm.rank, DistributedDataParallel)
     times = _time(one, args.steps, args.warmup)
     slowest = max(comm.allgather_object(statistics.median(times)))
@@ -221,7 +222,7 @@ def worker_torch_single(args: argparse.Namespace) -> dict[str, Any]:
     """torch alone at the global batch, on all cores: what torch DDP is measured against."""
     import torch
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(job_cores())
     rows = args.batch * args.ranks
     one = _torch_step(args, rows, 0)
     return {"step_s": statistics.median(_time(one, args.steps, args.warmup)), "ranks": 1,
@@ -327,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     info = {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
+        "job_cores": job_cores(),
         "memory_GiB": memory_gib(),
         "python": platform.python_version(),
         "spmd": package_version("spmd"),
@@ -356,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"data_parallel-cpu{os.cpu_count()}-n{args.ranks}"
+    tag = f"data_parallel-{cores_tag()}-n{args.ranks}"
     if args.optimizer != "sgd":
         tag += f"-{args.optimizer}"
     if args.zero:

@@ -18,7 +18,8 @@ collectives three ways, each in its own job, rounds alternating:
   adds the input's blocks into the output. No collective that returns a new array can beat it.
 
 Time: per call the maximum over ranks, the median over calls, then the median over rounds.
-Writes ``benchmarks/results/mpi4py-malloc-cpu<cores>-n<ranks>.{json,md}``.
+Writes ``benchmarks/results/mpi4py-malloc-cpu<cores>-n<ranks>.{json,md}`` (``cpu<cores>of<total>``
+on a job given fewer cores than the machine has).
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("PMI_RANK", "0")) == 0:
             print("RESULT " + json.dumps(res), flush=True)
         return 0
+    # The driver only: a plain worker never imports spmd.
+    from spmd.cli.bench import cores_tag, job_cores
 
     runs: dict[str, dict[str, list[float]]] = {i: {} for i in IMPLS}
     for r in range(args.rounds):
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.mb} MiB float32",
         "",
         "Produced by `python benchmarks/mpi4py_malloc.py`; each implementation in its own job, "
-        f"{args.rounds} rounds, {os.cpu_count()} cores, load average "
+        f"{args.rounds} rounds, {job_cores()} of {os.cpu_count()} cores, load average "
         f"{os.getloadavg()[0]:.2f} at the end. The ratios divide spmd's time (inside jit, where "
         "every result is a new array) by each MPI call's, in-place rows included, and by the "
         "floor: the memory work that any out-of-place call leaves to each rank (numpy, no "
@@ -180,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                   + f" | {' | '.join(ratio)} |")  # fmt: skip
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tag = f"mpi4py-malloc-cpu{os.cpu_count()}-n{args.ranks}"
+    tag = f"mpi4py-malloc-{cores_tag()}-n{args.ranks}"
     (out_dir / f"{tag}.json").write_text(json.dumps({"ms": med, "rounds": runs}, indent=2) + "\n")
     (out_dir / f"{tag}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md[md.index(header) :]))

@@ -598,6 +598,7 @@ def machine_info(env: Env, backend: str) -> dict[str, Any]:
     info: dict[str, Any] = {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
+        "job_cores": job_cores(),
         "cores_per_rank": affinity,  # rank 0's affinity mask (spmd-run pins ranks)
         "memory_GiB": memory_gib(),
         "os": f"{platform.system()} {platform.release()} {platform.machine()}",
@@ -621,8 +622,28 @@ def machine_info(env: Env, backend: str) -> dict[str, Any]:
     return info
 
 
+def job_cores() -> int:
+    """The cores this job may use: those ``spmd-run`` recorded for its ranks before pinning them
+    (``SPMD_BIND_CPUS``), else this process's affinity (``taskset``, a cgroup's cpuset), else
+    every core of the machine."""
+    recorded = os.environ.get("SPMD_BIND_CPUS", "")
+    if recorded:
+        return len(recorded.split(","))
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def cores_tag() -> str:
+    """``cpu<cores>`` for the results' file names; ``cpu<cores>of<total>`` when the job was given
+    fewer cores than the machine has, so that such a run never overwrites a whole machine's."""
+    used, total = job_cores(), os.cpu_count() or 1
+    return f"cpu{used}" if used >= total else f"cpu{used}of{total}"
+
+
 def run_tag(n: int, backend_forced: str | None) -> str:
-    tag = f"cpu{os.cpu_count()}-n{n}"
+    tag = f"{cores_tag()}-n{n}"
     return f"{tag}-{backend_forced}" if backend_forced and backend_forced != "auto" else tag
 
 
@@ -824,7 +845,8 @@ def parser(prog: str = "spmd-bench") -> argparse.ArgumentParser:
     p.add_argument("--markdown", help="write a Markdown report here")
     p.add_argument(
         "--out-dir",
-        help="write collectives-<tag>.json and .md here (tag: cpu<cores>-n<ranks>)",
+        help="write collectives-<tag>.json and .md here (tag: cpu<cores>-n<ranks>, or "
+        "cpu<cores>of<total>-n<ranks> when the job has fewer cores than the machine)",
     )
     p.add_argument("--timeout", type=float, help="when relaunching: stop the job after seconds")
     return p
