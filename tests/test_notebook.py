@@ -42,7 +42,8 @@ def test_a_failing_rank_raises_with_its_traceback_shown(capsys):
     with pytest.raises(CellFailed, match="on 2 ranks ended with exit code 1"):
         run_cell("-n 2 --timeout 60", cell)
     err = capsys.readouterr().err
-    assert '[rank 1]   File "<string>", line 4, in <module>' in err
+    assert '[rank 1]   File "<cell>", line 4, in <module>' in err
+    assert "[rank 1]     raise KeyError('lost')" in err  # the line's source is shown
     assert "[rank 1] [rank 1]" not in err  # the wrapper's prefix is not doubled
     assert err.rstrip().endswith("spmd-run: rank 1 failed: KeyError: 'lost'")
     assert CellFailed("x")._render_traceback_() == ["CellFailed: x"]
@@ -76,3 +77,83 @@ def test_the_extension_registers_the_cell_magic(capsys):
     finally:
         InteractiveShell.clear_instance()
     assert capsys.readouterr().out == "[rank 0] 2\n[rank 1] 2\n"
+
+
+def test_the_cell_runs_as_a_main_program_beside_the_notebooks_modules(
+    capsys, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "helpers.py").write_text("def double(x):\n    return 2 * x\n")
+    cell = (
+        "import pickle\n"
+        "import helpers\n"  # the kernel's working directory is on the path, as with -c
+        "class Point:\n"
+        "    pass\n"
+        "p = pickle.loads(pickle.dumps(Point()))\n"  # classes defined in the cell pickle
+        "print(__name__, helpers.double(21), type(p).__name__, sorted(k for k in globals() "
+        "if k.startswith('_') and not k.startswith('__')))\n"
+        + "# a long cell: more than one command-line argument may hold (128 KiB)\n"
+        * 3000
+    )
+    run_cell("-n 2", cell)
+    out = capsys.readouterr().out
+    assert out.splitlines() == [f"[rank {r}] __main__ 42 Point []" for r in range(2)]
+
+
+def test_push_sends_notebook_variables_to_every_rank(capsys):
+    import jax.numpy as jnp
+    import numpy as np
+
+    namespace = {
+        "lr": 0.125,
+        "sizes": [784, 32, 10],
+        "table": {"a": np.arange(6, dtype=np.int16).reshape(2, 3)},
+        "w": jnp.full((2, 2), 1.5, jnp.bfloat16),
+        "other": "not pushed",
+    }
+    cell = (
+        "import spmd\n"
+        "comm = spmd.init()\n"
+        "print(lr * (comm.rank + 1), sizes, table['a'].dtype, table['a'].sum(), "
+        "type(w).__module__, w.dtype, float(w.sum()), 'other' in globals())\n"
+    )
+    run_cell("-n 2 --push lr sizes,table w", cell, namespace)
+    out = capsys.readouterr().out.splitlines()
+    # a JAX array arrives as a NumPy array (JAX starts on the rank with spmd.init)
+    assert out == [
+        f"[rank {r}] {0.125 * (r + 1)} [784, 32, 10] int16 15 numpy bfloat16 6.0 False"
+        for r in range(2)
+    ]
+
+
+def _notebook_function(x):
+    return x
+
+
+class _NotebookClass:
+    pass
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (
+            _notebook_function,
+            "--push v: the function _notebook_function is defined in the notebook",
+        ),
+        ([1, _NotebookClass], "--push v: the class _NotebookClass is defined in the notebook"),
+        ({"model": _NotebookClass()}, "--push v: the class _NotebookClass is defined in the"),
+        ((i for i in range(3)), "--push v: a generator cannot be pickled"),
+    ],
+)
+def test_push_refuses_what_the_ranks_cannot_load(value, message, monkeypatch):
+    # what a notebook defines lives in the kernel's __main__
+    monkeypatch.setattr(_notebook_function, "__module__", "__main__")
+    monkeypatch.setattr(_NotebookClass, "__module__", "__main__")
+    with pytest.raises(SpmdError, match=message):
+        run_cell("-n 2 --push v", "pass", {"v": value})
+
+
+def test_push_names_a_missing_variable():
+    with pytest.raises(SpmdError, match="no variable named b, c in the notebook"):
+        run_cell("-n 2 --push a,b,c", "pass", {"a": 1})

@@ -11,16 +11,22 @@ extension once and start a cell with ``%%spmd -n N``::
     print(spmd.allreduce(jnp.float32(comm.rank + 1)))
 
 The cell runs as ``spmd-run -n 4 python -c CELL`` does: a program of its own on every rank,
-started by the MPI launcher, in the kernel's working directory and environment. It sees
-nothing the notebook defined (import what it needs; put shared code in a module, for example
-with ``%%writefile``). When the job ends, each rank's output is shown in rank order, every line
-prefixed with ``[rank N]``: standard output as the cell's output, standard error as its error
-stream. A rank that fails stops the job as under ``spmd-run`` (its traceback, then the summary
-naming it), and the cell raises :class:`CellFailed`, so a notebook run top to bottom stops
-there. Interrupting the kernel stops the job.
+started by the MPI launcher, in the kernel's working directory and environment (modules there
+import as they do in the kernel). It sees nothing the notebook defined, except the variables
+named with ``--push``; import what it needs, and put shared functions and classes in a module
+(for example with ``%%writefile``). When the job ends, each rank's output is shown in rank
+order, every line prefixed with ``[rank N]``: standard output as the cell's output, standard
+error as its error stream. A rank that fails stops the job as under ``spmd-run`` (its
+traceback, whose lines in the cell read ``File "<cell>", line L`` with the line's source, then
+the summary naming it), and the cell raises :class:`CellFailed`, so a notebook run top to
+bottom stops there. Interrupting the kernel stops the job.
 
-Options: ``-n N`` (ranks, required), ``--nodes K`` (simulate K nodes), ``--timeout S`` (stop
-the job after S seconds).
+Options: ``-n N`` (ranks, required), ``--nodes K`` (simulate K nodes), ``--timeout S`` (stop the
+job after S seconds), ``--push NAME [NAME ...]`` (names of notebook variables that every rank
+starts with, separated by spaces or commas: each is pickled in the kernel and unpickled on every
+rank, so arrays, numbers, strings and containers of them travel, JAX arrays as NumPy arrays
+(unpickling a JAX array would start JAX before ``spmd.init``); a function or class defined in
+the notebook, or a value whose type is one, cannot, and is refused before the job starts).
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import pickle
 import shlex
 import subprocess
 import sys
 import tempfile
+import types
 from typing import Any
 
 from ._errors import SpmdError
@@ -50,7 +58,7 @@ class CellFailed(SpmdError):
         return [f"{type(self).__name__}: {self}"]
 
 
-_USAGE = "usage: %%spmd -n N [--nodes K] [--timeout S]"
+_USAGE = "usage: %%spmd -n N [--nodes K] [--timeout S] [--push NAME [NAME ...]]"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,7 +71,76 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-n", "--np", dest="nprocs", type=int, required=True)
     parser.add_argument("--nodes", type=int)
     parser.add_argument("--timeout", type=float)
+    parser.add_argument("--push", nargs="+", default=[])
     return parser
+
+
+# What every rank runs (``python -c``; the argument after it is the cell's directory): the pushed
+# variables, then the cell's source compiled as "<cell>" in ``__main__``, its lines registered
+# with linecache so that a traceback shows them.
+_BOOTSTRAP = """\
+import linecache as _lc, os as _os, pickle as _pk, sys as _sys
+_dir = _sys.argv.pop(1)
+if _os.path.exists(_os.path.join(_dir, "push.pkl")):
+    with open(_os.path.join(_dir, "push.pkl"), "rb") as _f:
+        for _name, _value in _pk.load(_f).items():
+            globals()[_name] = _pk.loads(_value)
+        del _name, _value
+with open(_os.path.join(_dir, "cell.py"), encoding="utf-8") as _f:
+    _src = _f.read()
+_lc.cache["<cell>"] = (len(_src), None, _src.splitlines(True), "<cell>")
+del _lc, _os, _pk, _sys, _dir, _f
+exec(compile(globals().pop("_src"), "<cell>", "exec"))
+"""
+
+
+class _Pusher(pickle.Pickler):
+    """Pickles a pushed variable: JAX arrays as NumPy arrays (unpickling a JAX array would start
+    JAX on the rank before ``spmd.init`` chose its device), and refuses what a rank could not
+    unpickle: functions and classes defined in the notebook (pickled by reference to a
+    ``__main__`` the ranks do not share)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
+            kind = "class" if isinstance(obj, type) else "function"
+            raise SpmdError(
+                f"the {kind} {obj.__qualname__} is defined in the notebook, and the ranks "
+                "cannot load it: define it in a module (%%writefile) and import it there"
+            )
+        jax = sys.modules.get("jax")
+        if jax is not None and isinstance(obj, jax.Array):
+            import numpy as np
+
+            return np.asarray, (np.asarray(obj),)
+        return NotImplemented
+
+
+def _push(names: list[str], namespace: dict[str, Any] | None, path: str) -> None:
+    """Pickles the notebook variables ``names`` (each comma-separated or not) into ``path``, each
+    on its own so that an error names it."""
+    wanted = [n.strip() for arg in names for n in arg.split(",") if n.strip()]
+    if not wanted:
+        return
+    if namespace is None:
+        raise SpmdError("%%spmd --push: no notebook namespace to take variables from")
+    missing = [n for n in wanted if n not in namespace]
+    if missing:
+        raise SpmdError(f"%%spmd --push: no variable named {', '.join(missing)} in the notebook")
+    pickled = {}
+    for name in wanted:
+        buf = io.BytesIO()
+        try:
+            _Pusher(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(namespace[name])
+        except SpmdError as e:
+            raise SpmdError(f"%%spmd --push {name}: {e}") from None
+        except Exception as e:
+            raise SpmdError(
+                f"%%spmd --push {name}: a {type(namespace[name]).__name__} cannot be pickled "
+                f"({type(e).__name__}: {e})"
+            ) from None
+        pickled[name] = buf.getvalue()
+    with open(path, "wb") as f:
+        pickle.dump(pickled, f, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _show(who: str, text: str, stream: Any) -> None:
@@ -84,18 +161,22 @@ def _read(path: str) -> str:
         return ""
 
 
-def run_cell(line: str, cell: str) -> int:
+def run_cell(line: str, cell: str, namespace: dict[str, Any] | None = None) -> int:
     """What ``%%spmd LINE`` does with the cell's source ``cell``: run it on the ranks, show
-    their output, and return 0, or raise :class:`CellFailed` with the job's exit code."""
+    their output, and return 0, or raise :class:`CellFailed` with the job's exit code.
+    ``namespace``: the notebook's variables, where ``--push`` takes them from."""
     args = _parser().parse_args(shlex.split(line))
     summary = io.StringIO()
     code = None
     with tempfile.TemporaryDirectory(prefix="spmd-cell-") as tmp:
         out = tmp
+        _push(args.push, namespace, os.path.join(tmp, "push.pkl"))
+        with open(os.path.join(tmp, "cell.py"), "w", encoding="utf-8") as f:
+            f.write(cell)
         try:
             code = launch(
                 args.nprocs,
-                [sys.executable, "-c", cell],
+                [sys.executable, "-c", _BOOTSTRAP, tmp],
                 nodes=args.nodes,
                 timeout=args.timeout,
                 output_dir=out,
@@ -126,6 +207,6 @@ def load_ipython_extension(ipython: Any) -> None:
     """Registers ``%%spmd`` (called by ``%load_ext spmd.notebook``)."""
 
     def spmd(line: str, cell: str) -> None:
-        run_cell(line, cell)
+        run_cell(line, cell, ipython.user_ns)
 
     ipython.register_magic_function(spmd, magic_kind="cell", magic_name="spmd")
