@@ -60,6 +60,21 @@ void StreamCopy(char* dst, const char* src, size_t len) {
 #endif
 }
 
+// Staged copies (broadcast, allgather) move in pieces: while the other ranks copy piece k out
+// of the slots, the ranks staging fill piece k+1. A piece is a chunk for large calls; a call of
+// a few chunks or less, from kPipelineMin bytes, is cut into about kPipelineSteps pieces, so
+// that the root of a broadcast and the ranks it feeds are not one whole copy after the other.
+// Below kPipelineMin a call is one step: a sync per piece would cost more than it overlaps.
+// (2 ranks on 2 cores: a 1-4 MiB broadcast took 0.8x the time of one step per chunk, a 4 MiB
+// allgather 0.77x; 256 KiB in 8 pieces took 1.1x.)
+constexpr size_t kPipelineMin = size_t{512} << 10;
+constexpr size_t kPipelineSteps = 8;
+
+size_t Piece(size_t bytes, size_t chunk) {
+  if (bytes < kPipelineMin) return chunk;
+  return std::min(chunk, RoundUp(bytes / kPipelineSteps, kAlign));
+}
+
 // Where each rank's block starts in the concatenation of blocks of ``bytes`` (one more entry:
 // the total), and the largest block.
 std::vector<size_t> Offsets(const std::vector<size_t>& bytes, size_t* most) {
@@ -395,18 +410,19 @@ Status ShmGroup::Allgatherv(const Signature& sig, const Leaf& in, const Leaf& ou
   // from memory once.
   const OutCopy put(off[n]);
   const bool own = out.data + off[me] != in.data;
+  const size_t piece = Piece(most, chunk_);
   bool first = true;
-  for (size_t lo = 0; first || lo < most; lo += chunk_) {
+  for (size_t lo = 0; first || lo < most; lo += piece) {
     uint64_t t = next();
     if (lo < bytes[me]) {
-      size_t len = std::min(chunk_, bytes[me] - lo);
+      size_t len = std::min(piece, bytes[me] - lo);
       std::memcpy(slot(me, t), in.data + lo, len);
       if (own) put(out.data + off[me] + lo, slot(me, t), len);
     }
     SPMD_RETURN_IF_ERROR(Step(sig, &first));
     for (int r = 0; r < n; ++r) {
       if (r == me || lo >= bytes[r]) continue;
-      put(out.data + off[r] + lo, slot(r, t), std::min(chunk_, bytes[r] - lo));
+      put(out.data + off[r] + lo, slot(r, t), std::min(piece, bytes[r] - lo));
     }
   }
   return Status::Ok();
@@ -442,10 +458,11 @@ Status ShmGroup::Broadcast(const Signature& sig, int root, const Leaf& in, const
   const int me = rank_;
   const OutCopy put(in.bytes);
   const bool own = me == root && out.data != in.data;
+  const size_t piece = Piece(in.bytes, chunk_);
   bool first = true;
-  for (size_t lo = 0; first || lo < in.bytes; lo += chunk_) {
+  for (size_t lo = 0; first || lo < in.bytes; lo += piece) {
     uint64_t t = next();
-    size_t len = std::min(chunk_, in.bytes - lo);
+    size_t len = std::min(piece, in.bytes - lo);
     if (me == root && len) {
       std::memcpy(slot(me, t), in.data + lo, len);
       if (own) put(out.data + lo, slot(me, t), len);

@@ -299,6 +299,27 @@ def test_large_outputs(comm):
         np.testing.assert_array_equal(a[j], np.arange(r * blk, (r + 1) * blk) + j * 7)
 
 
+@multirank(nprocs=(2, 3))
+def test_mid_size_copies_in_pieces(comm):
+    """Broadcast and allgather between 512 KiB and 8 MiB move in pieces smaller than the staging
+    chunk, several per call: blocks that end inside a piece, and ranks whose block runs out
+    pieces before the others', must land exactly."""
+    r, n = comm.rank, comm.size
+    k = (1 << 18) + 7  # int32: 1 MiB + 28 bytes, pieces of 128 KiB + a short last one
+    b = np.asarray(jax.jit(lambda v: spmd.broadcast(v, root=n - 1))(jnp.arange(k) * (r + 1)))
+    np.testing.assert_array_equal(b, np.arange(k) * n)
+    m = 200003  # float32 blocks of 800 KB: pieces of 100 KB
+    g = np.asarray(jax.jit(spmd.allgather)(jnp.arange(m, dtype=jnp.float32) + r))
+    want = np.concatenate([np.arange(m, dtype=np.float32) + q for q in range(n)])
+    np.testing.assert_array_equal(g, want)
+    sizes = [(1 << 19) + 3, 5, (1 << 16) + 1][:n]  # the largest block: pieces of 256 KiB
+    mine = jnp.arange(sizes[r], dtype=jnp.int32) + 1000 * r
+    v = np.asarray(jax.jit(lambda x: spmd.allgatherv(x, sizes))(mine))
+    np.testing.assert_array_equal(
+        v, np.concatenate([np.arange(s, dtype=np.int32) + 1000 * q for q, s in enumerate(sizes)])
+    )
+
+
 def _half_inputs(rank: int, dtype) -> np.ndarray:
     """Values over a wide range of magnitudes, float16's subnormals included, and round halfway
     cases: their sums exercise every branch of the rounding back to the half type."""
