@@ -49,6 +49,11 @@ def test_a_failing_rank_raises_with_its_traceback_shown(capsys):
     assert CellFailed("x")._render_traceback_() == ["CellFailed: x"]
 
 
+def test_a_rank_that_writes_nothing_shows_no_line(capsys):
+    run_cell("-n 2", "import spmd\nif spmd.init().rank == 1:\n    print('only 1')\n")
+    assert capsys.readouterr() == ("[rank 1] only 1\n", "")
+
+
 def test_timeout_stops_the_job(capsys):
     with pytest.raises(CellFailed, match="exit code 124"):
         run_cell("-n 2 --timeout 3", "import time\ntime.sleep(60)\n")

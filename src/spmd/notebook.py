@@ -144,6 +144,8 @@ def _push(names: list[str], namespace: dict[str, Any] | None, path: str) -> None
 
 
 def _show(who: str, text: str, stream: Any) -> None:
+    if not text:
+        return  # a stream the rank never wrote to
     prefix = f"[{who}]"
     for line in text.split("\n")[: -1 if text.endswith("\n") else None]:
         line = line.rstrip("\r").rsplit("\r", 1)[-1]  # a line redrawn in place: its last state
