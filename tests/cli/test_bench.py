@@ -69,15 +69,19 @@ def test_spmd_bench_measures_every_op_and_checks_every_result(tmp_path: Path) ->
     assert str(tmp_path) not in text and str(Path.cwd()) not in text
 
 
-def test_results_are_tagged_with_the_cores_the_job_was_given(tmp_path: Path) -> None:
+def test_results_are_tagged_with_the_cores_the_job_was_given() -> None:
     total = os.cpu_count() or 1
-    code = "from spmd.cli.bench import cores_tag, job_cores; print(job_cores(), cores_tag())"
 
     def tag(env: dict[str, str], cpus: set[int] | None = None) -> str:
         env = {**{k: v for k, v in os.environ.items() if k != "SPMD_BIND_CPUS"}, **env}
-        pre = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             env=env, preexec_fn=pre, check=True)  # fmt: skip
+        # the child narrows its own affinity first (a preexec_fn would make subprocess fork a
+        # process in which JAX runs threads)
+        code = (f"import os; os.sched_setaffinity(0, {sorted(cpus)})\n" if cpus else "") + (
+            "from spmd.cli.bench import cores_tag, job_cores; print(job_cores(), cores_tag())"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+        )
         return out.stdout.strip()
 
     mine = sorted(os.sched_getaffinity(0))
