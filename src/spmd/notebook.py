@@ -170,15 +170,14 @@ def run_cell(line: str, cell: str, namespace: dict[str, Any] | None = None) -> i
     args = _parser().parse_args(shlex.split(line))
     summary = io.StringIO()
     code = None
-    with tempfile.TemporaryDirectory(prefix="spmd-cell-") as tmp:
-        out = tmp
-        _push(args.push, namespace, os.path.join(tmp, "push.pkl"))
-        with open(os.path.join(tmp, "cell.py"), "w", encoding="utf-8") as f:
+    with tempfile.TemporaryDirectory(prefix="spmd-cell-") as out:
+        _push(args.push, namespace, os.path.join(out, "push.pkl"))
+        with open(os.path.join(out, "cell.py"), "w", encoding="utf-8") as f:
             f.write(cell)
         try:
             code = launch(
                 args.nprocs,
-                [sys.executable, "-c", _BOOTSTRAP, tmp],
+                [sys.executable, "-c", _BOOTSTRAP, out],
                 nodes=args.nodes,
                 timeout=args.timeout,
                 output_dir=out,

@@ -39,6 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import SpmdError
+from ..runtime._affinity import recorded_cpus
 
 OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "all_to_all")
 PEERS = ("mpi4py", "mpi4jax", "torch")
@@ -626,9 +627,9 @@ def job_cores() -> int:
     """The cores this job may use: those ``spmd-run`` recorded for its ranks before pinning them
     (``SPMD_BIND_CPUS``), else this process's affinity (``taskset``, a cgroup's cpuset), else
     every core of the machine."""
-    recorded = os.environ.get("SPMD_BIND_CPUS", "")
-    if recorded:
-        return len(recorded.split(","))
+    recorded = recorded_cpus(os.environ)
+    if recorded is not None:
+        return len(recorded)
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:

@@ -40,6 +40,12 @@ def record_cpus(child_env: MutableMapping[str, str]) -> None:
         child_env["SPMD_BIND_CPUS"] = _cpus_text(os.sched_getaffinity(0))
 
 
+def recorded_cpus(env: Mapping[str, str]) -> list[int] | None:
+    """In a rank: the cores ``spmd-run`` may use, as it recorded them (None outside it)."""
+    recorded = env.get("SPMD_BIND_CPUS", "")
+    return [int(c) for c in recorded.split(",")] if recorded else None
+
+
 def bind_mode(env: Mapping[str, str]) -> str:
     mode = env.get("SPMD_BIND", "auto") or "auto"
     if mode not in BIND_MODES:
@@ -71,10 +77,9 @@ def bind_rank(env: Mapping[str, str] | None = None) -> set[int] | None:
     env = os.environ if env is None else env
     if bind_mode(env) == "none" or not hasattr(os, "sched_setaffinity"):
         return None
-    recorded, local = env.get("SPMD_BIND_CPUS", ""), local_rank_size(env)
-    if not recorded or local is None:
+    cpus, local = recorded_cpus(env), local_rank_size(env)
+    if cpus is None or local is None:
         return None
-    cpus = [int(c) for c in recorded.split(",")]
     if os.sched_getaffinity(0) != set(cpus):
         return None  # the launcher pinned this rank: its choice stands
     mine = share(cpus, *local)
