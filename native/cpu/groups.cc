@@ -37,12 +37,14 @@ Status GroupCreate(int64_t id, int rank, int size, std::vector<int> world_ranks,
 }
 
 Status GroupAttachShm(int64_t id, int which, const std::string& name, bool create, int rank,
-                      int size, std::vector<int> world_ranks, size_t chunk) {
+                      int size, std::vector<int> world_ranks, size_t chunk,
+                      ShmGroup::Staging staging) {
   std::shared_ptr<Group> g = GroupFind(id);
   if (g == nullptr) return Status::Error("no group " + std::to_string(id));
   ShmGroup* shm = nullptr;
   SPMD_RETURN_IF_ERROR(
-      ShmGroup::Open(name, create, rank, size, chunk, g->timeout_s, std::move(world_ranks), &shm));
+      ShmGroup::Open(name, create, rank, size, chunk, staging, g->timeout_s,
+                     std::move(world_ranks), &shm));
   (which == 0 ? g->shm : g->local).reset(shm);
   return Status::Ok();
 }

@@ -39,7 +39,8 @@ Status GroupCreate(int64_t id, int rank, int size, std::vector<int> world_ranks,
                    size_t one_shot_max);
 // which: 0 = the whole group, 1 = the node-local part (hierarchical).
 Status GroupAttachShm(int64_t id, int which, const std::string& name, bool create, int rank,
-                      int size, std::vector<int> world_ranks, size_t chunk);
+                      int size, std::vector<int> world_ranks, size_t chunk,
+                      ShmGroup::Staging staging);
 Status GroupAttachMpi(int64_t id, int which, MpiHandle comm, int rank, int size,
                       std::vector<int> world_ranks);
 Status GroupSetBackend(int64_t id, Backend backend);

@@ -36,29 +36,51 @@ size_t RoundUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 // op that reads them next.
 constexpr size_t kStreamMin = size_t{16} << 20;
 
-void StreamCopy(char* dst, const char* src, size_t len) {
+// Where StreamCopy also stores what it copies: nowhere, normally (cached), or non-temporally.
+enum Also { kNoAlso, kCachedAlso, kStreamedAlso };
+
+// Copies `len` bytes from src to dst with non-temporal stores; with kAlso, the same pass stores
+// them to `also` too, so that a rank staging its own block of an allgather or a broadcast and
+// copying it to its output reads its input once. (64 MiB allgather on 2 cores, staging copy and
+// output copy fused against one after the other: 0.83-0.90x the time.)
+template <Also kAlso>
+void StreamCopy(char* dst, const char* src, size_t len, char* also) {
 #if defined(__x86_64__)
+  // Head: up to dst's 16-byte boundary (the other destination takes the same bytes normally).
   size_t head = std::min(len, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
   std::memcpy(dst, src, head);
+  if (kAlso != kNoAlso) std::memcpy(also, src, head);
   dst += head;
   src += head;
+  also += kAlso != kNoAlso ? head : 0;
   len -= head;
+  // kStreamedAlso: the caller ensures that `also` is as far from a 16-byte boundary as dst.
   size_t body = len / 64 * 64;
   for (size_t i = 0; i < body; i += 64) {
-    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-    __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    __m128i v[4];
+    for (int k = 0; k < 4; ++k) {
+      v[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16 * k));
+    }
+    for (int k = 0; k < 4; ++k) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16 * k), v[k]);
+    }
+    for (int k = 0; k < 4 && kAlso == kCachedAlso; ++k) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(also + i + 16 * k), v[k]);
+    }
+    for (int k = 0; k < 4 && kAlso == kStreamedAlso; ++k) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(also + i + 16 * k), v[k]);
+    }
   }
   std::memcpy(dst + body, src + body, len - body);
+  if (kAlso != kNoAlso) std::memcpy(also + body, src + body, len - body);
 #else
   std::memcpy(dst, src, len);
+  if (kAlso != kNoAlso) std::memcpy(also, src, len);
 #endif
 }
+
+// Reductions whose output streams go through blocks of this size, small enough to stay in L1.
+constexpr size_t kReduceBlock = size_t{8} << 10;
 
 // Staged copies (broadcast, allgather) move in pieces: while the other ranks copy piece k out
 // of the slots, the ranks staging fill piece k+1. From kPipelineMin bytes a call is cut into
@@ -98,11 +120,32 @@ class OutCopy {
     if (stream_) _mm_sfence();
 #endif
   }
+  bool streams() const { return stream_; }
   void operator()(void* dst, const void* src, size_t len) const {
     if (stream_) {
-      StreamCopy(static_cast<char*>(dst), static_cast<const char*>(src), len);
+      StreamCopy<kNoAlso>(static_cast<char*>(dst), static_cast<const char*>(src), len, nullptr);
     } else {
       std::memcpy(dst, src, len);
+    }
+  }
+  // Copies `len` bytes of what this rank publishes both into its slot (`far`: streamed, see
+  // ShmGroup::Staging) and into the output.
+  void Publish(char* slot, char* dst, const char* src, size_t len, bool far) const {
+    if (stream_) {
+      if (far && (reinterpret_cast<uintptr_t>(dst) - reinterpret_cast<uintptr_t>(slot)) % 16) {
+        StreamCopy<kNoAlso>(slot, src, len, nullptr);  // 16-byte stores cannot align on both
+        StreamCopy<kNoAlso>(dst, src, len, nullptr);
+      } else if (far) {
+        StreamCopy<kStreamedAlso>(dst, src, len, slot);
+      } else {
+        StreamCopy<kCachedAlso>(dst, src, len, slot);
+      }
+    } else if (far) {
+      StreamCopy<kNoAlso>(slot, src, len, nullptr);
+      std::memcpy(dst, src, len);
+    } else {
+      std::memcpy(slot, src, len);
+      std::memcpy(dst, slot, len);
     }
   }
 
@@ -117,7 +160,8 @@ size_t ShmGroup::SegmentBytes(int size, size_t chunk) {
 }
 
 Status ShmGroup::Open(const std::string& name, bool create, int rank, int size, size_t chunk,
-                      double timeout_s, std::vector<int> world_ranks, ShmGroup** out) {
+                      Staging staging, double timeout_s, std::vector<int> world_ranks,
+                      ShmGroup** out) {
   size_t bytes = SegmentBytes(size, chunk);
   int fd = shm_open(name.c_str(), create ? (O_RDWR | O_CREAT | O_EXCL) : O_RDWR, 0600);
   if (fd < 0) {
@@ -149,6 +193,7 @@ Status ShmGroup::Open(const std::string& name, bool create, int rank, int size, 
   g->base_ = static_cast<char*>(base);
   g->data_ = g->base_ + RoundUp(size * sizeof(Ctrl), 4096);
   g->timeout_s_ = timeout_s;
+  g->staging_ = staging;
   g->world_ranks_ = std::move(world_ranks);
   *out = g;
   return Status::Ok();
@@ -158,51 +203,126 @@ ShmGroup::~ShmGroup() {
   if (base_ != nullptr) munmap(base_, bytes_);
 }
 
-Status ShmGroup::Sync() {
-  if (broken_) return Status::Error(broken_reason_);
-  uint64_t t = ++epoch_;
-  ctrl(rank_)->arrive.store(t, std::memory_order_release);
+bool ShmGroup::WaitFor(const std::atomic<uint64_t>& a, uint64_t v,
+                       std::chrono::steady_clock::time_point* deadline) const {
   // Oversubscribed (more ranks than cores): yield early so that the ranks we wait for can run.
   static const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   const int spin_limit = static_cast<unsigned>(size_) > cores ? 16 : 4096;
+  int spins = 0;
+  while (a.load(std::memory_order_acquire) < v) {
+    if (++spins < spin_limit) {
+      SPMD_PAUSE();
+      continue;
+    }
+    sched_yield();
+    if ((spins & 1023) != 0) continue;
+    auto now = std::chrono::steady_clock::now();
+    if (*deadline == std::chrono::steady_clock::time_point{}) {
+      *deadline = now + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(timeout_s_));
+    } else if (now > *deadline) {
+      return false;
+    }
+  }
+  return true;
+}
+
+Status ShmGroup::TimedOut(uint64_t t, const std::vector<int>& missing) {
+  broken_ = true;
+  broken_reason_ = "the shared-memory group of ranks " + RankList(world_ranks_) +
+                   " is unusable: an earlier collective timed out";
+  return Status::Error("timed out after " + std::to_string(static_cast<int>(timeout_s_)) +
+                       " s waiting for ranks " + RankList(missing) + " of the group " +
+                       RankList(world_ranks_) + " (collective #" + std::to_string(t) +
+                       "): they never made the matching call. Every rank of a group must "
+                       "make the same collective calls in the same order; raise "
+                       "SPMD_TIMEOUT if they are just slow");
+}
+
+Status ShmGroup::Sync() {
+  if (broken_) return Status::Error(broken_reason_);
+#if defined(__x86_64__)
+  _mm_sfence();  // streamed (non-temporal) stores of the phase are visible before we arrive
+#endif
+  uint64_t t = ++epoch_;
+  ctrl(rank_)->arrive.store(t, std::memory_order_release);
   // One deadline for the whole barrier (set once the wait gets long), not one per peer.
   std::chrono::steady_clock::time_point deadline{};
   for (int r = 0; r < size_; ++r) {
-    if (r == rank_) continue;
-    std::atomic<uint64_t>& a = ctrl(r)->arrive;
-    int spins = 0;
-    while (a.load(std::memory_order_acquire) < t) {
-      if (++spins < spin_limit) {
-        SPMD_PAUSE();
-        continue;
-      }
-      sched_yield();
-      if ((spins & 1023) != 0) continue;
-      auto now = std::chrono::steady_clock::now();
-      if (deadline == std::chrono::steady_clock::time_point{}) {
-        deadline = now + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                             std::chrono::duration<double>(timeout_s_));
-      } else if (now > deadline) {
-        std::vector<int> missing;
-        for (int q = 0; q < size_; ++q) {
-          if (q != rank_ && ctrl(q)->arrive.load(std::memory_order_acquire) < t) {
-            missing.push_back(world_ranks_[q]);
-          }
-        }
-        broken_ = true;
-        broken_reason_ = "the shared-memory group of ranks " + RankList(world_ranks_) +
-                         " is unusable: an earlier collective timed out";
-        return Status::Error("timed out after " + std::to_string(static_cast<int>(timeout_s_)) +
-                             " s waiting for ranks " + RankList(missing) + " of the group " +
-                             RankList(world_ranks_) +
-                             " (collective #" + std::to_string(t) +
-                             "): they never made the matching call. Every rank of a group must "
-                             "make the same collective calls in the same order; raise "
-                             "SPMD_TIMEOUT if they are just slow");
+    if (r == rank_ || WaitFor(ctrl(r)->arrive, t, &deadline)) continue;
+    std::vector<int> missing;
+    for (int q = 0; q < size_; ++q) {
+      if (q != rank_ && ctrl(q)->arrive.load(std::memory_order_acquire) < t) {
+        missing.push_back(world_ranks_[q]);
       }
     }
+    return TimedOut(t, missing);
   }
   return Status::Ok();
+}
+
+namespace {
+// Calls from this size decide how they stage (ShmGroup::Staging); smaller ones stage cached.
+constexpr size_t kProbeMin = size_t{1} << 20;
+// Laps of the probe's token, and the hop time above which the ranks are taken not to share a
+// cache. (2 vCPUs of a VM whose host moves them: a hop took 35-45 ns when staged copies ran at
+// 12-15 GB/s, about 200 ns when they ran at 1.7-3.4 GB/s; streamed staging ran at 10-12 GB/s
+// either way.)
+constexpr int kProbeLaps = 8;
+constexpr double kFarHopNs = 100;
+}  // namespace
+
+Status ShmGroup::Place(const Signature& sig, size_t bytes, bool* first) {
+  static const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  far_ = staging_ == Staging::kStreamed;
+  // Oversubscribed ranks take turns on a core, where staged lines are still cached.
+  if (bytes < kProbeMin || size_ == 1 || static_cast<unsigned>(size_) > cores) {
+    return Status::Ok();
+  }
+  SPMD_RETURN_IF_ERROR(Begin(sig));
+  *first = false;
+  // Every rank probes, whatever its staging: the ranks agree on what they wait for even where
+  // SPMD_SHM_STAGING differs between them. Rank 0 passes the token round the ranks kProbeLaps
+  // times, timing it, then publishes its verdict in the low bit of one last token.
+  const uint64_t base = ++probes_ * 2 * (kProbeLaps + 2);
+  const int prev = (rank_ + size_ - 1) % size_;
+  std::chrono::steady_clock::time_point deadline{};
+  auto lap = [&](int k) { return base + 2 * static_cast<uint64_t>(k); };
+  bool far = false;
+  if (rank_ == 0) {
+    auto start = std::chrono::steady_clock::now();
+    for (int k = 1; k <= kProbeLaps; ++k) {
+      ctrl(0)->token.store(lap(k), std::memory_order_release);
+      if (!WaitFor(ctrl(prev)->token, lap(k), &deadline)) {
+        return TimedOut(epoch_, {world_ranks_[prev]});
+      }
+    }
+    std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - start;
+    far = took.count() / (kProbeLaps * size_) > kFarHopNs;
+    ctrl(0)->token.store(lap(kProbeLaps + 1) + (far ? 1 : 0), std::memory_order_release);
+  } else {
+    for (int k = 1; k <= kProbeLaps; ++k) {
+      if (!WaitFor(ctrl(prev)->token, lap(k), &deadline)) {
+        return TimedOut(epoch_, {world_ranks_[prev]});
+      }
+      ctrl(rank_)->token.store(lap(k), std::memory_order_release);
+    }
+    // Rank 0 cannot move the token on before this rank reaches the call's next sync.
+    if (!WaitFor(ctrl(0)->token, lap(kProbeLaps + 1), &deadline)) {
+      return TimedOut(epoch_, {world_ranks_[0]});
+    }
+    far = (ctrl(0)->token.load(std::memory_order_acquire) & 1) != 0;
+  }
+  if (staging_ == Staging::kAuto) far_ = far;
+  return Status::Ok();
+}
+
+void ShmGroup::Stage(char* slot, const char* src, size_t len) const {
+  if (far_) {
+    StreamCopy<kNoAlso>(slot, src, len, nullptr);
+  } else {
+    std::memcpy(slot, src, len);
+  }
 }
 
 Status ShmGroup::Mismatch(const Signature& sig) {
@@ -259,24 +379,37 @@ struct Virtual {
 struct Exact {
   ReduceOp op;
   size_t WireBytes(const Leaf& l) const { return l.bytes; }
-  void Stage(char* dst, const Leaf& in, size_t off, size_t len) const {
-    std::memcpy(dst, in.data + off, len);
+  void Stage(char* dst, const Leaf& in, size_t off, size_t len, bool far) const {
+    if (far) {
+      StreamCopy<kNoAlso>(dst, in.data + off, len, nullptr);
+    } else {
+      std::memcpy(dst, in.data + off, len);
+    }
   }
   void Reduce(const Leaf& in, void* dst, const void* const* src, int n, size_t len) const {
     spmd::Reduce(in.dtype, op, dst, src, n, len / in.elem);
   }
   // Two-shot: this rank's sub-chunk, from its input and the others' staged copies (src[me] is
-  // set here), into `res` for the others and into the output.
-  template <typename Put>
-  void ReduceStep(const Put& put, const Leaf& in, const Leaf& out, size_t off, size_t len,
-                  const void** src, int n, int me, char* res) const {
+  // set here), into `res` for the others and into the output. Streamed (`far`): reduced block
+  // by block into L1 and published from there (src is advanced).
+  void ReduceStep(const OutCopy& put, const Leaf& in, const Leaf& out, size_t off, size_t len,
+                  const void** src, int n, int me, char* res, bool far) const {
     src[me] = in.data + off;
-    Reduce(in, res, src, n, len);
-    put(out.data + off, res, len);
+    if (!far) {
+      Reduce(in, res, src, n, len);
+      put(out.data + off, res, len);
+      return;
+    }
+    alignas(64) char block[kReduceBlock];
+    for (size_t q = 0; q < len; q += kReduceBlock) {
+      size_t b = std::min(kReduceBlock, len - q);
+      Reduce(in, block, src, n, b);
+      put.Publish(res + q, out.data + off + q, block, b, true);
+      for (int r = 0; r < n; ++r) src[r] = static_cast<const char*>(src[r]) + b;
+    }
   }
   // The reduced wire bytes at `src` into the output.
-  template <typename Put>
-  void Out(const Put& put, const Leaf& out, size_t off, const char* src, size_t len) const {
+  void Out(const OutCopy& put, const Leaf& out, size_t off, const char* src, size_t len) const {
     put(out.data + off, src, len);
   }
   // One-shot: reduce straight into the output.
@@ -294,7 +427,7 @@ struct Narrowed {
   float div;
   std::vector<uint16_t>* scratch;  // one-shot sums
   size_t WireBytes(const Leaf& l) const { return l.bytes / 2; }
-  void Stage(char* dst, const Leaf& in, size_t off, size_t len) const {
+  void Stage(char* dst, const Leaf& in, size_t off, size_t len, bool) const {
     NarrowFloats(bf16, reinterpret_cast<const float*>(in.data) + off / 2, div,
                  reinterpret_cast<uint16_t*>(dst), len / 2);
   }
@@ -302,15 +435,13 @@ struct Narrowed {
     ReduceHalf(bf16, ReduceOp::kSum, static_cast<uint16_t*>(dst), src, n, len / 2);
   }
   // One pass: the own values rounded on the fly (reduce.h, ReduceNarrowed).
-  template <typename Put>
-  void ReduceStep(const Put&, const Leaf& in, const Leaf& out, size_t off, size_t len,
-                  const void** src, int n, int me, char* res) const {
+  void ReduceStep(const OutCopy&, const Leaf& in, const Leaf& out, size_t off, size_t len,
+                  const void** src, int n, int me, char* res, bool) const {
     ReduceNarrowed(bf16, div, me, reinterpret_cast<const float*>(in.data) + off / 2, src, n,
                    reinterpret_cast<uint16_t*>(res), reinterpret_cast<float*>(out.data) + off / 2,
                    len / 2);
   }
-  template <typename Put>
-  void Out(const Put&, const Leaf& out, size_t off, const char* src, size_t len) const {
+  void Out(const OutCopy&, const Leaf& out, size_t off, const char* src, size_t len) const {
     WidenHalves(bf16, reinterpret_cast<const uint16_t*>(src),
                  reinterpret_cast<float*>(out.data) + off / 2, len / 2);
   }
@@ -318,7 +449,7 @@ struct Narrowed {
                  size_t len) const {
     if (scratch->size() < len / 2) scratch->resize(len / 2);
     Reduce(in, scratch->data(), src, n, len);
-    Out(0, out, off, reinterpret_cast<const char*>(scratch->data()), len);
+    Out(OutCopy(0), out, off, reinterpret_cast<const char*>(scratch->data()), len);
   }
 };
 
@@ -339,7 +470,7 @@ Status ShmGroup::AllreduceWith(const Codec& codec, const Signature& sig,
     // One-shot: everyone publishes everything, everyone reduces everything in rank order.
     uint64_t t = next();
     v.Pieces(0, v.total, [&](size_t i, size_t off, size_t len) {
-      codec.Stage(slot(me, t) + v.start[i] + off, in[i], off, len);
+      codec.Stage(slot(me, t) + v.start[i] + off, in[i], off, len, false);
     });
     SPMD_RETURN_IF_ERROR(Begin(sig));
     v.Pieces(0, v.total, [&](size_t i, size_t off, size_t len) {
@@ -354,6 +485,7 @@ Status ShmGroup::AllreduceWith(const Codec& codec, const Signature& sig,
   const size_t cb = chunk_ / n / kAlign * kAlign;
   const size_t step = cb * n;
   bool first = true;
+  SPMD_RETURN_IF_ERROR(Place(sig, v.total, &first));
   size_t prev_lo = 0;
   uint64_t prev_t = 0;
   auto copy_out = [&](size_t lo, uint64_t tr) {
@@ -371,7 +503,7 @@ Status ShmGroup::AllreduceWith(const Codec& codec, const Signature& sig,
       if (j == me) continue;
       size_t a = lo + j * cb;
       v.Pieces(a, std::min(a + cb, v.total), [&](size_t i, size_t off, size_t len) {
-        codec.Stage(slot(me, t) + (v.start[i] + off - lo), in[i], off, len);
+        codec.Stage(slot(me, t) + (v.start[i] + off - lo), in[i], off, len, far_);
       });
     }
     if (!first) copy_out(prev_lo, prev_t);
@@ -381,7 +513,7 @@ Status ShmGroup::AllreduceWith(const Codec& codec, const Signature& sig,
     v.Pieces(a, std::min(a + cb, v.total), [&](size_t i, size_t off, size_t len) {
       size_t so = v.start[i] + off - lo;
       for (int r = 0; r < n; ++r) src[r] = slot(r, t) + so;  // src[me]: ReduceStep sets it
-      codec.ReduceStep(put, in[i], out[i], off, len, src.data(), n, me, res(me, tr) + so);
+      codec.ReduceStep(put, in[i], out[i], off, len, src.data(), n, me, res(me, tr) + so, far_);
     });
     SPMD_RETURN_IF_ERROR(Sync());
     prev_lo = lo;
@@ -408,18 +540,22 @@ Status ShmGroup::Allgatherv(const Signature& sig, const Leaf& in, const Leaf& ou
   const int n = size_, me = rank_;
   size_t most = 0;
   const std::vector<size_t> off = Offsets(bytes, &most);
-  // Our own block is copied chunk by chunk from the staged (cached) copy, so the input is read
-  // from memory once.
+  // Our own block goes to the output in the pass that stages it (OutCopy::Stage), so the input
+  // is read from memory once.
   const OutCopy put(off[n]);
   const bool own = out.data + off[me] != in.data;
   const size_t piece = Piece(most, chunk_);
   bool first = true;
+  SPMD_RETURN_IF_ERROR(Place(sig, off[n], &first));
   for (size_t lo = 0; first || lo < most; lo += piece) {
     uint64_t t = next();
     if (lo < bytes[me]) {
       size_t len = std::min(piece, bytes[me] - lo);
-      std::memcpy(slot(me, t), in.data + lo, len);
-      if (own) put(out.data + off[me] + lo, slot(me, t), len);
+      if (own) {
+        put.Publish(slot(me, t), out.data + off[me] + lo, in.data + lo, len, far_);
+      } else {
+        Stage(slot(me, t), in.data + lo, len);
+      }
     }
     SPMD_RETURN_IF_ERROR(Step(sig, &first));
     for (int r = 0; r < n; ++r) {
@@ -436,13 +572,15 @@ Status ShmGroup::ReduceScatterv(const Signature& sig, ReduceOp op, const Leaf& i
   size_t most = 0;
   const std::vector<size_t> off = Offsets(bytes, &most);
   const size_t cb = chunk_ / n / kAlign * kAlign;
+  const OutCopy put(bytes[me]);
   std::vector<const void*> src(n);
   bool first = true;
+  SPMD_RETURN_IF_ERROR(Place(sig, off[n], &first));
   for (size_t lo = 0; first || lo < most; lo += cb) {
     uint64_t t = next();
     for (int j = 0; j < n; ++j) {
       if (j == me || lo >= bytes[j]) continue;
-      std::memcpy(slot(me, t) + j * cb, in.data + off[j] + lo, std::min(cb, bytes[j] - lo));
+      Stage(slot(me, t) + j * cb, in.data + off[j] + lo, std::min(cb, bytes[j] - lo));
     }
     SPMD_RETURN_IF_ERROR(Step(sig, &first));
     if (lo < bytes[me]) {
@@ -450,7 +588,18 @@ Status ShmGroup::ReduceScatterv(const Signature& sig, ReduceOp op, const Leaf& i
       for (int r = 0; r < n; ++r) {
         src[r] = r == me ? in.data + off[me] + lo : slot(r, t) + me * cb;
       }
-      Reduce(in.dtype, op, out.data + lo, src.data(), n, len / in.elem);
+      if (!put.streams()) {
+        Reduce(in.dtype, op, out.data + lo, src.data(), n, len / in.elem);
+        continue;
+      }
+      // A large output is reduced block by block into L1 and streamed out (see kStreamMin).
+      alignas(64) char block[kReduceBlock];
+      for (size_t q = 0; q < len; q += kReduceBlock) {
+        size_t b = std::min(kReduceBlock, len - q);
+        Reduce(in.dtype, op, block, src.data(), n, b / in.elem);
+        put(out.data + lo + q, block, b);
+        for (int r = 0; r < n; ++r) src[r] = static_cast<const char*>(src[r]) + b;
+      }
     }
   }
   return Status::Ok();
@@ -462,12 +611,16 @@ Status ShmGroup::Broadcast(const Signature& sig, int root, const Leaf& in, const
   const bool own = me == root && out.data != in.data;
   const size_t piece = Piece(in.bytes, chunk_);
   bool first = true;
+  SPMD_RETURN_IF_ERROR(Place(sig, in.bytes, &first));
   for (size_t lo = 0; first || lo < in.bytes; lo += piece) {
     uint64_t t = next();
     size_t len = std::min(piece, in.bytes - lo);
     if (me == root && len) {
-      std::memcpy(slot(me, t), in.data + lo, len);
-      if (own) put(out.data + lo, slot(me, t), len);
+      if (own) {
+        put.Publish(slot(me, t), out.data + lo, in.data + lo, len, far_);
+      } else {
+        Stage(slot(me, t), in.data + lo, len);
+      }
     }
     SPMD_RETURN_IF_ERROR(Step(sig, &first));
     if (me != root && len) put(out.data + lo, slot(root, t), len);
@@ -481,11 +634,12 @@ Status ShmGroup::AllToAll(const Signature& sig, const Leaf& in, const Leaf& out,
   const OutCopy put(block * n);
   put(out.data + me * block, in.data + me * block, block);
   bool first = true;
+  SPMD_RETURN_IF_ERROR(Place(sig, block * n, &first));
   for (size_t lo = 0; first || lo < block; lo += cb) {
     uint64_t t = next();
     size_t len = lo < block ? std::min(cb, block - lo) : 0;
     for (int j = 0; j < n; ++j) {
-      if (j != me && len) std::memcpy(slot(me, t) + j * cb, in.data + j * block + lo, len);
+      if (j != me && len) Stage(slot(me, t) + j * cb, in.data + j * block + lo, len);
     }
     SPMD_RETURN_IF_ERROR(Step(sig, &first));
     for (int j = 0; j < n; ++j) {

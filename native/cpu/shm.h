@@ -12,6 +12,7 @@
 #define SPMD_CPU_SHM_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -26,9 +27,19 @@ namespace spmd {
 // One operand or result of a collective: a host buffer and its element type.
 class ShmGroup {
  public:
+  // How a rank writes what it stages for the others in calls of kProbeMin bytes or more
+  // (SPMD_SHM_STAGING). kCached: normal stores, so a reader sharing the writer's last-level
+  // cache copies from it. kStreamed: non-temporal stores, so the reader copies from memory, and
+  // never pulls modified lines out of another core's cache, which is several times slower where
+  // the two cores do not share a cache (other CCD or socket, or a VM whose cores the host placed
+  // so). kAuto: each such call times a token passed round the ranks and streams when a hop takes
+  // longer than a shared cache's.
+  enum class Staging { kAuto = 0, kCached = 1, kStreamed = 2 };
+
   // Creates (`create`) or attaches to the named POSIX shared-memory segment.
   static Status Open(const std::string& name, bool create, int rank, int size, size_t chunk,
-                     double timeout_s, std::vector<int> world_ranks, ShmGroup** out);
+                     Staging staging, double timeout_s, std::vector<int> world_ranks,
+                     ShmGroup** out);
   ~ShmGroup();
   static size_t SegmentBytes(int size, size_t chunk);
 
@@ -75,6 +86,7 @@ class ShmGroup {
     uint64_t sig[2];
     char pad1[48];
     char desc[512];
+    alignas(64) std::atomic<uint64_t> token;  // the staging probe's ring (Place)
   };
 
   ShmGroup() = default;
@@ -83,6 +95,16 @@ class ShmGroup {
   char* res(int r, uint64_t t) const { return data_ + (r * 4 + 2 + (t & 1)) * chunk_; }
   uint64_t next() const { return epoch_ + 1; }  // the sync point the current phase ends with
   Status Sync();
+  // Waits until `a` reaches v: spinning, then yielding. False once the deadline, set the first
+  // time the wait gets long, has passed.
+  bool WaitFor(const std::atomic<uint64_t>& a, uint64_t v,
+               std::chrono::steady_clock::time_point* deadline) const;
+  Status TimedOut(uint64_t t, const std::vector<int>& missing);
+  // Starts a call moving `bytes`: from kProbeMin bytes, checks the signatures at once (clearing
+  // *first) and decides how this call stages (far_, see Staging).
+  Status Place(const Signature& sig, size_t bytes, bool* first);
+  // What this call's staging writes: into slots (`far_`: streamed).
+  void Stage(char* slot, const char* src, size_t len) const;
   // The sync ending a step: the first step of a collective also checks the signatures.
   Status Step(const Signature& sig, bool* first) {
     if (!*first) return Sync();
@@ -102,6 +124,9 @@ class ShmGroup {
   char* data_ = nullptr;
   uint64_t epoch_ = 0;
   double timeout_s_ = 300;
+  Staging staging_ = Staging::kAuto;
+  bool far_ = false;        // this call streams what it stages
+  uint64_t probes_ = 0;     // staging probes so far (the same count on every rank)
   bool broken_ = false;
   std::string broken_reason_;
   std::vector<int> world_ranks_;

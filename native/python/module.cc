@@ -79,14 +79,19 @@ PyObject* GroupCreate(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// group_attach_shm(id, which, name, create, rank, size, world_ranks, chunk) -> None
+// group_attach_shm(id, which, name, create, rank, size, world_ranks, chunk, staging) -> None
+// staging: 0 auto, 1 cached, 2 streamed (ShmGroup::Staging).
 PyObject* GroupAttachShm(PyObject*, PyObject* args) {
   long long id, chunk;
-  int which, create, rank, size;
+  int which, create, rank, size, staging;
   const char* name;
   PyObject* ranks;
-  if (!PyArg_ParseTuple(args, "LispiiOL", &id, &which, &name, &create, &rank, &size, &ranks,
-                        &chunk)) {
+  if (!PyArg_ParseTuple(args, "LispiiOLi", &id, &which, &name, &create, &rank, &size, &ranks,
+                        &chunk, &staging)) {
+    return nullptr;
+  }
+  if (staging < 0 || staging > 2) {
+    PyErr_SetString(PyExc_ValueError, "staging must be 0 (auto), 1 (cached) or 2 (streamed)");
     return nullptr;
   }
   std::vector<int> r;
@@ -94,7 +99,8 @@ PyObject* GroupAttachShm(PyObject*, PyObject* args) {
   spmd::Status s;
   Py_BEGIN_ALLOW_THREADS;
   s = spmd::GroupAttachShm(id, which, name, create != 0, rank, size, std::move(r),
-                           static_cast<size_t>(chunk));
+                           static_cast<size_t>(chunk),
+                           static_cast<spmd::ShmGroup::Staging>(staging));
   Py_END_ALLOW_THREADS;
   if (!s.ok()) return Raise(s);
   Py_RETURN_NONE;

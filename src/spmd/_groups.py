@@ -37,6 +37,20 @@ BACKEND_NAMES = ("auto", *BACKENDS)
 # Shared-memory staging: bytes per rank and parity, and the largest allreduce done one-shot.
 SHM_CHUNK = 1 << 20
 ONE_SHOT_MAX = 64 << 10
+# How a rank writes what it stages for the others in calls from 1 MiB (SPMD_SHM_STAGING; the
+# native ShmGroup::Staging, docs/collectives.md).
+SHM_STAGING = {"auto": 0, "cached": 1, "streamed": 2}
+
+
+def shm_staging(env: Any = os.environ) -> int:
+    """The native code of ``SPMD_SHM_STAGING``; :class:`SpmdError` for an unknown value."""
+    name = env.get("SPMD_SHM_STAGING", "") or "auto"
+    if name not in SHM_STAGING:
+        raise SpmdError(
+            f"{this_rank()}: SPMD_SHM_STAGING={name!r} is not a staging mode; expected one "
+            f"of {', '.join(SHM_STAGING)}"
+        )
+    return SHM_STAGING[name]
 
 
 # Roles of a collective in differentiation (GroupRef.role); equal to native/include/spmd/common.h.
@@ -176,13 +190,18 @@ def _attach_shm(gid: int, which: int, comm: Communicator, parts: list[list[int]]
     creator = mine is not None and mine[0] == me
     name = f"/spmd-{os.getpid()}-{uuid.uuid4().hex[:12]}" if creator else None
     error = None
+    staging = 0
     try:
-        if creator:
+        try:  # a bad value on any rank fails every rank, after the exchange
+            staging = shm_staging()
+        except SpmdError as e:
+            error = str(e)
+        if creator and error is None:
             assert mine is not None
             try:
                 native().group_attach_shm(
                     gid, which, name, True, 0, len(mine), [comm.ranks[m] for m in mine],
-                    SHM_CHUNK,
+                    SHM_CHUNK, staging,
                 )  # fmt: skip
             except RuntimeError as e:
                 error = str(e)
@@ -194,7 +213,7 @@ def _attach_shm(gid: int, which: int, comm: Communicator, parts: list[list[int]]
             try:
                 native().group_attach_shm(
                     gid, which, names[mine[0]][0], False, mine.index(me), len(mine),
-                    [comm.ranks[m] for m in mine], SHM_CHUNK,
+                    [comm.ranks[m] for m in mine], SHM_CHUNK, staging,
                 )  # fmt: skip
             except RuntimeError as e:
                 raise SpmdError(

@@ -189,3 +189,24 @@ def test_the_file_store_across_nodes_has_no_backend(comm):
     for _ in range(2):
         with pytest.raises(spmd.SpmdError, match=f"rank {comm.rank}: no backend can carry"):
             spmd.allreduce(jnp.float32(1))
+
+
+def _bad_staging_mode_on_one_rank():
+    comm = spmd.init()
+    if comm.rank == 1:
+        os.environ["SPMD_SHM_STAGING"] = "fast"  # read when a group is prepared
+    try:
+        jax.jit(lambda v: spmd.allreduce(v, rank_list=[[1, 0]]))(jnp.ones(2))
+    except spmd.SpmdError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_bad_staging_mode_on_one_rank_fails_every_rank():
+    """SPMD_SHM_STAGING is read as each group's shared memory is prepared: a value that is not
+    a mode, on any rank, fails that preparation on every rank, naming the rank and the value."""
+    messages = run(_bad_staging_mode_on_one_rank, 2, fresh=True)
+    for rank, message in enumerate(messages):
+        assert message.startswith(f"rank {rank}: "), message
+        assert "rank 1: SPMD_SHM_STAGING='fast' is not a staging mode" in message, message
+        assert "expected one of auto, cached, streamed" in message, message

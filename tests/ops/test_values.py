@@ -274,10 +274,10 @@ def test_eager_calls_compile_once(comm):
     assert dispatch.xla_primitive_callable.cache_info().misses == before
 
 
-@multirank(nprocs=(2, 3))
-def test_large_outputs(comm):
+def _large_outputs(comm):
     """Outputs over 16 MiB are written with streaming stores: odd leaf sizes (so leaves start
-    off 16-byte boundaries inside the fused buffer) must still land exactly."""
+    off 16-byte boundaries inside the fused buffer) must still land exactly. Calls from 1 MiB
+    also stage streamed or cached (SPMD_SHM_STAGING; automatic: as a probe decides)."""
     r, n = comm.rank, comm.size
     sizes = (5, (1 << 22) + 3, 1 << 21)  # ~24 MiB of float32 in one fused allreduce
     x = [(jnp.arange(s) % 1024).astype(jnp.float32) * (r + 1) + r for s in sizes]  # exact
@@ -287,11 +287,22 @@ def test_large_outputs(comm):
         np.testing.assert_array_equal(
             np.asarray(got), (np.arange(s) % 1024).astype(np.float32) * tri + n * (n - 1) // 2
         )
-    big = jnp.full(((1 << 22) + 5,), r, jnp.int32)  # allgather output n x 16 MiB
+    # Every element distinct, so that a byte landing one place off shows. The allgather's own
+    # block is staged and streamed in one pass; rank 1's starts 4 bytes off a 16-byte boundary.
+    k = (1 << 22) + 5  # int32: 16 MiB + 20 bytes per block
+    big = jnp.arange(k, dtype=jnp.int32) * 3 + r
     g = np.asarray(jax.jit(spmd.allgather)(big))
-    np.testing.assert_array_equal(g, np.repeat(np.arange(n, dtype=np.int32), (1 << 22) + 5))
+    np.testing.assert_array_equal(
+        g, np.concatenate([np.arange(k, dtype=np.int32) * 3 + q for q in range(n)])
+    )
     b = np.asarray(jax.jit(lambda v: spmd.broadcast(v, root=n - 1))(big))
-    np.testing.assert_array_equal(b, np.full(b.shape, n - 1, np.int32))
+    np.testing.assert_array_equal(b, np.arange(k, dtype=np.int32) * 3 + n - 1)
+    # reduce_scatter's output block is reduced into L1 blocks and streamed: a short last block.
+    rb = (1 << 22) + 3
+    mine = jnp.arange(n * rb, dtype=jnp.int32) + 7 * r
+    rs = np.asarray(jax.jit(spmd.reduce_scatter)(mine))
+    want = n * np.arange(r * rb, (r + 1) * rb, dtype=np.int32) + 7 * n * (n - 1) // 2
+    np.testing.assert_array_equal(rs, want)
     blocks = jnp.arange(n * ((1 << 22) + 1), dtype=jnp.int32) + r * 7
     a = np.asarray(jax.jit(spmd.all_to_all)(blocks)).reshape(n, -1)
     blk = (1 << 22) + 1
@@ -300,10 +311,32 @@ def test_large_outputs(comm):
 
 
 @multirank(nprocs=(2, 3))
+def test_large_outputs(comm):
+    _large_outputs(comm)
+
+
+@multirank(nprocs=(2, 3), env={"SPMD_SHM_STAGING": "cached"})
+def test_large_outputs_staged_cached(comm):
+    _large_outputs(comm)
+
+
+@multirank(nprocs=(2, 4), env={"SPMD_SHM_STAGING": "streamed"})
+def test_large_outputs_staged_streamed(comm):
+    """Streamed staging: slots written with non-temporal stores, fenced before each sync; 4
+    ranks on fewer cores stream too when told to (the automatic mode would not)."""
+    _large_outputs(comm)
+    _mid_size_copies(comm)
+
+
+@multirank(nprocs=(2, 3))
 def test_mid_size_copies_in_pieces(comm):
     """Broadcast and allgather between 512 KiB and 8 MiB move in pieces smaller than the staging
     chunk, several per call: blocks that end inside a piece, and ranks whose block runs out
     pieces before the others', must land exactly."""
+    _mid_size_copies(comm)
+
+
+def _mid_size_copies(comm):
     r, n = comm.rank, comm.size
     k = (1 << 18) + 7  # int32: 1 MiB + 28 bytes, pieces of 128 KiB + a short last one
     b = np.asarray(jax.jit(lambda v: spmd.broadcast(v, root=n - 1))(jnp.arange(k) * (r + 1)))
@@ -312,7 +345,7 @@ def test_mid_size_copies_in_pieces(comm):
     g = np.asarray(jax.jit(spmd.allgather)(jnp.arange(m, dtype=jnp.float32) + r))
     want = np.concatenate([np.arange(m, dtype=np.float32) + q for q in range(n)])
     np.testing.assert_array_equal(g, want)
-    sizes = [(1 << 19) + 3, 5, (1 << 16) + 1][:n]  # the largest block: pieces of 256 KiB
+    sizes = [(1 << 19) + 3, 5, (1 << 16) + 1, 1 << 17][:n]  # the largest: pieces of 256 KiB
     mine = jnp.arange(sizes[r], dtype=jnp.int32) + 1000 * r
     v = np.asarray(jax.jit(lambda x: spmd.allgatherv(x, sizes))(mine))
     np.testing.assert_array_equal(
