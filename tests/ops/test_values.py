@@ -297,7 +297,7 @@ def _large_outputs(comm):
     )
     b = np.asarray(jax.jit(lambda v: spmd.broadcast(v, root=n - 1))(big))
     np.testing.assert_array_equal(b, np.arange(k, dtype=np.int32) * 3 + n - 1)
-    # reduce_scatter's output block is reduced into L1 blocks and streamed: a short last block.
+    # reduce_scatter of a block over 16 MiB, staged pieces and a short last one.
     rb = (1 << 22) + 3
     mine = jnp.arange(n * rb, dtype=jnp.int32) + 7 * r
     rs = np.asarray(jax.jit(spmd.reduce_scatter)(mine))
