@@ -18,6 +18,7 @@ def test_info_reports_versions_mpi_native_and_devices():
         assert f"  {dist}: {importlib.metadata.version(dist)}\n" in text
     assert "collective handlers (cpu): spmd_all_to_all, spmd_allgather, spmd_allreduce" in text
     assert "collective backend: auto" in text
+    assert "shared-memory staging: auto (" in text
     assert "MPI library (mpi4py): MPICH Version:" in text
     assert f"native layer: built (ABI {NATIVE_ABI_VERSION}, XLA FFI API " in text
     assert "launcher detected: none (a world of one); rank 0 of 1" in text
@@ -35,10 +36,17 @@ def test_info_under_mpiexec_sees_the_launcher():
 
 
 def test_info_follows_the_settings_spmd_init_follows():
-    env = {**os.environ, "SPMD_COMMUNICATOR": "void", "SPMD_BACKEND": "shmm"}
+    env = {
+        **os.environ,
+        "SPMD_COMMUNICATOR": "void",
+        "SPMD_BACKEND": "shmm",
+        "SPMD_SHM_STAGING": "stream",
+    }
     out = subprocess.run(
         [sys.executable, "-m", "spmd.info"], capture_output=True, text=True, timeout=120, env=env
     )
     assert out.returncode == 0, out.stderr
     assert "launcher detected: void; rank 0 of 1" in out.stdout
     assert "collective backend: error: SPMD_BACKEND='shmm' is not a backend" in out.stdout
+    assert "shared-memory staging: error: " in out.stdout
+    assert "SPMD_SHM_STAGING='stream' is not a staging mode" in out.stdout

@@ -71,7 +71,7 @@ def _collectives() -> list[str]:
     except Exception as e:
         out.append(f"  collective handlers (cpu): unavailable ({e})")
     from .._errors import SpmdError
-    from .._groups import _requested_backend
+    from .._groups import _requested_backend, shm_staging
 
     try:
         requested = _requested_backend()
@@ -81,6 +81,15 @@ def _collectives() -> list[str]:
         f"  collective backend: {requested} (auto: shm inside one node, hier = shm + MPI between "
         "node leaders when a group spans nodes with several ranks on some node, mpi otherwise; "
         "send/recv always mpi)"
+    )
+    try:
+        staging = os.environ.get("SPMD_SHM_STAGING", "") or "auto"
+        shm_staging()
+    except SpmdError as e:
+        staging = f"error: {e}"
+    out.append(
+        f"  shared-memory staging: {staging} (auto: calls from 1 MiB time a token round the ranks "
+        "and stream what they stage where the ranks share no cache)"
     )
     return out
 
