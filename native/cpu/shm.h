@@ -33,7 +33,7 @@ class ShmGroup {
   // never pulls modified lines out of another core's cache, which is several times slower where
   // the two cores do not share a cache (other CCD or socket, or a VM whose cores the host placed
   // so). kAuto: each such call times a token passed round the ranks and streams when a hop takes
-  // longer than a shared cache's.
+  // longer than a shared cache's; a broadcast streams without probing.
   enum class Staging { kAuto = 0, kCached = 1, kStreamed = 2 };
 
   // Creates (`create`) or attaches to the named POSIX shared-memory segment.
@@ -101,8 +101,9 @@ class ShmGroup {
                std::chrono::steady_clock::time_point* deadline) const;
   Status TimedOut(uint64_t t, const std::vector<int>& missing);
   // Starts a call moving `bytes`: from kProbeMin bytes, checks the signatures at once (clearing
-  // *first) and decides how this call stages (far_, see Staging).
-  Status Place(const Signature& sig, size_t bytes, bool* first);
+  // *first) and decides how this call stages (far_, see Staging); `always_far`: streamed under
+  // kAuto without probing. Every rank of a call passes the same arguments.
+  Status Place(const Signature& sig, size_t bytes, bool* first, bool always_far = false);
   // What this call's staging writes: into slots (`far_`: streamed).
   void Stage(char* slot, const char* src, size_t len) const;
   // The sync ending a step: the first step of a collective also checks the signatures.

@@ -57,6 +57,7 @@ def test_spmd_bench_measures_every_op_and_checks_every_result(tmp_path: Path) ->
     assert small["spmd"]["with_allreduce_us"] > 0 and small["spmd"]["without_us"] > 0
     machine = report["machine"]
     assert machine["ranks"] == 2 and machine["spmd_backend"] == "shm"
+    assert machine["spmd_shm_staging"] == "auto"
     assert machine["job_cores"] == job_cores() and machine["cores"] == os.cpu_count()
     # what the console and the Markdown show
     for op in OPS:

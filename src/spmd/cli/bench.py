@@ -616,6 +616,7 @@ def machine_info(env: Env, backend: str) -> dict[str, Any]:
         "mpi4jax": package_version("mpi4jax"),
         "torch": package_version("torch"),
         "spmd_backend": backend,
+        "spmd_shm_staging": os.environ.get("SPMD_SHM_STAGING", "") or "auto",
         "ranks": env.n,
         "load_average_1min_at_start": round(os.getloadavg()[0], 2),
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
