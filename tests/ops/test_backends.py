@@ -64,6 +64,11 @@ def test_hierarchical_across_simulated_nodes(comm):
         rtol=1e-4,
         atol=1e-4,
     )
+    # From 1 MiB the node-local steps choose their staging (a probe inside each node, and the
+    # broadcast back streams): exact integer sums, so any misplaced element shows.
+    big = (jnp.arange(300_007) % 1000).astype(jnp.float32) + comm.rank
+    want = comm.size * (np.arange(300_007) % 1000) + comm.size * (comm.size - 1) // 2
+    np.testing.assert_array_equal(np.asarray(jax.jit(spmd.allreduce)(big)), want)
 
 
 @multirank(nprocs=(2,), env={"SPMD_SIMULATE_NODES": "2"})
