@@ -68,6 +68,16 @@ Status GroupAttachMpi(int64_t id, int which, MpiHandle comm, int rank, int size,
   return Status::Ok();
 }
 
+Status GroupShmHop(int64_t id, double* hop_ns) {
+  std::shared_ptr<Group> g = GroupFind(id);
+  if (g == nullptr) return Status::Error("no group " + std::to_string(id));
+  std::lock_guard<std::mutex> lock(g->mu);
+  if (!g->shm) return Status::Error("group " + std::to_string(id) + " has no shared memory");
+  constexpr uint64_t kHopHash = 0x53504d44484f5021;  // "SPMDHOP!"
+  return g->shm->Hop({kHopHash, [](const void*) { return std::string("shm hop probe"); }, nullptr},
+                     hop_ns);
+}
+
 Status GroupSetBackend(int64_t id, Backend backend) {
   std::shared_ptr<Group> g = GroupFind(id);
   if (g == nullptr) return Status::Error("no group " + std::to_string(id));

@@ -43,6 +43,8 @@ Status GroupAttachShm(int64_t id, int which, const std::string& name, bool creat
                       ShmGroup::Staging staging);
 Status GroupAttachMpi(int64_t id, int which, MpiHandle comm, int rank, int size,
                       std::vector<int> world_ranks);
+// The group's shared-memory staging probe (ShmGroup::Hop); every rank of the group calls it.
+Status GroupShmHop(int64_t id, double* hop_ns);
 Status GroupSetBackend(int64_t id, Backend backend);
 void GroupDestroy(int64_t id);
 // nullptr if no group has this id (not registered, or destroyed by spmd.finalize).

@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <thread>
 
 #include "messages.h"
@@ -266,9 +267,9 @@ namespace {
 // Calls from this size decide how they stage (ShmGroup::Staging); smaller ones stage cached.
 constexpr size_t kProbeMin = size_t{1} << 20;
 // Laps of the probe's token, and the hop time above which the ranks are taken not to share a
-// cache. (2 vCPUs of a VM whose host moves them: a hop took 35-45 ns when staged copies ran at
-// 12-15 GB/s, about 200 ns when they ran at 1.7-3.4 GB/s; streamed staging ran at 10-12 GB/s
-// either way.)
+// cache. (2 vCPUs of a VM whose host moves them, in a C model: a hop took 35-45 ns when staged
+// copies ran at 12-15 GB/s, about 200 ns when they ran at 1.7-3.4 GB/s; streamed staging ran at
+// 10-12 GB/s either way. This probe, polling included, reads 50-65 ns in the first state.)
 constexpr int kProbeLaps = 8;
 constexpr double kFarHopNs = 100;
 }  // namespace
@@ -287,13 +288,28 @@ Status ShmGroup::Place(const Signature& sig, size_t bytes, bool* first, bool alw
   SPMD_RETURN_IF_ERROR(Begin(sig));
   *first = false;
   // Every rank probes, whatever its staging: the ranks agree on what they wait for even where
-  // SPMD_SHM_STAGING differs between them. Rank 0 passes the token round the ranks kProbeLaps
-  // times, timing it, then publishes its verdict in the low bit of one last token.
+  // SPMD_SHM_STAGING differs between them.
+  bool far = false;
+  double hop_ns = 0;
+  SPMD_RETURN_IF_ERROR(Ring(&far, &hop_ns));
+  if (staging_ == Staging::kAuto) far_ = far;
+  return Status::Ok();
+}
+
+Status ShmGroup::Hop(const Signature& sig, double* hop_ns) {
+  SPMD_RETURN_IF_ERROR(Begin(sig));
+  bool far = false;
+  return Ring(&far, hop_ns);
+}
+
+Status ShmGroup::Ring(bool* far, double* hop_ns) {
+  // Rank 0 passes the token round the ranks kProbeLaps times, timing it, then publishes its
+  // verdict in the low bit of one last token.
+  *hop_ns = std::numeric_limits<double>::quiet_NaN();
   const uint64_t base = ++probes_ * 2 * (kProbeLaps + 2);
   const int prev = (rank_ + size_ - 1) % size_;
   std::chrono::steady_clock::time_point deadline{};
   auto lap = [&](int k) { return base + 2 * static_cast<uint64_t>(k); };
-  bool far = false;
   if (rank_ == 0) {
     auto start = std::chrono::steady_clock::now();
     for (int k = 1; k <= kProbeLaps; ++k) {
@@ -303,22 +319,22 @@ Status ShmGroup::Place(const Signature& sig, size_t bytes, bool* first, bool alw
       }
     }
     std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - start;
-    far = took.count() / (kProbeLaps * size_) > kFarHopNs;
-    ctrl(0)->token.store(lap(kProbeLaps + 1) + (far ? 1 : 0), std::memory_order_release);
-  } else {
-    for (int k = 1; k <= kProbeLaps; ++k) {
-      if (!WaitFor(ctrl(prev)->token, lap(k), &deadline)) {
-        return TimedOut(epoch_, {world_ranks_[prev]});
-      }
-      ctrl(rank_)->token.store(lap(k), std::memory_order_release);
-    }
-    // Rank 0 cannot move the token on before this rank reaches the call's next sync.
-    if (!WaitFor(ctrl(0)->token, lap(kProbeLaps + 1), &deadline)) {
-      return TimedOut(epoch_, {world_ranks_[0]});
-    }
-    far = (ctrl(0)->token.load(std::memory_order_acquire) & 1) != 0;
+    *hop_ns = took.count() / (kProbeLaps * size_);
+    *far = *hop_ns > kFarHopNs;
+    ctrl(0)->token.store(lap(kProbeLaps + 1) + (*far ? 1 : 0), std::memory_order_release);
+    return Status::Ok();
   }
-  if (staging_ == Staging::kAuto) far_ = far;
+  for (int k = 1; k <= kProbeLaps; ++k) {
+    if (!WaitFor(ctrl(prev)->token, lap(k), &deadline)) {
+      return TimedOut(epoch_, {world_ranks_[prev]});
+    }
+    ctrl(rank_)->token.store(lap(k), std::memory_order_release);
+  }
+  // Rank 0 cannot move the token on before this rank reaches the call's next sync.
+  if (!WaitFor(ctrl(0)->token, lap(kProbeLaps + 1), &deadline)) {
+    return TimedOut(epoch_, {world_ranks_[0]});
+  }
+  *far = (ctrl(0)->token.load(std::memory_order_acquire) & 1) != 0;
   return Status::Ok();
 }
 

@@ -75,6 +75,10 @@ class ShmGroup {
   // Input and output hold `size` blocks of `block` bytes; output block j = rank j's block rank.
   Status AllToAll(const Signature& sig, const Leaf& in, const Leaf& out, size_t block);
 
+  // The staging probe on its own (every rank calls it): *hop_ns, on rank 0, the mean time of
+  // one hop of a token passed kProbeLaps times round the ranks; NaN on the others.
+  Status Hop(const Signature& sig, double* hop_ns);
+
   // Signature check for a group of ops run as one call (the fused list of leaves counts as
   // one op); exposed so that composite algorithms check once.
   Status Begin(const Signature& sig);
@@ -104,6 +108,9 @@ class ShmGroup {
   // *first) and decides how this call stages (far_, see Staging); `always_far`: streamed under
   // kAuto without probing. Every rank of a call passes the same arguments.
   Status Place(const Signature& sig, size_t bytes, bool* first, bool always_far = false);
+  // The probe's token ring, after a Begin: *far (every rank) is rank 0's verdict; *hop_ns is
+  // rank 0's measurement (NaN on the others).
+  Status Ring(bool* far, double* hop_ns);
   // What this call's staging writes: into slots (`far_`: streamed).
   void Stage(char* slot, const char* src, size_t len) const;
   // The sync ending a step: the first step of a collective also checks the signatures.

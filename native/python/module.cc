@@ -133,6 +133,20 @@ PyObject* GroupSetBackend(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// group_shm_hop_ns(id) -> float: the shared-memory staging probe, collective over the group;
+// the mean hop time in ns on the group's rank 0, NaN on the others.
+PyObject* GroupShmHopNs(PyObject*, PyObject* args) {
+  long long id;
+  if (!PyArg_ParseTuple(args, "L", &id)) return nullptr;
+  double hop_ns = 0;
+  spmd::Status s;
+  Py_BEGIN_ALLOW_THREADS;
+  s = spmd::GroupShmHop(id, &hop_ns);
+  Py_END_ALLOW_THREADS;
+  if (!s.ok()) return Raise(s);
+  return PyFloat_FromDouble(hop_ns);
+}
+
 // group_destroy(id) -> None; waits for a collective of the group still running.
 PyObject* GroupDestroy(PyObject*, PyObject* args) {
   long long id;
@@ -219,6 +233,7 @@ PyMethodDef kMethods[] = {
     {"group_attach_shm", GroupAttachShm, METH_VARARGS, "Map a group's shared-memory segment."},
     {"group_attach_mpi", GroupAttachMpi, METH_VARARGS, "Give a group an MPI communicator."},
     {"group_set_backend", GroupSetBackend, METH_VARARGS, "Choose how a group moves data."},
+    {"group_shm_hop_ns", GroupShmHopNs, METH_VARARGS, "Time the shared-memory staging probe."},
     {"group_destroy", GroupDestroy, METH_VARARGS, "Unregister a group."},
     {"quant_roundtrip", QuantRoundtrip, METH_VARARGS, "Encode and decode with a GPU codec."},
     {"quant_allreduce_reference", QuantAllreduceReference, METH_VARARGS,

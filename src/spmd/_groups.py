@@ -359,6 +359,22 @@ def _registration(comm: Communicator) -> tuple[int, _Registered | None]:
     return gid, reg
 
 
+def shm_hop_ns(comm: Communicator | None = None) -> float | None:
+    """How close the ranks of ``comm`` sit, as the shared-memory staging probe sees it
+    (docs/collectives.md, Backends): the mean time in ns of one hop of a token passed 8 times
+    round the ranks through the group's segment. Collective over the group (every rank calls
+    it, like a collective); the value on the group's rank 0, NaN on the others; None for a
+    group of one or without a shared-memory segment (ranks on several nodes)."""
+    comm = comm or get_communicator()
+    if comm.size == 1:
+        return None
+    ref = group_ref(comm)
+    reg = _registered.get(ref.gid)
+    if reg is None or "shm" not in reg.available:
+        return None
+    return float(native().group_shm_hop_ns(ref.gid))
+
+
 def prepare_world(world: Communicator) -> None:
     """Register the world group and attach its transports, at ``spmd.init`` where every rank
     takes part: then the first collective on the world, tracing one, or asking for its backend

@@ -58,6 +58,8 @@ def test_spmd_bench_measures_every_op_and_checks_every_result(tmp_path: Path) ->
     machine = report["machine"]
     assert machine["ranks"] == 2 and machine["spmd_backend"] == "shm"
     assert machine["spmd_shm_staging"] == "auto"
+    for when in ("start", "end"):  # a real timing: positive, and under a millisecond per hop
+        assert 0 < machine[f"shm_hop_ns_at_{when}"] < 1e6
     assert machine["job_cores"] == job_cores() and machine["cores"] == os.cpu_count()
     # what the console and the Markdown show
     for op in OPS:

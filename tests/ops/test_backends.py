@@ -3,6 +3,7 @@ simulated nodes, and the file-store communicator (shared memory only)."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -215,3 +216,34 @@ def test_a_bad_staging_mode_on_one_rank_fails_every_rank():
         assert message.startswith(f"rank {rank}: "), message
         assert "rank 1: SPMD_SHM_STAGING='fast' is not a staging mode" in message, message
         assert "expected one of auto, cached, streamed" in message, message
+
+
+@multirank(nprocs=(1, 2, 3))
+def test_shm_hop_probe(comm):
+    """The staging probe on its own: a timing on the group's rank 0, NaN elsewhere, None for a
+    group of one; a sub-group probes among its own ranks."""
+    from spmd._groups import shm_hop_ns
+
+    hop = shm_hop_ns()
+    if comm.size == 1:
+        assert hop is None
+        return
+    if comm.rank == 0:
+        assert hop is not None and 0 < hop < 1e7, hop  # ns; 3 ranks on 2 cores yield
+    else:
+        assert hop is not None and math.isnan(hop)
+    sub = spmd.get_communicator([[1, 0]] + [[r] for r in range(2, comm.size)])
+    hop = shm_hop_ns(sub)
+    if comm.rank == 1:  # rank 0 of the group [1, 0]
+        assert hop is not None and 0 < hop < 1e7, hop
+    elif comm.rank == 0:
+        assert hop is not None and math.isnan(hop)
+    else:
+        assert hop is None
+
+
+@multirank(nprocs=(2,), env={"SPMD_SIMULATE_NODES": "2"})
+def test_shm_hop_probe_needs_shared_memory(comm):
+    from spmd._groups import shm_hop_ns
+
+    assert shm_hop_ns() is None  # one rank per node: MPI only

@@ -624,6 +624,16 @@ def machine_info(env: Env, backend: str) -> dict[str, Any]:
     return info
 
 
+def shm_hop() -> float | None:
+    """The world's shared-memory hop time (spmd._groups.shm_hop_ns), rounded, as rank 0
+    measured it; collective. Over 100 ns the ranks share no cache and staging streams; the state
+    can change during a run on a VM."""
+    from .._groups import shm_hop_ns
+
+    hop = shm_hop_ns()
+    return None if hop is None or hop != hop else round(hop, 1)
+
+
 def job_cores() -> int:
     """The cores this job may use: those ``spmd-run`` recorded for its ranks before pinning them
     (``SPMD_BIND_CPUS``), else this process's affinity (``taskset``, a cgroup's cpuset), else
@@ -912,6 +922,7 @@ def _run_rank(args: argparse.Namespace, command: str, rank: int, n: int) -> int:
     ops.barrier()  # registers spmd's world group, so that its backend is known
     backend = ops.get_backend()
     info = machine_info(env, backend)
+    info["shm_hop_ns_at_start"] = shm_hop()
     say(f"spmd-bench: {n} ranks, spmd backend {backend}, {info['cpu']} ({info['cores']} cores)")
     say(f"implementations: {', '.join(impls)}")
     for peer, why in skipped.items():
@@ -951,6 +962,11 @@ def _run_rank(args: argparse.Namespace, command: str, rank: int, n: int) -> int:
     say("")
     say(f"# reference: numpy memcpy of {format_bytes(ref['bytes'])}B on every rank at once: "
         f"{ref['time_us']} us, {ref['GBps']} GB/s")  # fmt: skip
+    info["shm_hop_ns_at_end"] = shm_hop()
+    say(
+        f"# shared-memory hop (the staging probe, docs/collectives.md): "
+        f"{info['shm_hop_ns_at_start']} ns at the start, {info['shm_hop_ns_at_end']} ns at the end"
+    )
     say(f"# benchmark time: {time.monotonic() - start:.0f} s")
     if env.dist is not None:
         env.dist.destroy_process_group()
