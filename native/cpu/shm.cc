@@ -205,11 +205,15 @@ ShmGroup::~ShmGroup() {
   if (base_ != nullptr) munmap(base_, bytes_);
 }
 
+bool ShmGroup::Oversubscribed() const {
+  static const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  return static_cast<unsigned>(size_) > cores;
+}
+
 bool ShmGroup::WaitFor(const std::atomic<uint64_t>& a, uint64_t v,
                        std::chrono::steady_clock::time_point* deadline) const {
   // Oversubscribed (more ranks than cores): yield early so that the ranks we wait for can run.
-  static const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  const int spin_limit = static_cast<unsigned>(size_) > cores ? 16 : 4096;
+  const int spin_limit = Oversubscribed() ? 16 : 4096;
   int spins = 0;
   while (a.load(std::memory_order_acquire) < v) {
     if (++spins < spin_limit) {
@@ -275,10 +279,9 @@ constexpr double kFarHopNs = 100;
 }  // namespace
 
 Status ShmGroup::Place(const Signature& sig, size_t bytes, bool* first, bool always_far) {
-  static const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   far_ = staging_ == Staging::kStreamed;
   // Oversubscribed ranks take turns on a core, where staged lines are still cached.
-  if (bytes < kProbeMin || size_ == 1 || static_cast<unsigned>(size_) > cores) {
+  if (bytes < kProbeMin || size_ == 1 || Oversubscribed()) {
     return Status::Ok();
   }
   if (always_far) {

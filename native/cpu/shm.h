@@ -90,7 +90,7 @@ class ShmGroup {
     uint64_t sig[2];
     char pad1[48];
     char desc[512];
-    alignas(64) std::atomic<uint64_t> token;  // the staging probe's ring (Place)
+    alignas(64) std::atomic<uint64_t> token;  // the staging probe's ring (Ring)
   };
 
   ShmGroup() = default;
@@ -99,6 +99,8 @@ class ShmGroup {
   char* res(int r, uint64_t t) const { return data_ + (r * 4 + 2 + (t & 1)) * chunk_; }
   uint64_t next() const { return epoch_ + 1; }  // the sync point the current phase ends with
   Status Sync();
+  // More ranks in the group than cores on the machine.
+  bool Oversubscribed() const;
   // Waits until `a` reaches v: spinning, then yielding. False once the deadline, set the first
   // time the wait gets long, has passed.
   bool WaitFor(const std::atomic<uint64_t>& a, uint64_t v,

@@ -42,15 +42,15 @@ ONE_SHOT_MAX = 64 << 10
 SHM_STAGING = {"auto": 0, "cached": 1, "streamed": 2}
 
 
-def shm_staging(env: Any = os.environ) -> int:
-    """The native code of ``SPMD_SHM_STAGING``; :class:`SpmdError` for an unknown value."""
-    name = env.get("SPMD_SHM_STAGING", "") or "auto"
+def shm_staging(env: Any = os.environ) -> str:
+    """``SPMD_SHM_STAGING`` (a key of SHM_STAGING); :class:`SpmdError` for an unknown value."""
+    name: str = env.get("SPMD_SHM_STAGING", "") or "auto"
     if name not in SHM_STAGING:
         raise SpmdError(
             f"{this_rank()}: SPMD_SHM_STAGING={name!r} is not a staging mode; expected one "
             f"of {', '.join(SHM_STAGING)}"
         )
-    return SHM_STAGING[name]
+    return name
 
 
 # Roles of a collective in differentiation (GroupRef.role); equal to native/include/spmd/common.h.
@@ -193,7 +193,7 @@ def _attach_shm(gid: int, which: int, comm: Communicator, parts: list[list[int]]
     staging = 0
     try:
         try:  # a bad value on any rank fails every rank, after the exchange
-            staging = shm_staging()
+            staging = SHM_STAGING[shm_staging()]
         except SpmdError as e:
             error = str(e)
         if creator and error is None:

@@ -23,6 +23,7 @@ import datetime
 import importlib
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import re
@@ -591,6 +592,8 @@ def machine_info(env: Env, backend: str) -> dict[str, Any]:
     """Hardware and versions; no hostname, no paths."""
     import jax
 
+    from .._groups import shm_staging
+
     try:
         affinity = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -616,7 +619,7 @@ def machine_info(env: Env, backend: str) -> dict[str, Any]:
         "mpi4jax": package_version("mpi4jax"),
         "torch": package_version("torch"),
         "spmd_backend": backend,
-        "spmd_shm_staging": os.environ.get("SPMD_SHM_STAGING", "") or "auto",
+        "spmd_shm_staging": shm_staging(),
         "ranks": env.n,
         "load_average_1min_at_start": round(os.getloadavg()[0], 2),
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
@@ -631,7 +634,7 @@ def shm_hop() -> float | None:
     from .._groups import shm_hop_ns
 
     hop = shm_hop_ns()
-    return None if hop is None or hop != hop else round(hop, 1)
+    return None if hop is None or math.isnan(hop) else round(hop, 1)
 
 
 def job_cores() -> int:

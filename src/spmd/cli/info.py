@@ -83,8 +83,7 @@ def _collectives() -> list[str]:
         "send/recv always mpi)"
     )
     try:
-        staging = os.environ.get("SPMD_SHM_STAGING", "") or "auto"
-        shm_staging()
+        staging = shm_staging()
     except SpmdError as e:
         staging = f"error: {e}"
     out.append(
