@@ -38,7 +38,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spmd.cli.bench import cores_tag, cpu_model, job_cores, memory_gib, package_version
+from spmd.cli.bench import (
+    cores_tag,
+    cpu_model,
+    job_cores,
+    memory_gib,
+    package_version,
+    shm_hop,
+)
 
 SIZES = (784, 1024, 1024, 10)
 HEADER = (
@@ -149,9 +156,11 @@ def worker_spmd(args: argparse.Namespace) -> dict[str, Any]:
         compression = "bf16" if args.worker == "spmd-bf16" else None
         step = spmd.data_parallel(train_step, bucket_mb=args.bucket_mb, compression=compression)
 
+    hop = shm_hop()
     med = _time_steps(step, params, opt_state, args.batch, comm.rank, args)
     slowest = max(comm.allgather_object(med))  # the step ends when the slowest rank does
-    return {"step_s": slowest, "ranks": comm.size, "global_batch": args.batch * comm.size}
+    return {"step_s": slowest, "ranks": comm.size, "global_batch": args.batch * comm.size,
+            "hop_ns": [hop, shm_hop()]}  # fmt: skip
 
 
 def worker_nocomm(args: argparse.Namespace) -> dict[str, Any]:
@@ -161,9 +170,11 @@ def worker_nocomm(args: argparse.Namespace) -> dict[str, Any]:
     import spmd
 
     comm = spmd.init()
+    hop = shm_hop()
     med = _time_steps(*_local_step(args, sync=args.worker == "sync"), args.batch, comm.rank, args)
     slowest = max(comm.allgather_object(med))
-    return {"step_s": slowest, "ranks": comm.size, "global_batch": args.batch * comm.size}
+    return {"step_s": slowest, "ranks": comm.size, "global_batch": args.batch * comm.size,
+            "hop_ns": [hop, shm_hop()]}  # fmt: skip
 
 
 def worker_single(args: argparse.Namespace) -> dict[str, Any]:
@@ -290,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[float]] = {i: [] for i in impls}
     errors: dict[str, str] = {}
     load_start = round(os.getloadavg()[0], 2)
+    hops: list[float] = []  # the staging probe before and after the multi-rank jobs' steps
     for r in range(args.rounds):
         for impl in impls if r % 2 == 0 else reversed(impls):
             res = _run_worker(impl, args)
@@ -297,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 errors[impl] = res
                 continue
             runs[impl].append(res["step_s"])
+            hops.extend(h for h in res.get("hop_ns", []) if h is not None)
             print(f"round {r + 1} {impl:>10}: {res['step_s'] * 1e3:8.2f} ms/step", flush=True)
     global_batch = args.batch * args.ranks
     labels = {
@@ -347,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         "bucket_mb": args.bucket_mb,
         "load_average_1min_at_start": load_start,
         "load_average_1min_at_end": round(os.getloadavg()[0], 2),
+        "shm_hop_ns_min_max": [min(hops), max(hops)] if hops else None,
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
     }
     try:

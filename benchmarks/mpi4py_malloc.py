@@ -18,6 +18,8 @@ collectives three ways, each in its own job, rounds alternating:
   adds the input's blocks into the output. No collective that returns a new array can beat it.
 
 Time: per call the maximum over ranks, the median over calls, then the median over rounds.
+The spmd job also records the shared-memory staging probe's hop time before and after its calls
+(``spmd.cli.bench.shm_hop``; benchmarks/README.md: where the two cores share no cache).
 Writes ``benchmarks/results/mpi4py-malloc-cpu<cores>-n<ranks>.{json,md}`` (``cpu<cores>of<total>``
 on a job given fewer cores than the machine has).
 """
@@ -62,7 +64,9 @@ def _timed(comm: Any, call: Any, calls: int) -> float:
     return float(statistics.median(slowest))
 
 
-def worker(impl: str, nbytes: int, calls: int) -> dict[str, float]:
+def worker(impl: str, nbytes: int, calls: int) -> dict[str, Any]:
+    """Times the calls of one implementation: ``{"s": {op: seconds}}``, and for spmd also
+    ``"hop_ns"``: the staging probe's hop before and after them."""
     import numpy as np
 
     if impl in ("tuned", "spmd"):
@@ -93,6 +97,11 @@ def worker(impl: str, nbytes: int, calls: int) -> dict[str, float]:
             "allgather": lambda: ag(bs).block_until_ready(),
             "reduce_scatter": lambda: rs(xs).block_until_ready(),
         }
+        from spmd.cli.bench import shm_hop
+
+        hops = [shm_hop()]
+        times = {op: _timed(comm, call, calls) for op, call in calls_by_op.items()}
+        return {"s": times, "hop_ns": [*hops, shm_hop()]}
     elif impl == "floor":
         me, rows = comm.rank, count // n
 
@@ -115,7 +124,7 @@ def worker(impl: str, nbytes: int, calls: int) -> dict[str, float]:
             "allgather": lambda: comm.Allgather(block, out),
             "reduce_scatter": lambda: comm.Reduce_scatter_block(x, part),
         }
-    return {op: _timed(comm, call, calls) for op, call in calls_by_op.items()}
+    return {"s": {op: _timed(comm, call, calls) for op, call in calls_by_op.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     from spmd.cli.bench import cores_tag, job_cores
 
     runs: dict[str, dict[str, list[float]]] = {i: {} for i in IMPLS}
+    hops: list[float] = []  # the spmd jobs' probe readings, before and after their calls
     for r in range(args.rounds):
         for impl in IMPLS if r % 2 == 0 else reversed(list(IMPLS)):
             cmd = [
@@ -151,12 +161,15 @@ def main(argv: list[str] | None = None) -> int:
             if out.returncode != 0 or not line:
                 print(out.stderr, file=sys.stderr)
                 return 1
-            for op, t in json.loads(line[0][len("RESULT ") :]).items():
+            res = json.loads(line[0][len("RESULT ") :])
+            for op, t in res["s"].items():
                 runs[impl].setdefault(op, []).append(t)
+            hops.extend(h for h in res.get("hop_ns", []) if h is not None)
             print(f"round {r + 1} {IMPLS[impl]} done", flush=True)
     med = {
         i: {op: statistics.median(ts) * 1e3 for op, ts in ops.items()} for i, ops in runs.items()
     }
+    hop = f"{min(hops):.0f}-{max(hops):.0f} ns" if hops else "not measured (one rank)"
     header = "| op | " + " | ".join(f"{IMPLS[i]} (ms)" for i in IMPLS)
     header += " | spmd / plain | spmd / spmd's malloc | spmd / floor |"
     md = [
@@ -169,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         "every result is a new array) by each MPI call's, in-place rows included, and by the "
         "floor: the memory work that any out-of-place call leaves to each rank (numpy, no "
         "communication, all ranks at once).",
+        "",
+        f"Shared-memory hop (the staging probe, before and after each spmd job's calls): {hop}.",
         "",
         header,
         "|---|" + "---:|" * (len(IMPLS) + 3),
@@ -184,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = f"mpi4py-malloc-{cores_tag()}-n{args.ranks}"
-    (out_dir / f"{tag}.json").write_text(json.dumps({"ms": med, "rounds": runs}, indent=2) + "\n")
+    record = {"ms": med, "rounds": runs, "shm_hop_ns": hops}
+    (out_dir / f"{tag}.json").write_text(json.dumps(record, indent=2) + "\n")
     (out_dir / f"{tag}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md[md.index(header) :]))
     return 0
