@@ -149,6 +149,61 @@ def test_arena_tuning_makes_xla_reuse_large_result_buffers():
     assert faults < 1000, f"{faults} page faults in the median call: the 64 MB result is not reused"
 
 
+# A thread whose arena's first heap is nearly full (56 MB kept) allocates, touches and frees a
+# 16 MB block, again and again: the block takes a heap of its own, which glibc unmaps when the
+# block is freed unless the top pad keeps it. Prints the page faults of each round after the first.
+_THREAD_HEAP_FAULTS = """
+import ctypes, resource, sys, threading
+import spmd
+spmd.init()
+libc = ctypes.CDLL(None)
+if sys.argv[1] == "default-pad":
+    libc.mallopt(-2, 128 << 10)  # M_TOP_PAD back to glibc's default: the tuning without it
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+faults = []
+
+def work():
+    keep = libc.malloc(56 << 20)
+    ctypes.memset(keep, 1, 56 << 20)
+    for _ in range(8):
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        block = libc.malloc(16 << 20)
+        ctypes.memset(block, 1, 16 << 20)
+        libc.free(block)
+        faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+    libc.free(keep)
+
+t = threading.Thread(target=work)
+t.start()
+t.join()
+print(*faults[1:])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning")
+def test_tuning_keeps_the_heaps_of_xla_threads_mapped():
+    # 16 MB is 4,096 pages: a round that faults them all in got a freshly mapped heap.
+    def rounds(variant):
+        out = subprocess.run(
+            [sys.executable, "-c", _THREAD_HEAP_FAULTS, variant],
+            env=_clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        return [int(f) for f in out.stdout.split()]
+
+    tuned = rounds("tuned")
+    assert max(tuned) < 100, f"page faults per round {tuned}: the thread's heap was unmapped"
+    # The same pattern with glibc's default top pad maps a new heap every round: the pattern
+    # does reach the case the pad is for.
+    untuned = rounds("default-pad")
+    assert min(untuned) > 4000, f"page faults per round {untuned}"
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning")
 def test_spmd_run_tunes_malloc_before_the_program_starts_jax():
     # The program uses JAX before spmd.init (or never calls it): the rank wrapper tuned first.
