@@ -118,19 +118,26 @@ def _sleeping_job(tmp_path, preamble=""):
     """A 2-rank job of sleepers (after ``preamble``); returns spmd-run's process and the ranks'
     pids once both ranks are running."""
     script = tmp_path / "sleeper.py"
+    # Written under another name and renamed, so that a pid file is never seen empty.
     script.write_text(
         f"import os, signal, time\n{preamble}"
-        f"open(os.path.join({str(tmp_path)!r}, 'pid.' + os.environ['PMI_RANK']), 'w')"
-        ".write(str(os.getpid()))\n"
+        f"path = os.path.join({str(tmp_path)!r}, 'pid.' + os.environ['PMI_RANK'])\n"
+        "open(path + '.part', 'w').write(str(os.getpid()))\n"
+        "os.replace(path + '.part', path)\n"
         "time.sleep(120)\n"
     )
     proc = subprocess.Popen([*SPMD_RUN, "-n", "2", sys.executable, str(script)],
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
-    deadline = time.monotonic() + 60
-    while len(list(tmp_path.glob("pid.*"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
-    assert len(pids) == 2
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("pid.?"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = [int(p.read_text()) for p in tmp_path.glob("pid.?")]
+        assert len(pids) == 2
+    except BaseException:
+        proc.kill()  # no job left running into the next tests
+        proc.communicate(timeout=30)
+        raise
     return proc, pids
 
 
