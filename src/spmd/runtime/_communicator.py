@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
-from .._errors import SpmdError, SpmdTypeError
+from .._errors import SpmdError, SpmdTypeError, prefix
 from ._transport import Transport
 
 Groups = tuple[tuple[int, ...], ...]
+T = TypeVar("T")
 
 
 def resolve_rank_list(rank_list: Any, world_size: int, rank: int) -> Groups:
@@ -222,6 +223,33 @@ class Communicator:
     def barrier(self) -> None:
         """Return once every rank of the group has called ``barrier``."""
         self._get_transport().allgather(None)
+
+    def agree(self, step: Callable[[], T], *, setup: bool = False) -> list[T]:
+        """Run ``step()`` on every rank of the group and agree on the outcome.
+
+        Returns every rank's result, in group-rank order, when ``step`` succeeded on every rank.
+        Otherwise every rank raises: a rank where it failed, its own exception; the others an
+        :class:`spmd.SpmdError` that quotes the first failing rank's. So no rank goes on to a
+        collective that a failed rank will never join. ``setup=True`` exchanges over the
+        channel spmd uses to prepare groups for collectives (see :meth:`_setup_allgather`).
+        """
+        exchange = self._setup_allgather if setup else self.allgather_object
+        result: T | None = None
+        own: Exception | None = None
+        try:
+            result = step()
+        except Exception as e:  # every rank learns of it below
+            own = e
+        text = None
+        if own is not None:
+            text = str(own) if isinstance(own, SpmdError) else f"{prefix()}{own!r}"
+        outcomes = exchange((text, result)) if self.size > 1 else [(text, result)]
+        if own is not None:
+            raise own
+        first = next((t for t, _ in outcomes if t is not None), None)
+        if first is not None:
+            raise SpmdError(f"failed because another rank did: {first}")
+        return [r for _, r in outcomes]  # type: ignore[misc]
 
     def mpi_comm(self) -> Any:
         """The group's mpi4py communicator (used for bootstrap exchanges), or None when the

@@ -7,7 +7,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import SpmdError
+from .._errors import SpmdError, set_rank
+from .._errors import this_rank as this_rank
 from ._communicator import Communicator, Groups, resolve_rank_list
 from ._device import bind_local_device, device_shortage, drain_device_work
 from ._env import COMMUNICATOR_NAMES, CommunicatorName, LaunchInfo, detect, node_id
@@ -218,6 +219,7 @@ def init(backend: str | None = None) -> Communicator:
         if runtime.size > 1:
             install_abort_hook(runtime.rank)
         _runtime = runtime
+        set_rank(runtime.rank)
         for callback in _initializers:  # they handle their own failures (see on_init)
             callback(runtime.world)
         return runtime.world
@@ -234,6 +236,7 @@ def finalize() -> None:
         if runtime is None:
             return
         _runtime = None
+        set_rank(None)
         uninstall_abort_hook()
         runtime.close()
         _mpi_finalized = _mpi_finalized or runtime.mpi_world is not None
@@ -262,11 +265,6 @@ def world_data_comm() -> Any:
 
 def is_initialized() -> bool:
     return _runtime is not None
-
-
-def this_rank() -> str:
-    """How an error names this process: ``"rank N"`` (world rank), ``"rank ?"`` before init."""
-    return f"rank {_runtime.rank}" if _runtime is not None else "rank ?"
 
 
 def set_default_communicator(name: str) -> None:
