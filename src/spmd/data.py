@@ -52,13 +52,10 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
-def _who(rank: object) -> str:
-    """How an error names this process: its sampler rank if valid, else its world rank."""
-    if _is_int(rank):
-        return f"rank {rank}"
-    from .runtime import this_rank
-
-    return this_rank()
+def _who(rank: object) -> dict[str, Any]:
+    """How an error names this process (:class:`SpmdError`'s keywords): its sampler rank if
+    valid, else its world rank."""
+    return {"rank": int(rank)} if _is_int(rank) else {}  # type: ignore[call-overload]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -118,9 +115,10 @@ class DistributedSampler:
         _check_int(me, "rank", rank, 0, f"a rank with 0 <= rank < num_replicas={num_replicas}")
         if rank >= num_replicas:
             raise SpmdError(
-                f"{me}: DistributedSampler got rank={rank}, expected 0 <= rank < "
+                f"DistributedSampler got rank={rank}, expected 0 <= rank < "
                 f"num_replicas={num_replicas}; pass a rank below num_replicas, or leave both to "
-                "spmd.init()"
+                "spmd.init()",
+                **me,
             )
         _check_int(me, "num_samples", num_samples, 0, "a non-negative size, e.g. len(dataset)")
         _check_int(me, "seed", seed, 0, "a non-negative int, the same on every rank")
@@ -287,8 +285,9 @@ class DistributedSampler:
         me = _who(self._rank)
         if not isinstance(state, dict) or "epoch" not in state or "offset" not in state:
             raise SpmdTypeError(
-                f"{me}: DistributedSampler.load_state_dict got {type(state).__name__} "
-                f"{state!r:.200}, expected the dict of state_dict() with 'epoch' and 'offset'"
+                f"DistributedSampler.load_state_dict got {type(state).__name__} "
+                f"{state!r:.200}, expected the dict of state_dict() with 'epoch' and 'offset'",
+                **me,
             )
         mine = self.state_dict()
         layout = ("num_replicas", "drop_last")
@@ -299,17 +298,19 @@ class DistributedSampler:
         for key in ("num_samples", "num_replicas", "shuffle", "seed", "drop_last"):
             if key in state and state[key] != mine[key]:
                 raise SpmdError(
-                    f"{me}: DistributedSampler.load_state_dict: the state was saved with "
+                    f"DistributedSampler.load_state_dict: the state was saved with "
                     f"{key}={state[key]!r} but this sampler has {key}={mine[key]!r}; create the "
-                    f"sampler with {key}={state[key]!r} to resume, or start the epoch afresh"
+                    f"sampler with {key}={state[key]!r} to resume, or start the epoch afresh",
+                    **me,
                 )
         epoch, offset = state["epoch"], state["offset"]
         _check_int(me, "state['epoch']", epoch, 0, "a non-negative int")
         _check_int(me, "state['offset']", offset, 0, f"an int in [0, {len(self)}]")
         if offset > len(self):
             raise SpmdError(
-                f"{me}: DistributedSampler.load_state_dict got offset={offset}, expected an "
-                f"int in [0, {len(self)}] (this rank's indices per epoch)"
+                f"DistributedSampler.load_state_dict got offset={offset}, expected an "
+                f"int in [0, {len(self)}] (this rank's indices per epoch)",
+                **me,
             )
         self._epoch = int(epoch)
         self._offset = int(offset)
@@ -334,14 +335,15 @@ def _at_boundary(state: dict[str, Any]) -> bool:
     return offset == _per_rank(n, replicas, bool(state.get("drop_last")))
 
 
-def _check_int(me: str, name: str, value: object, low: int, expected: str) -> None:
+def _check_int(me: dict[str, Any], name: str, value: object, low: int, expected: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise SpmdTypeError(
-            f"{me}: DistributedSampler got {name}={value!r} ({type(value).__name__}), "
-            f"expected {expected}"
+            f"DistributedSampler got {name}={value!r} ({type(value).__name__}), "
+            f"expected {expected}",
+            **me,
         )
     if value < low:
-        raise SpmdError(f"{me}: DistributedSampler got {name}={value}, expected {expected}")
+        raise SpmdError(f"DistributedSampler got {name}={value}, expected {expected}", **me)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -384,9 +386,10 @@ def shard_batch(global_batch: Any, comm: Communicator | None = None) -> Any:
         name = "global_batch" + jax.tree_util.keystr(path)
         if _rows(comm, name, leaf) != rows:
             raise SpmdError(
-                f"rank {comm.world_rank}: shard_batch: {name} has {leaf.shape[0]} rows but "
+                f"{name} has {leaf.shape[0]} rows but "
                 f"{first} has {rows}; every leaf of the batch needs the same number of rows "
-                "(axis 0)"
+                "(axis 0)",
+                op="shard_batch",
             )
     mine = _my_rows(comm, rows, first)
     return jax.tree_util.tree_unflatten(treedef, [leaf[mine] for _, leaf in with_path])
@@ -396,13 +399,15 @@ def _rows(comm: Communicator, name: str, leaf: Any) -> int:
     shape = getattr(leaf, "shape", None)
     if not isinstance(shape, tuple) or not hasattr(leaf, "__getitem__"):
         raise SpmdTypeError(
-            f"rank {comm.world_rank}: shard_batch: {name} has type {type(leaf).__name__}, "
-            "expected an array; pass numpy or JAX arrays (np.asarray(...)) or pytrees of them"
+            f"{name} has type {type(leaf).__name__}, "
+            "expected an array; pass numpy or JAX arrays (np.asarray(...)) or pytrees of them",
+            op="shard_batch",
         )
     if not shape:
         raise SpmdTypeError(
-            f"rank {comm.world_rank}: shard_batch: {name} is a scalar (shape ()), expected an "
-            "array with a batch axis 0 to split over the ranks"
+            f"{name} is a scalar (shape ()), expected an "
+            "array with a batch axis 0 to split over the ranks",
+            op="shard_batch",
         )
     return int(shape[0])
 
@@ -410,9 +415,10 @@ def _rows(comm: Communicator, name: str, leaf: Any) -> int:
 def _my_rows(comm: Communicator, rows: int, name: str) -> slice:
     if rows % comm.size:
         raise SpmdError(
-            f"rank {comm.world_rank}: shard_batch: {name} has {rows} rows, which do not divide "
+            f"{name} has {rows} rows, which do not divide "
             f"evenly over the {comm.size} ranks; drop the last {rows % comm.size} rows or pad "
-            f"the batch to {rows + -rows % comm.size} rows (a multiple of {comm.size})"
+            f"the batch to {rows + -rows % comm.size} rows (a multiple of {comm.size})",
+            op="shard_batch",
         )
     per_rank = rows // comm.size
     return slice(comm.rank * per_rank, (comm.rank + 1) * per_rank)

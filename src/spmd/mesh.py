@@ -92,29 +92,28 @@ class Mesh:
 
     def __init__(self, **axes: int) -> None:
         world = get_communicator()
-        me = f"rank {world.world_rank}"
         if not axes:
-            raise SpmdError(f"{me}: Mesh() needs at least one axis, e.g. Mesh(dp={world.size})")
+            raise SpmdError(f"Mesh() needs at least one axis, e.g. Mesh(dp={world.size})")
         inferred = [name for name, size in axes.items() if size == -1]
         for name, size in axes.items():
             if isinstance(size, bool) or not isinstance(size, int | np.integer):
-                raise SpmdTypeError(f"{me}: Mesh axis {name}={size!r} is not an integer size")
+                raise SpmdTypeError(f"Mesh axis {name}={size!r} is not an integer size")
             if size < 1 and size != -1:
-                raise SpmdError(f"{me}: Mesh axis {name}={size} must be >= 1 (or -1 to infer it)")
+                raise SpmdError(f"Mesh axis {name}={size} must be >= 1 (or -1 to infer it)")
         if len(inferred) > 1:
-            raise SpmdError(f"{me}: Mesh({_fmt(axes)}) may infer (-1) at most one axis")
+            raise SpmdError(f"Mesh({_fmt(axes)}) may infer (-1) at most one axis")
         known = math.prod(size for size in axes.values() if size != -1)
         shape = {name: int(size) for name, size in axes.items()}
         if inferred:
             if world.size % known:
                 raise SpmdError(
-                    f"{me}: Mesh({_fmt(axes)}): the world size {world.size} is not divisible "
+                    f"Mesh({_fmt(axes)}): the world size {world.size} is not divisible "
                     f"by {known}, so {inferred[0]}=-1 cannot be inferred"
                 )
             shape[inferred[0]] = world.size // known
         if math.prod(shape.values()) != world.size:
             raise SpmdError(
-                f"{me}: Mesh({_fmt(axes)}) has {math.prod(shape.values())} ranks but the world "
+                f"Mesh({_fmt(axes)}) has {math.prod(shape.values())} ranks but the world "
                 f"has {world.size}; the axis sizes must multiply to the world size"
             )
         self._shape = MappingProxyType(shape)
@@ -139,15 +138,16 @@ class Mesh:
         names = (axis,) if isinstance(axis, str) else axis
         if not isinstance(names, tuple) or not names or not all(isinstance(a, str) for a in names):
             raise SpmdTypeError(
-                f"rank {self._world.world_rank}: axis={axis!r} is not an axis name or a tuple of "
-                f"axis names of {self!r}"
+                f"axis={axis!r} is not an axis name or a tuple of axis names of {self!r}",
+                rank=self._world.world_rank,
             )
         derived = "ep" in names and "ep" not in self._shape
         out = tuple(a for n in names for a in self._expand(n))
         if len(set(out)) != len(out):
             raise SpmdError(
-                f"rank {self._world.world_rank}: axis={axis!r} uses a mesh axis twice"
-                + (f" ('ep' is {' and '.join(_ep_axes(self._shape))} combined)" if derived else "")
+                f"axis={axis!r} uses a mesh axis twice"
+                + (f" ('ep' is {' and '.join(_ep_axes(self._shape))} combined)" if derived else ""),
+                rank=self._world.world_rank,
             )
         return out
 
@@ -158,19 +158,21 @@ class Mesh:
             derived = _ep_axes(self._shape)
             if not derived:
                 raise SpmdError(
-                    f"rank {self._world.world_rank}: {self!r} has no 'dp' or 'tp' axis, from "
-                    "which the 'ep' axis is derived; name an axis 'ep', or pass a tuple of axes"
+                    f"{self!r} has no 'dp' or 'tp' axis, from "
+                    "which the 'ep' axis is derived; name an axis 'ep', or pass a tuple of axes",
+                    rank=self._world.world_rank,
                 )
             return derived
         if name not in self._shape:
             raise SpmdError(
-                f"rank {self._world.world_rank}: {self!r} has no axis {name!r}; its axes are "
+                f"{self!r} has no axis {name!r}; its axes are "
                 f"{', '.join(map(repr, self._shape))}"
                 + (
                     ""
                     if "ep" in self._shape or not _ep_axes(self._shape)
                     else " (and 'ep', derived from its dp and tp axes)"
-                )
+                ),
+                rank=self._world.world_rank,
             )
         return (name,)
 

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec
 
 from ._errors import SpmdError, SpmdTypeError
 from .mesh import Mesh, current_mesh
-from .runtime import Communicator, get_communicator, this_rank
+from .runtime import Communicator, get_communicator
 
 __all__ = ["PartitionSpec", "ShardedArray", "gather", "is_sharded", "shard"]
 
@@ -63,12 +63,11 @@ def _normalize(spec: Any, ndim: int, where: Where) -> PartitionSpec:
             spec = _spec(*spec)
         else:
             raise SpmdTypeError(
-                f"{this_rank()}: spec={spec!r} is not a PartitionSpec; pass e.g. "
-                "spmd.PartitionSpec('dp', None)"
+                f"spec={spec!r} is not a PartitionSpec; pass e.g. spmd.PartitionSpec('dp', None)"
             )
     if len(spec) > ndim:
         raise SpmdError(
-            f"{this_rank()}: {spec} has {len(spec)} entries for an array of {ndim} dimensions; "
+            f"{spec} has {len(spec)} entries for an array of {ndim} dimensions; "
             "give at most one entry per dimension"
         )
     entries: list[tuple[Any, ...] | None] = []
@@ -81,7 +80,7 @@ def _normalize(spec: Any, ndim: int, where: Where) -> PartitionSpec:
             names = e if isinstance(e, tuple | list) else (e,)
             bad = next(a for a in names if not isinstance(a, str))
             raise SpmdTypeError(
-                f"{this_rank()}: {spec}: {bad!r} is not an axis name; each entry is None, an "
+                f"{spec}: {bad!r} is not an axis name; each entry is None, an "
                 "axis name, or a tuple of axis names"
             )
     entries += [None] * (ndim - len(entries))
@@ -89,18 +88,15 @@ def _normalize(spec: Any, ndim: int, where: Where) -> PartitionSpec:
     used = [a for e in entries if e for a in (where._axes(e) if isinstance(where, Mesh) else e)]
     if len(set(used)) != len(used):
         raise SpmdError(
-            f"{this_rank()}: {spec} uses a mesh axis twice (as {', '.join(used)}); each axis "
-            "splits one dimension"
+            f"{spec} uses a mesh axis twice (as {', '.join(used)}); each axis splits one dimension"
         )
     if isinstance(where, Communicator) and any(e and len(e) > 1 for e in entries):
         raise SpmdError(
-            f"{this_rank()}: {spec} combines several axes but the array is sharded over a "
+            f"{spec} combines several axes but the array is sharded over a "
             "group, which has one axis; shard over a Mesh to combine axes"
         )
     if isinstance(where, Communicator) and sum(1 for e in entries if e) > 1:
-        raise SpmdError(
-            f"{this_rank()}: {spec} splits several dimensions over one group; a group has one axis"
-        )
+        raise SpmdError(f"{spec} splits several dimensions over one group; a group has one axis")
     return _spec(*(e[0] if e and len(e) == 1 else e for e in entries))
 
 
@@ -133,14 +129,14 @@ def _dims(shape: tuple[int, ...], spec: PartitionSpec, where: Where) -> tuple[_D
 
 def _resolve_where(mesh: Any, group: Any) -> Where:
     if mesh is not None and group is not None:
-        raise SpmdError(f"{this_rank()}: pass mesh= or group=, not both")
+        raise SpmdError("pass mesh= or group=, not both")
     if group is not None:
         if not isinstance(group, Communicator):
-            raise SpmdTypeError(f"{this_rank()}: group={group!r} is not a Communicator")
+            raise SpmdTypeError(f"group={group!r} is not a Communicator")
         return group
     if mesh is not None:
         if not isinstance(mesh, Mesh):
-            raise SpmdTypeError(f"{this_rank()}: mesh={mesh!r} is not a spmd.Mesh")
+            raise SpmdTypeError(f"mesh={mesh!r} is not a spmd.Mesh")
         return mesh
     active = current_mesh()
     return active if active is not None else get_communicator()
@@ -334,9 +330,10 @@ def shard(x: Any, spec: Any, mesh: Mesh | None = None, *, group: Communicator | 
     def one(path: Any, leaf: Any) -> ShardedArray:
         if isinstance(leaf, ShardedArray):
             raise SpmdTypeError(
-                f"{this_rank()}: shard: {jax.tree_util.keystr(path) or 'x'} is already a "
+                f"{jax.tree_util.keystr(path) or 'x'} is already a "
                 f"ShardedArray (spec {leaf.spec}); use its .reshard(spec) for another layout, or "
-                "spmd.gather it first"
+                "spmd.gather it first",
+                op="shard",
             )
         leaf = jnp.asarray(leaf)
         s = _normalize(spec, leaf.ndim, where)

@@ -27,39 +27,42 @@ def resolve_rank_list(rank_list: Any, world_size: int, rank: int) -> Groups:
     """
     hint = "expected a list of disjoint lists of ranks, e.g. rank_list=[[0, 1], [2, 3]]"
     if isinstance(rank_list, str | bytes) or not isinstance(rank_list, Sequence):
-        raise SpmdTypeError(f"rank {rank}: rank_list={rank_list!r} is not a list; {hint}")
+        raise SpmdTypeError(f"rank_list={rank_list!r} is not a list; {hint}", rank=rank)
     if len(rank_list) == 0:
         raise SpmdError(
-            f"rank {rank}: rank_list=[] lists no group; {hint}, or rank_list=None for the world"
+            f"rank_list=[] lists no group; {hint}, or rank_list=None for the world", rank=rank
         )
     groups: list[tuple[int, ...]] = []
     seen: dict[int, int] = {}
     for gid, group in enumerate(rank_list):
         if isinstance(group, str | bytes) or not isinstance(group, Sequence):
             raise SpmdTypeError(
-                f"rank {rank}: rank_list={rank_list!r}: group {gid} is {group!r}, not a list of "
-                f"ranks; {hint}"
+                f"rank_list={rank_list!r}: group {gid} is {group!r}, not a list of ranks; {hint}",
+                rank=rank,
             )
         if len(group) == 0:
-            raise SpmdError(f"rank {rank}: rank_list={rank_list!r}: group {gid} is empty; {hint}")
+            raise SpmdError(f"rank_list={rank_list!r}: group {gid} is empty; {hint}", rank=rank)
         members: list[int] = []
         for r in group:
             if isinstance(r, bool) or not isinstance(r, numbers.Integral):
                 raise SpmdTypeError(
-                    f"rank {rank}: rank_list={rank_list!r}: group {gid} holds {r!r}, not an "
-                    f"integer rank; {hint}"
+                    f"rank_list={rank_list!r}: group {gid} holds {r!r}, not an "
+                    f"integer rank; {hint}",
+                    rank=rank,
                 )
             r = int(r)
             if not 0 <= r < world_size:
                 raise SpmdError(
-                    f"rank {rank}: rank_list={rank_list!r} names rank {r}, out of range for a "
-                    f"world of {world_size} ranks (valid: 0..{world_size - 1})"
+                    f"rank_list={rank_list!r} names rank {r}, out of range for a "
+                    f"world of {world_size} ranks (valid: 0..{world_size - 1})",
+                    rank=rank,
                 )
             if r in seen:
                 where = f"groups {seen[r]} and {gid}" if seen[r] != gid else f"group {gid}"
                 raise SpmdError(
-                    f"rank {rank}: rank_list={rank_list!r} lists rank {r} twice ({where}); each "
-                    "rank may appear in at most one group"
+                    f"rank_list={rank_list!r} lists rank {r} twice ({where}); each "
+                    "rank may appear in at most one group",
+                    rank=rank,
                 )
             seen[r] = gid
             members.append(r)
@@ -212,10 +215,10 @@ class Communicator:
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """``obj`` of group rank ``root`` on every rank of the group."""
         if isinstance(root, bool) or not isinstance(root, numbers.Integral):
-            raise SpmdTypeError(f"rank {self.world_rank}: root={root!r} is not an integer rank")
+            raise SpmdTypeError(f"root={root!r} is not an integer rank")
         if not 0 <= root < self.size:
             raise SpmdError(
-                f"rank {self.world_rank}: root={root} is out of range for a group of "
+                f"root={root} is out of range for a group of "
                 f"{self.size} ranks (valid: 0..{self.size - 1})"
             )
         return self._get_transport().allgather(obj if self._rank == root else None)[root]

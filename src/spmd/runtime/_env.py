@@ -81,11 +81,12 @@ def detect(env: Mapping[str, str], requested: CommunicatorName | None = None) ->
             requested = "mpi"
         elif size is not None and size > 1:
             raise SpmdError(
-                f"rank {rank}: RANK={rank} WORLD_SIZE={size} say this is one of {size} processes "
+                f"RANK={rank} WORLD_SIZE={size} say this is one of {size} processes "
                 "started by a torchrun-style launcher, but SPMD_FILE_STORE_PATH is not set. spmd "
                 "exchanges bootstrap data between such processes through files: set "
                 "SPMD_FILE_STORE_PATH to a directory all ranks can reach, e.g. "
-                "SPMD_FILE_STORE_PATH=$(mktemp -d) torchrun ..."
+                "SPMD_FILE_STORE_PATH=$(mktemp -d) torchrun ...",
+                rank=rank,
             )
         else:
             return LaunchInfo(None, 0, 1)
@@ -104,11 +105,12 @@ def detect(env: Mapping[str, str], requested: CommunicatorName | None = None) ->
         if size is None:
             size = 1
         if not 0 <= rank < size:
-            raise SpmdError(f"rank {rank}: RANK={rank} is outside WORLD_SIZE={size}")
+            raise SpmdError(f"RANK={rank} is outside WORLD_SIZE={size}", rank=rank)
         if size > 1 and store is None:
             raise SpmdError(
-                f"rank {rank}: the 'void' communicator with WORLD_SIZE={size} needs "
-                "SPMD_FILE_STORE_PATH, a directory shared by all ranks, to exchange bootstrap data"
+                f"the 'void' communicator with WORLD_SIZE={size} needs "
+                "SPMD_FILE_STORE_PATH, a directory shared by all ranks, to exchange bootstrap data",
+                rank=rank,
             )
         return LaunchInfo("void", rank, size, store)
 
@@ -131,8 +133,8 @@ def node_id(env: Mapping[str, str], rank: int, size: int) -> str:
     if nodes is not None:
         if not 1 <= nodes <= size:
             raise SpmdError(
-                f"rank {rank}: SPMD_SIMULATE_NODES={nodes} must be between 1 and the world size "
-                f"{size}"
+                f"SPMD_SIMULATE_NODES={nodes} must be between 1 and the world size {size}",
+                rank=rank,
             )
         return f"simulated-node-{rank * nodes // size}"
     return socket.gethostname()

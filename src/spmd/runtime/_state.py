@@ -46,11 +46,12 @@ class _Runtime:
             rank, size = self.mpi_world.Get_rank(), self.mpi_world.Get_size()
             if launch.size is not None and launch.size != size:
                 raise SpmdError(
-                    f"rank {rank}: the launcher started {launch.size} processes but MPI sees a "
+                    f"the launcher started {launch.size} processes but MPI sees a "
                     f"world of {size}: mpi4py loaded an MPI library other than the launcher's "
                     f"({MPI.Get_library_version().splitlines()[0].strip()}). Use the mpiexec of "
                     "that library, or point mpi4py at the launcher's library with MPI4PY_LIBMPI "
-                    "(README, 'Using a system MPI')."
+                    "(README, 'Using a system MPI').",
+                    rank=rank,
                 )
             bootstrap: Transport = MpiTransport(self.mpi_world, rank, range(size), self.timeout)
             # The world's data communicator, for spmd.ops (its collectives never match the
@@ -75,6 +76,7 @@ class _Runtime:
             bootstrap = setup = SelfTransport()
 
         self.rank, self.size = rank, size
+        set_rank(rank)  # errors name this rank from here on, the exchanges' below included
         self.node_ids: tuple[str, ...] = tuple(bootstrap.allgather(node_id(os.environ, rank, size)))
         groups: Groups = (tuple(range(size)),)
         self.world = Communicator(
@@ -195,7 +197,7 @@ def init(backend: str | None = None) -> Communicator:
         if _runtime is not None:
             if requested is not None and backend is not None and requested != _runtime.name:
                 raise SpmdError(
-                    f"rank {_runtime.rank}: spmd is already initialized with the "
+                    f"spmd is already initialized with the "
                     f"{_runtime.name!r} communicator, not {requested!r}; call spmd.finalize() "
                     "first"
                 )
@@ -203,8 +205,9 @@ def init(backend: str | None = None) -> Communicator:
         launch = detect(os.environ, requested)
         if launch.communicator == "mpi" and _mpi_finalized:
             raise SpmdError(
-                f"rank {launch.rank}: MPI was finalized by spmd.finalize() and cannot be "
-                "initialized again in this process"
+                "MPI was finalized by spmd.finalize() and cannot be "
+                "initialized again in this process",
+                rank=launch.rank,
             )
         _tune_malloc()
         runtime = _Runtime(launch, _generation)
@@ -214,7 +217,7 @@ def init(backend: str | None = None) -> Communicator:
         if runtime.size > 1:
             shortage = next((s for s in runtime.world._setup_allgather(shortage) if s), "")
         if shortage:
-            raise SpmdError(f"rank {runtime.rank}: {shortage}")
+            raise SpmdError(shortage, rank=runtime.rank)
         bind_local_device(runtime.world.local_rank)
         if runtime.size > 1:
             install_abort_hook(runtime.rank)
@@ -280,7 +283,7 @@ def set_default_communicator(name: str) -> None:
             )
         if _runtime is not None and _runtime.name != name:
             raise SpmdError(
-                f"rank {_runtime.rank}: spmd is running with the {_runtime.name!r} communicator; "
+                f"spmd is running with the {_runtime.name!r} communicator; "
                 f"call spmd.finalize() before switching to {name!r}"
             )
         _default_name = name

@@ -41,8 +41,9 @@ class FileStore:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise SpmdError(
-                f"rank {rank}: cannot create the bootstrap directory {self.dir} "
-                f"(SPMD_FILE_STORE_PATH={root!r}): {e}"
+                f"cannot create the bootstrap directory {self.dir} "
+                f"(SPMD_FILE_STORE_PATH={root!r}): {e}",
+                rank=rank,
             ) from None
 
     def set(self, key: str, value: bytes) -> None:
@@ -74,9 +75,10 @@ class FileStore:
                 if values[i] is None and not (self.dir / key).exists()
             ]
             raise SpmdError(
-                f"rank {self.rank}: {what} timed out after {self.timeout:g} s waiting for "
+                f"{what} timed out after {self.timeout:g} s waiting for "
                 f"ranks {missing} (store {self.dir}). Every rank of the group must make the "
-                "same calls in the same order; raise SPMD_TIMEOUT if they are just slow."
+                "same calls in the same order; raise SPMD_TIMEOUT if they are just slow.",
+                rank=self.rank,
             )
         return [v for v in values if v is not None]
 

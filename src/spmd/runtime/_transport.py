@@ -103,7 +103,7 @@ def refuse_if_broken(broken: str | None, world_rank: int, what: str, ranks: list
     """After a timed-out exchange a group's channel is unusable: its ranks may be out of step."""
     if broken is not None:
         raise SpmdError(
-            f"rank {world_rank}: {what}: the group of ranks {ranks} is unusable after an "
+            f"{what}: the group of ranks {ranks} is unusable after an "
             f"earlier exchange timed out ({broken})"
         )
 
@@ -148,7 +148,7 @@ def mpi_create_group(world: Any, world_rank: int, ranks: Sequence[int], timeout:
             else f"rank {root} (the group's root) did not confirm that all joined"
         )
         raise SpmdError(
-            f"rank {world_rank}: creating the communicator of ranks {members} timed out "
+            f"creating the communicator of ranks {members} timed out "
             f"after {timeout:g} s: {who}. Every rank of a group must make the same calls "
             "in the same order; raise SPMD_TIMEOUT if they are just slow."
         )
