@@ -419,36 +419,12 @@ def group_ref(comm: Communicator, p2p: bool = False) -> GroupRef:
         return GroupRef(gid, comm.rank, comm.ranks)
 
 
-def communicator(rank_list: Any = None, group: Any = None, where: str = "") -> Communicator:
-    """The Communicator that ``rank_list=`` or ``group=`` (a Communicator or a mesh axis name)
-    designates; both None: the default communicator. ``where`` prefixes errors (the op)."""
-    where = f"{this_rank()}: {where}: " if where else f"{this_rank()}: "
-    if rank_list is not None and group is not None:
-        raise SpmdError(f"{where}pass rank_list= or group=, not both")
-    if group is None:
-        return get_communicator(rank_list)
-    if isinstance(group, Communicator):
-        return group
-    if isinstance(group, str | tuple):
-        from .mesh import current_mesh
-
-        mesh = current_mesh()
-        if mesh is None:
-            raise SpmdError(
-                f"{where}group={group!r} names a mesh axis but no mesh is active; use it "
-                "inside `with spmd.Mesh(...):`, or pass group=mesh.group(axis)"
-            )
-        return mesh.group(group)
-    raise SpmdError(
-        f"{where}group={group!r} is not a Communicator or a mesh axis name (str); pass e.g. "
-        "group=spmd.get_communicator(...) or group='tp' inside `with spmd.Mesh(...):`"
-    )
-
-
 def resolve(rank_list: Any = None, group: Any = None, p2p: bool = False) -> GroupRef:
     """The group of an op call from its ``rank_list=`` or ``group=`` argument (``p2p``: for a
     point-to-point call, see :func:`group_ref`)."""
-    return group_ref(communicator(rank_list, group), p2p)
+    from .mesh import resolve_group
+
+    return group_ref(resolve_group(rank_list, group), p2p)
 
 
 def set_backend(name: str) -> None:

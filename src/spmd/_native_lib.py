@@ -20,11 +20,13 @@ def native() -> ModuleType:
     except ImportError as e:
         raise SpmdError(
             f"spmd's native module is missing ({e}); spmd must be installed with pip, which "
-            "compiles native/ (pip install .), not used from a source checkout"
+            "compiles native/ (pip install .), not used from a source checkout",
+            rank=None,
         ) from None
     if _native.abi_version() != NATIVE_ABI_VERSION:
         raise SpmdError(
             f"spmd's native module has ABI version {_native.abi_version()}, this Python code "
-            f"expects {NATIVE_ABI_VERSION}: reinstall spmd (pip install .) to rebuild it"
+            f"expects {NATIVE_ABI_VERSION}: reinstall spmd (pip install .) to rebuild it",
+            rank=None,
         )
     return _native

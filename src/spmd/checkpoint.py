@@ -896,9 +896,9 @@ def _into(entry: dict[str, Any], want: Any, reader: _Reader, where: str) -> Any:
 def _communicator(group: Any) -> Communicator:
     """The group that saves or loads together: the collectives' own resolution (None: the
     default communicator; a Communicator; or an axis name of the active mesh)."""
-    from ._groups import communicator
+    from .mesh import resolve_group
 
-    return communicator(None, group, "spmd.checkpoint")
+    return resolve_group(None, group, op="spmd.checkpoint")
 
 
 def _target(path: Any) -> Path:

@@ -250,3 +250,34 @@ def current_mesh() -> Mesh | None:
 
 def _fmt(axes: Mapping[str, int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in axes.items())
+
+
+def resolve_group(
+    rank_list: Any = None, group: Any = None, *, op: str | None = None
+) -> Communicator:
+    """The Communicator that an op's ``rank_list=`` or ``group=`` argument designates.
+
+    ``group`` is a Communicator or an axis name (or tuple of names) of the active mesh;
+    ``rank_list`` a RAF-style list of rank lists; both None: the default communicator. ``op``
+    names the operation in errors.
+    """
+    if rank_list is not None and group is not None:
+        raise SpmdError("pass rank_list= or group=, not both", op=op)
+    if group is None:
+        return get_communicator(rank_list)
+    if isinstance(group, Communicator):
+        return group
+    if isinstance(group, str | tuple):
+        mesh = current_mesh()
+        if mesh is None:
+            raise SpmdError(
+                f"group={group!r} names a mesh axis but no mesh is active; use it inside "
+                "`with spmd.Mesh(...):`, or pass group=mesh.group(axis)",
+                op=op,
+            )
+        return mesh.group(group)
+    raise SpmdError(
+        f"group={group!r} is not a Communicator or a mesh axis name (str); pass e.g. "
+        "group=spmd.get_communicator(...) or group='tp' inside `with spmd.Mesh(...):`",
+        op=op,
+    )

@@ -211,9 +211,9 @@ def _check_compression(compression: Any) -> None:
 
 
 def _communicator(group: Any, where: str) -> Communicator:
-    from .._groups import communicator
+    from ..mesh import resolve_group
 
-    return communicator(None, group, where)
+    return resolve_group(None, group, op=where)
 
 
 # -- pass -----------------------------------------------------------------------------------------

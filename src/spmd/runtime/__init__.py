@@ -1,9 +1,24 @@
 """spmd's runtime: init/finalize, launcher detection, communicators and their pool.
 
-Knows nothing of JAX tracing; imports neither JAX nor MPI until :func:`init` needs them.
+Knows nothing of JAX tracing; imports neither JAX nor MPI until :func:`init` needs them. Besides
+the public API it exports what the layers above use from it: the launcher's per-rank helpers
+(affinity, malloc tuning, failure reports) and launcher detection.
 """
 
+from ._affinity import bind_mode as bind_mode
+from ._affinity import bind_rank as bind_rank
+from ._affinity import record_cpus as record_cpus
+from ._affinity import recorded_cpus as recorded_cpus
 from ._communicator import Communicator as Communicator
+from ._env import detect as detect
+from ._env import mpi_rank_size as mpi_rank_size
+from ._env import timeout_seconds as timeout_seconds
+from ._failure import abort_job as abort_job
+from ._failure import format_rank_traceback as format_rank_traceback
+from ._failure import must_abort as must_abort
+from ._failure import report_exception as report_exception
+from ._failure import report_status as report_status
+from ._malloc import tune as tune_malloc
 from ._state import finalize as finalize
 from ._state import get_communicator as get_communicator
 from ._state import init as init
@@ -13,10 +28,23 @@ from ._state import this_rank as this_rank
 
 __all__ = [
     "Communicator",
+    "abort_job",
+    "bind_mode",
+    "bind_rank",
+    "detect",
     "finalize",
+    "format_rank_traceback",
     "get_communicator",
     "init",
     "is_initialized",
+    "mpi_rank_size",
+    "must_abort",
+    "record_cpus",
+    "recorded_cpus",
+    "report_exception",
+    "report_status",
     "set_default_communicator",
     "this_rank",
+    "timeout_seconds",
+    "tune_malloc",
 ]

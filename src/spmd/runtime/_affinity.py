@@ -49,7 +49,7 @@ def recorded_cpus(env: Mapping[str, str]) -> list[int] | None:
 def bind_mode(env: Mapping[str, str]) -> str:
     mode = env.get("SPMD_BIND", "auto") or "auto"
     if mode not in BIND_MODES:
-        raise SpmdError(f"SPMD_BIND={mode!r}; expected one of {', '.join(BIND_MODES)}")
+        raise SpmdError(f"SPMD_BIND={mode!r}; expected one of {', '.join(BIND_MODES)}", rank=None)
     return mode
 
 

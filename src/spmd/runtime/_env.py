@@ -47,7 +47,9 @@ def _int(env: Mapping[str, str], name: str) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise SpmdError(f"environment variable {name}={value!r} is not an integer") from None
+        raise SpmdError(
+            f"environment variable {name}={value!r} is not an integer", rank=None
+        ) from None
 
 
 def mpi_rank_size(env: Mapping[str, str]) -> tuple[int, int | None] | None:
@@ -115,7 +117,8 @@ def detect(env: Mapping[str, str], requested: CommunicatorName | None = None) ->
         return LaunchInfo("void", rank, size, store)
 
     raise SpmdError(
-        f"unknown communicator {requested!r}; expected one of {', '.join(COMMUNICATOR_NAMES)}"
+        f"unknown communicator {requested!r}; expected one of {', '.join(COMMUNICATOR_NAMES)}",
+        rank=None,
     )
 
 
@@ -148,7 +151,7 @@ def timeout_seconds(env: Mapping[str, str] = os.environ) -> float:
     try:
         seconds = float(value)
     except ValueError:
-        raise SpmdError(f"SPMD_TIMEOUT={value!r} is not a number of seconds") from None
+        raise SpmdError(f"SPMD_TIMEOUT={value!r} is not a number of seconds", rank=None) from None
     if seconds <= 0:
-        raise SpmdError(f"SPMD_TIMEOUT={value!r} must be positive")
+        raise SpmdError(f"SPMD_TIMEOUT={value!r} must be positive", rank=None)
     return seconds

@@ -55,7 +55,7 @@ def tune(env: dict[str, str] | None = None) -> bool:
     env = dict(os.environ) if env is None else env
     mode = env.get("SPMD_MALLOC_TUNING", "1")
     if mode not in ("0", "1", "arena"):
-        raise SpmdError(f"SPMD_MALLOC_TUNING={mode!r}: expected 0, 1 or arena")
+        raise SpmdError(f"SPMD_MALLOC_TUNING={mode!r}: expected 0, 1 or arena", rank=None)
     if _done or mode == "0":
         return _done
     try:

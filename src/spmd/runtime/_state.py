@@ -167,7 +167,8 @@ def _requested_name(backend: str | None) -> CommunicatorName | None:
     name = backend or _default_name or os.environ.get("SPMD_COMMUNICATOR") or None
     if name is not None and name not in COMMUNICATOR_NAMES:
         raise SpmdError(
-            f"unknown communicator {name!r}; expected one of {', '.join(COMMUNICATOR_NAMES)}"
+            f"unknown communicator {name!r}; expected one of {', '.join(COMMUNICATOR_NAMES)}",
+            rank=None,
         )
     return name
 
@@ -279,7 +280,8 @@ def set_default_communicator(name: str) -> None:
     with _lock:
         if name not in COMMUNICATOR_NAMES:
             raise SpmdError(
-                f"unknown communicator {name!r}; expected one of {', '.join(COMMUNICATOR_NAMES)}"
+                f"unknown communicator {name!r}; expected one of {', '.join(COMMUNICATOR_NAMES)}",
+                rank=None,
             )
         if _runtime is not None and _runtime.name != name:
             raise SpmdError(
