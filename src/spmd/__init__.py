@@ -7,7 +7,6 @@ such as ``spmd-run`` start fast.
 
 from typing import TYPE_CHECKING, Any
 
-from . import _groups as _groups  # spmd.init prepares the world's native group
 from ._errors import PerExampleGradientWarning as PerExampleGradientWarning
 from ._errors import SpmdError as SpmdError
 from ._errors import SpmdTypeError as SpmdTypeError

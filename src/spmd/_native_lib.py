@@ -1,10 +1,17 @@
-"""Loading spmd's native layer (``spmd._native``) and checking it matches this Python code."""
+"""Loading spmd's native modules, checking they match this Python code, and their tables.
+
+``spmd._native`` holds the CPU handlers and the native groups; ``spmd._native_cuda``, built where
+nvcc was found at install time, the GPU handlers. Both export the codes Python and C++ share
+(reduce ops, transports, roles, codecs, ...) through ``tables()``: Python reads them from there,
+never from a copy of its own.
+"""
 
 from __future__ import annotations
 
 import functools
 import importlib
 from types import ModuleType
+from typing import Any
 
 from ._errors import SpmdError
 
@@ -12,21 +19,75 @@ from ._errors import SpmdError
 NATIVE_ABI_VERSION = 7
 
 
+def _load(name: str) -> ModuleType:
+    module = importlib.import_module(f"{__package__}.{name}")
+    if module.abi_version() != NATIVE_ABI_VERSION:
+        raise SpmdError(
+            f"spmd's {name} module has ABI version {module.abi_version()}, this Python code "
+            f"expects {NATIVE_ABI_VERSION}: reinstall spmd (pip install .) to rebuild it",
+            rank=None,
+        )
+    return module
+
+
 @functools.cache
 def native() -> ModuleType:
     """The compiled ``spmd._native`` module; a clear error if it is missing or stale."""
     try:
-        _native = importlib.import_module(f"{__package__}._native")
+        return _load("_native")
     except ImportError as e:
         raise SpmdError(
             f"spmd's native module is missing ({e}); spmd must be installed with pip, which "
             "compiles native/ (pip install .), not used from a source checkout",
             rank=None,
         ) from None
-    if _native.abi_version() != NATIVE_ABI_VERSION:
+
+
+@functools.cache
+def native_cuda() -> ModuleType | None:
+    """``spmd._native_cuda``, or None where spmd was built without CUDA."""
+    try:
+        return _load("_native_cuda")
+    except ImportError:
+        return None
+
+
+def require_native_cuda(op: str | None = None) -> ModuleType:
+    """:func:`native_cuda`, or an error saying how to get it."""
+    mod = native_cuda()
+    if mod is None:
         raise SpmdError(
-            f"spmd's native module has ABI version {_native.abi_version()}, this Python code "
-            f"expects {NATIVE_ABI_VERSION}: reinstall spmd (pip install .) to rebuild it",
-            rank=None,
+            "JAX runs on a GPU but spmd was built without its GPU module (no nvcc was "
+            "found when it was installed); reinstall with the CUDA toolkit on PATH "
+            "(pip install 'spmd[cuda12]' or 'spmd[cuda13]'), or run JAX on CPU "
+            "(JAX_PLATFORMS=cpu)",
+            op=op,
         )
-    return _native
+    return mod
+
+
+# The shared codes. TODO(native ABI 8): read from native().tables() / native_cuda().tables().
+_TABLES: dict[str, Any] = {
+    "reduce_ops": {"sum": 0, "prod": 1, "max": 2, "min": 3},
+    "transports": {"shm": 0, "mpi": 1, "hier": 2},
+    "wires": {"fp16": 1, "bf16": 2},
+    "staging": {"auto": 0, "cached": 1, "streamed": 2},
+    "roles": {"forward": 0, "jvp": 1, "backward": 2},
+    "role_shift": 56,
+    "error_marker": "spmd.SpmdError: ",
+}
+_CUDA_TABLES: dict[str, Any] = {
+    "algos": {"nccl": 0, "one_shot": 1, "two_shot": 2, "quantized": 3},
+    "codecs": {"fp8": 1, "int8": 2, "int4": 3},
+    "custom_dtypes": {"float32": 0, "float16": 1, "bfloat16": 2},
+}
+
+
+def tables() -> dict[str, Any]:
+    """The codes ``spmd._native`` shares with Python."""
+    return _TABLES
+
+
+def cuda_tables() -> dict[str, Any]:
+    """The codes ``spmd._native_cuda`` shares with Python (available without a GPU build)."""
+    return _CUDA_TABLES

@@ -41,18 +41,11 @@ def _make_jit_key() -> Any:
     there, so that a jitted function whose collectives name mesh axes (resolved when it is
     traced) is traced again under a mesh of another shape instead of reusing the groups of the
     first. None where this JAX has no such state (then re-jit after changing meshes)."""
-    try:
-        from jax._src import config as jax_config
+    from ._jax_compat import jit_key_state
 
-        return jax_config.string_or_object_state(
-            "spmd_active_mesh",
-            None,
-            "the shape of spmd's active mesh (set by `with spmd.Mesh(...)`)",
-            include_in_jit_key=True,
-            include_in_trace_context=True,
-        )
-    except Exception:  # pragma: no cover - older or newer JAX without this internal API
-        return None
+    return jit_key_state(
+        "spmd_active_mesh", "the shape of spmd's active mesh (set by `with spmd.Mesh(...)`)"
+    )
 
 
 _JIT_KEY: list[Any] = []  # made on first use: importing spmd does not import JAX

@@ -57,10 +57,10 @@ class _Dim:
         return bool(self.axes)
 
 
-def _normalize(spec: Any, ndim: int, where: Where) -> PartitionSpec:
+def normalize_spec(spec: Any, ndim: int, where: Where) -> PartitionSpec:
     if not isinstance(spec, PartitionSpec):
         if isinstance(spec, tuple | list):
-            spec = _spec(*spec)
+            spec = make_spec(*spec)
         else:
             raise SpmdTypeError(
                 f"spec={spec!r} is not a PartitionSpec; pass e.g. spmd.PartitionSpec('dp', None)"
@@ -97,10 +97,10 @@ def _normalize(spec: Any, ndim: int, where: Where) -> PartitionSpec:
         )
     if isinstance(where, Communicator) and sum(1 for e in entries if e) > 1:
         raise SpmdError(f"{spec} splits several dimensions over one group; a group has one axis")
-    return _spec(*(e[0] if e and len(e) == 1 else e for e in entries))
+    return make_spec(*(e[0] if e and len(e) == 1 else e for e in entries))
 
 
-def _spec(*entries: Any) -> PartitionSpec:
+def make_spec(*entries: Any) -> PartitionSpec:
     return PartitionSpec(*entries)  # type: ignore[no-untyped-call]
 
 
@@ -160,7 +160,7 @@ class ShardedArray:
         self.local = local
         self.shape = tuple(int(s) for s in shape)
         # One entry per dimension (trailing ones may be left out, as in JAX), checked once here.
-        self.spec = _normalize(spec, len(self.shape), mesh)
+        self.spec = normalize_spec(spec, len(self.shape), mesh)
         self.mesh = mesh
 
     # pytree: the shard is the leaf (at .local); the placement is static.
@@ -173,10 +173,10 @@ class ShardedArray:
 
     @classmethod
     def tree_unflatten(cls, aux: tuple[Any, ...], children: Sequence[Any]) -> ShardedArray:
-        return cls._placed(children[0], *aux)  # checked when the array was made
+        return cls.placed(children[0], *aux)  # checked when the array was made
 
     @classmethod
-    def _placed(
+    def placed(
         cls, local: Any, shape: tuple[int, ...], spec: PartitionSpec, mesh: Where
     ) -> ShardedArray:
         """An array whose placement spmd already checked (a normalized spec): no checks."""
@@ -254,7 +254,7 @@ class ShardedArray:
         Moving one split from a dimension to another over the same axes is one all_to_all;
         other changes gather the dimensions whose split changes, then slice locally.
         """
-        spec = _normalize(spec, self.ndim, self.mesh)
+        spec = normalize_spec(spec, self.ndim, self.mesh)
         if spec == self.spec:
             return self
         old = [_entry_axes(e) for e in self.spec]
@@ -336,7 +336,7 @@ def shard(x: Any, spec: Any, mesh: Mesh | None = None, *, group: Communicator | 
                 op="shard",
             )
         leaf = jnp.asarray(leaf)
-        s = _normalize(spec, leaf.ndim, where)
+        s = normalize_spec(spec, leaf.ndim, where)
         local = leaf
         for axis, d in enumerate(_dims(leaf.shape, s, where)):
             if d.split:

@@ -17,7 +17,7 @@ def test_info_reports_versions_mpi_native_and_devices():
     for dist in ("spmd", "jax", "jaxlib", "numpy", "mpi4py"):
         assert f"  {dist}: {importlib.metadata.version(dist)}\n" in text
     assert "collective handlers (cpu): spmd_all_to_all, spmd_allgather, spmd_allreduce" in text
-    assert "collective backend: auto" in text
+    assert "collective transport: auto" in text
     assert "shared-memory staging: auto (" in text
     assert "MPI library (mpi4py): MPICH Version:" in text
     assert f"native layer: built (ABI {NATIVE_ABI_VERSION}, XLA FFI API " in text
@@ -39,7 +39,7 @@ def test_info_follows_the_settings_spmd_init_follows():
     env = {
         **os.environ,
         "SPMD_COMMUNICATOR": "void",
-        "SPMD_BACKEND": "shmm",
+        "SPMD_TRANSPORT": "shmm",
         "SPMD_SHM_STAGING": "stream",
     }
     out = subprocess.run(
@@ -47,6 +47,6 @@ def test_info_follows_the_settings_spmd_init_follows():
     )
     assert out.returncode == 0, out.stderr
     assert "launcher detected: void; rank 0 of 1" in out.stdout
-    assert "collective backend: error: SPMD_BACKEND='shmm' is not a backend" in out.stdout
+    assert "collective transport: error: SPMD_TRANSPORT='shmm' is not a transport" in out.stdout
     assert "shared-memory staging: error: " in out.stdout
     assert "SPMD_SHM_STAGING='stream' is not a staging mode" in out.stdout

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from spmd._native_lib import native
-from spmd.ops._cuda import native_cuda
+from spmd._native_lib import native, native_cuda
 
 ROOT = Path(__file__).parents[2]
 EXPECTED = {"spmd_cuda_" + name.removeprefix("spmd_") for name in native().cpu_handlers()}

@@ -1,4 +1,4 @@
-"""The GPU all-reduce backend chain (quantized -> custom all-reduce -> NCCL) and its switches:
+"""The GPU all-reduce chain (quantized -> custom all-reduce -> NCCL) and its switches:
 pure functions of size, dtype and topology, so they are checked here without a GPU."""
 
 from __future__ import annotations
@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 
 import spmd
-from spmd.ops import _cuda
-from spmd.ops._cuda import ChainConfig, GpuGroup, select_allreduce, select_rmsnorm
+from spmd._native_lib import native_cuda
+from spmd.ops import _gpu_chain
+from spmd.ops._gpu_chain import ChainConfig, select_allreduce, select_rmsnorm
+from spmd.runtime import GpuGroup, find_native_group, nccl_library
+from spmd.runtime._gpu import bounded, settings_differ
 from spmd.testing import multirank
 
 UP = GpuGroup(2, True)
@@ -73,15 +76,15 @@ def test_quantized_is_opt_in_and_only_in_its_size_range():
 
 
 def test_forcing_a_path():
-    nccl = ChainConfig.from_env({"SPMD_GPU_BACKEND": "nccl"})
+    nccl = ChainConfig.from_env({"SPMD_GPU_TRANSPORT": "nccl"})
     assert select_allreduce(4096, "float32", "sum", UP, nccl) == "nccl"
     assert select_allreduce(8 * MB, "bfloat16", "sum", UP, nccl, "fp8") == "nccl"
-    custom = ChainConfig.from_env({"SPMD_GPU_BACKEND": "custom"})
+    custom = ChainConfig.from_env({"SPMD_GPU_TRANSPORT": "custom"})
     assert select_allreduce(8 * MB, "bfloat16", "sum", UP, custom, "fp8") == "two_shot"
     assert select_allreduce(4096, "int32", "sum", UP, custom) == "nccl"  # what it cannot take
     with pytest.raises(spmd.SpmdError, match="not available for this group: spans nodes"):
         select_allreduce(4096, "float32", "sum", GpuGroup(2, False, "spans nodes"), custom)
-    assert ChainConfig.from_env({}, forced="nccl").backend == "nccl"
+    assert ChainConfig.from_env({}, forced="nccl").transport == "nccl"
 
 
 def test_a_group_without_nccl_names_why():
@@ -109,7 +112,7 @@ def test_thresholds_from_the_environment():
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({"SPMD_GPU_BACKEND": "gloo"}, "SPMD_GPU_BACKEND='gloo' is not a GPU backend"),
+        ({"SPMD_GPU_TRANSPORT": "gloo"}, "SPMD_GPU_TRANSPORT='gloo' is not a GPU transport"),
         ({"SPMD_QUANTIZE": "fp4"}, "quantize='fp4' is not a codec"),
         ({"SPMD_CUSTOM_AR_MAX_MB": "lots"}, "SPMD_CUSTOM_AR_MAX_MB='lots' is not a number"),
         ({"SPMD_CUSTOM_AR_ONE_SHOT_KB": "-1"}, "must not be negative"),
@@ -139,12 +142,12 @@ def test_fused_rmsnorm_eligibility(rows, hidden, dtype, expected):
 
 def test_fused_rmsnorm_needs_the_custom_all_reduce():
     assert select_rmsnorm(4, 4096, "float32", GpuGroup(6, False, "x"), ChainConfig()) == "nccl"
-    nccl = ChainConfig.from_env({"SPMD_GPU_BACKEND": "nccl"})
+    nccl = ChainConfig.from_env({"SPMD_GPU_TRANSPORT": "nccl"})
     assert select_rmsnorm(4, 4096, "float32", UP, nccl) == "nccl"
 
 
 def test_nccl_library_lookup(tmp_path, monkeypatch):
-    assert _cuda.nccl_library({"SPMD_NCCL_LIBRARY": "/opt/nccl/libnccl.so.2"}) == (
+    assert nccl_library({"SPMD_NCCL_LIBRARY": "/opt/nccl/libnccl.so.2"}) == (
         "/opt/nccl/libnccl.so.2"
     )
     # The NCCL wheel's layout: nvidia/nccl/lib/libnccl.so.2 in a namespace package.
@@ -154,7 +157,7 @@ def test_nccl_library_lookup(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in list(__import__("sys").modules) if m.startswith("nvidia")]:
         monkeypatch.delitem(__import__("sys").modules, name)
-    assert _cuda.nccl_library({}) == str(lib / "libnccl.so.2")
+    assert nccl_library({}) == str(lib / "libnccl.so.2")
 
 
 def test_quantize_argument_is_checked():
@@ -162,18 +165,18 @@ def test_quantize_argument_is_checked():
         spmd.allreduce(np.ones(4, np.float32), quantize="fp16")
 
 
-def test_set_backend_takes_the_gpu_names():
+def test_set_transport_takes_the_gpu_names():
     try:
-        spmd.ops.set_backend("nccl")
-        assert _cuda.config().backend == "nccl"
-        spmd.ops.set_backend("custom")
-        assert _cuda.config().backend == "custom"
-        spmd.ops.set_backend("auto")
-        assert _cuda.config().backend == "auto"
+        spmd.ops.set_transport("nccl")
+        assert _gpu_chain.chain_config().transport == "nccl"
+        spmd.ops.set_transport("custom")
+        assert _gpu_chain.chain_config().transport == "custom"
+        spmd.ops.set_transport("auto")
+        assert _gpu_chain.chain_config().transport == "auto"
         with pytest.raises(spmd.SpmdError, match=r"custom, nccl \(GPU\)"):
-            spmd.ops.set_backend("rccl")
+            spmd.ops.set_transport("rccl")
     finally:
-        spmd.ops.set_backend("auto")
+        spmd.ops.set_transport("auto")
 
 
 def test_a_join_that_never_returns_is_bounded():
@@ -185,22 +188,22 @@ def test_a_join_that_never_returns_is_bounded():
     release = threading.Event()
     start = time.monotonic()
     with pytest.raises(spmd.SpmdError, match=r"rank 3: joining did not finish within 0.2 s"):
-        _cuda._bounded(release.wait, 0.2, "rank 3: joining")
+        bounded(release.wait, 0.2, "rank 3: joining")
     assert 0.2 <= time.monotonic() - start < 5
     release.set()
-    assert _cuda._bounded(lambda: 42, 5, "quick") == 42
+    assert bounded(lambda: 42, 5, "quick") == 42
     with pytest.raises(ValueError, match="inside"):
-        _cuda._bounded(lambda: (_ for _ in ()).throw(ValueError("inside")), 5, "failing")
+        bounded(lambda: (_ for _ in ()).throw(ValueError("inside")), 5, "failing")
 
 
 def test_ranks_with_different_settings_are_named():
     same = [ChainConfig(), ChainConfig()]
-    assert _cuda.settings_differ([0, 1], same) == ""
-    msg = _cuda.settings_differ(
+    assert settings_differ([0, 1], same) == ""
+    msg = settings_differ(
         [0, 1, 2], [ChainConfig(), ChainConfig(one_shot_max_bytes=4096), ChainConfig()]
     )
     assert "different all-reduce settings" in msg
-    assert "rank 1: ChainConfig(backend='auto', quantize=None" in msg
+    assert "rank 1: ChainConfig(transport='auto', quantize=None" in msg
     assert "one_shot_max_bytes=4096" in msg and msg.count("\n  rank ") == 3
 
 
@@ -217,33 +220,33 @@ def test_latency_bound_leaves_of_a_dtype_are_packed_into_one_buffer():
         (8, BF16),
         (0, F32),  # nothing moves
     ]
-    assert _cuda.pack_allreduce(leaves, "sum", UP, ChainConfig()) == [[0, 1], [2, 5]]
-    assert [_cuda.padded_count(c, d) for c, d in leaves[:3]] == [16, 1000, 8]
+    assert _gpu_chain.pack_allreduce(leaves, "sum", UP, ChainConfig()) == [[0, 1], [2, 5]]
+    assert [_gpu_chain.padded_count(c, d) for c, d in leaves[:3]] == [16, 1000, 8]
 
 
 def test_packs_stay_one_shot_and_alignment_alone_justifies_a_pack():
     cfg = ChainConfig()
     # Three 400 KiB float32 leaves: the 2-rank one-shot limit (1 MiB) holds two of them.
     big = [(100 << 10, F32)] * 3
-    assert _cuda.pack_allreduce(big, "sum", UP, cfg) == [[0, 1]]
+    assert _gpu_chain.pack_allreduce(big, "sum", UP, cfg) == [[0, 1]]
     # At 8 ranks (256 KiB one-shot) none fit together, and aligned leaves are left alone.
-    assert _cuda.pack_allreduce(big, "sum", GpuGroup(8, True), cfg) == []
-    assert _cuda.pack_allreduce([(4, F32)], "sum", UP, cfg) == []
-    assert _cuda.pack_allreduce([(5, F32)], "sum", UP, cfg) == [[0]]
+    assert _gpu_chain.pack_allreduce(big, "sum", GpuGroup(8, True), cfg) == []
+    assert _gpu_chain.pack_allreduce([(4, F32)], "sum", UP, cfg) == []
+    assert _gpu_chain.pack_allreduce([(5, F32)], "sum", UP, cfg) == [[0]]
 
 
 def test_nothing_is_packed_where_the_custom_kernel_does_not_run():
     leaves = [(3, F32), (5, F32)]
-    assert _cuda.pack_allreduce(leaves, "max", UP, ChainConfig()) == []
-    assert _cuda.pack_allreduce(leaves, "sum", GpuGroup(3, False, "x"), ChainConfig()) == []
-    nccl = ChainConfig.from_env({"SPMD_GPU_BACKEND": "nccl"})
-    assert _cuda.pack_allreduce(leaves, "sum", UP, nccl) == []
+    assert _gpu_chain.pack_allreduce(leaves, "max", UP, ChainConfig()) == []
+    assert _gpu_chain.pack_allreduce(leaves, "sum", GpuGroup(3, False, "x"), ChainConfig()) == []
+    nccl = ChainConfig.from_env({"SPMD_GPU_TRANSPORT": "nccl"})
+    assert _gpu_chain.pack_allreduce(leaves, "sum", UP, nccl) == []
     # A leaf the chain quantizes (its threshold lowered to 8 KiB) keeps its own path, and a pack
     # closes before its total would be quantized: packing never changes a leaf's bits.
     cfg = ChainConfig(quantize="int8", quantize_min_bytes=8 * KB)
     mixed = [(3 << 10, F32), (5, F32), (1 << 10, F32), (1 << 10, F32)]
     # 32 + 4096 bytes stay below it; a third leaf would reach it, and alone it needs no pack.
-    assert _cuda.pack_allreduce(mixed, "sum", UP, cfg) == [[1, 2]]
+    assert _gpu_chain.pack_allreduce(mixed, "sum", UP, cfg) == [[1, 2]]
 
 
 @multirank(nprocs=(2,), env={"JAX_PLATFORMS": "cpu"})
@@ -251,12 +254,12 @@ def test_a_fused_call_is_lowered_with_its_packs(comm):
     """The GPU lowering, checked on CPU (JAX lowers for a platform it does not run): the packs
     reach the one custom call as flat padded buffers, each with its chain choice. (On a GPU
     machine too the ranks compute on CPU: test_device.py runs the packs on the GPU.)"""
-    if _cuda.native_cuda() is None:
+    if native_cuda() is None:
         pytest.skip("spmd was installed without its GPU module (no nvcc at install time)")
-    from spmd._groups import resolve
+    from spmd.ops._primitive import resolve
 
-    gid = resolve().gid
-    _cuda._groups[gid] = GpuGroup(comm.size, True)  # the GPU side a GPU node would register
+    native = find_native_group(resolve().gid)
+    native.gpu = GpuGroup(comm.size, True)  # the GPU side a GPU node would register
     try:
         tree = {
             "a": jnp.ones((3, 5), jnp.float32),
@@ -274,7 +277,7 @@ def test_a_fused_call_is_lowered_with_its_packs(comm):
         algos = re.search(r"algos = array<i64: ([\d, ]+)>", calls[0]).group(1)
         assert algos == "1, 1, 2, 0", calls[0]
     finally:
-        del _cuda._groups[gid]
+        native.gpu = None
 
 
 def test_a_pack_never_grows_past_the_buffer_where_nccl_is_down():
@@ -283,4 +286,4 @@ def test_a_pack_never_grows_past_the_buffer_where_nccl_is_down():
     no_nccl = GpuGroup(2, True, "", False, "Duplicate GPU detected")
     cfg = ChainConfig(custom_max_bytes=512 * KB, one_shot_max_bytes=4 * MB)
     leaves = [(75 << 10, F32), (75 << 10, F32), (5, F32)]
-    assert _cuda.pack_allreduce(leaves, "sum", no_nccl, cfg) == [[1, 2]]
+    assert _gpu_chain.pack_allreduce(leaves, "sum", no_nccl, cfg) == [[1, 2]]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from spmd._native_lib import native
-from spmd.ops._cuda import CODECS
+from spmd.ops._gpu_chain import CODECS
 
 QMAX = {"fp8": 448.0, "int8": 127.0, "int4": 7.0}
 BLOCK = 32

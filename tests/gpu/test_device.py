@@ -21,7 +21,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from spmd.ops._cuda import ALGOS, CODECS, CUSTOM_DTYPE_CODES, native_cuda
+from spmd._native_lib import cuda_tables, native_cuda
+from spmd.ops._gpu_chain import ALGOS, CODECS
+
+CUSTOM_DTYPE_CODES = cuda_tables()["custom_dtypes"]
 
 
 def _gpu_reason() -> str:
@@ -159,7 +162,7 @@ _NCCL_WORLD_OF_ONE = """
         assert "spmd_cuda_" in text, name
         for got, w in zip(jax.tree.leaves(jax.jit(call)()), jax.tree.leaves(want)):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(w), err_msg=name)
-    print("ok", spmd.ops.get_backend())
+    print("ok", spmd.ops.get_transport())
 """
 
 
@@ -170,22 +173,22 @@ _GRAPHS = "--xla_gpu_enable_command_buffer=CUSTOM_CALL --xla_gpu_graph_min_graph
     "xla_flags", ["--xla_gpu_enable_command_buffer=", _GRAPHS], ids=["no-graphs", "cuda-graphs"]
 )
 def test_nccl_world_of_one_inside_jit(xla_flags):
-    done = _run(_NCCL_WORLD_OF_ONE, {"SPMD_GPU_BACKEND": "nccl", "XLA_FLAGS": xla_flags})
+    done = _run(_NCCL_WORLD_OF_ONE, {"SPMD_GPU_TRANSPORT": "nccl", "XLA_FLAGS": xla_flags})
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ok nccl" in done.stdout
 
 
 _IPC_EXCHANGE = """
     import spmd
-    from spmd.ops import _cuda
-    from spmd._groups import resolve
+    from spmd.ops._primitive import resolve
+    from spmd.runtime import find_native_group
     comm = spmd.init()
     ref = resolve()
-    group = _cuda.registered(ref.gid)
+    group = find_native_group(ref.gid).gpu
     # NCCL refuses two ranks on one GPU; the IPC buffers and the peer-access check must work.
     assert group.custom, group.reason
     assert not group.nccl and "uplicate" in group.nccl_reason, group.nccl_reason
-    print("ok", comm.rank, spmd.ops.get_backend())
+    print("ok", comm.rank, spmd.ops.get_transport())
     spmd.finalize()
 """
 
@@ -201,7 +204,7 @@ _CUSTOM_BETWEEN_PROCESSES = """
     import functools, re
     import jax, jax.numpy as jnp, ml_dtypes, numpy as np, spmd
     from spmd._native_lib import native
-    from spmd.ops import _cuda
+    from spmd.ops import _gpu_chain
     comm = spmd.init()
     n, r = comm.size, comm.rank
 
@@ -225,7 +228,7 @@ _CUSTOM_BETWEEN_PROCESSES = """
     for count, dtype, want in cases:
         xs = inputs(count, dtype, count)
         f = jax.jit(spmd.allreduce)
-        assert algo(f, xs[r]) == _cuda.ALGOS[want], (count, dtype, want)
+        assert algo(f, xs[r]) == _gpu_chain.ALGOS[want], (count, dtype, want)
         for _ in range(3):  # the barrier counters carry over between calls
             y = np.asarray(f(jnp.asarray(xs[r])))
             np.testing.assert_array_equal(y, rank_order(xs).astype(dtype))
@@ -247,11 +250,12 @@ _CUSTOM_BETWEEN_PROCESSES = """
             np.testing.assert_array_equal(np.asarray(got[k]), rank_order(v).astype(v[0].dtype),
                                           err_msg=k)
 
-    for codec in _cuda.CODECS:
+    for codec in _gpu_chain.CODECS:
         xs = inputs(1 << 20, np.float32, 5)  # 4 MiB: above quantize_min at 2 and 4 ranks
         f = jax.jit(functools.partial(spmd.allreduce, quantize=codec))
-        assert algo(f, xs[r]) == _cuda.ALGOS["quantized"], codec
-        ref = native().quant_allreduce_reference(_cuda.CODECS[codec], n, np.stack(xs).tobytes())
+        assert algo(f, xs[r]) == _gpu_chain.ALGOS["quantized"], codec
+        code = _gpu_chain.CODECS[codec]
+        ref = native().quant_allreduce_reference(code, n, np.stack(xs).tobytes())
         np.testing.assert_array_equal(np.asarray(f(jnp.asarray(xs[r]))),
                                       np.frombuffer(ref, np.float32))
 

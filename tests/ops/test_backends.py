@@ -1,4 +1,4 @@
-"""Backends: automatic choice, forcing (API and SPMD_BACKEND), the hierarchical path on
+"""Transports: automatic choice, forcing (API and SPMD_TRANSPORT), the hierarchical path on
 simulated nodes, and the file-store communicator (shared memory only)."""
 
 from __future__ import annotations
@@ -33,26 +33,26 @@ def _all_ops_everywhere(comm, mode):
 
 @multirank(nprocs=(2, 3))
 def test_auto_is_shm_on_one_node_and_mpi_can_be_forced(comm):
-    assert spmd.ops.get_backend() == "shm"
-    assert spmd.ops.get_backend(rank_list=[[0]]) in ("self", "shm")
+    assert spmd.ops.get_transport() == "shm"
+    assert spmd.ops.get_transport(rank_list=[[0]]) in ("self", "shm")
     try:
-        spmd.ops.set_backend("mpi")
-        assert spmd.ops.get_backend() == "mpi"
+        spmd.ops.set_transport("mpi")
+        assert spmd.ops.get_transport() == "mpi"
         _all_ops_everywhere(comm, "jit")
         with pytest.raises(spmd.SpmdError, match="'hier' is not available"):
-            spmd.ops.set_backend("hier")
-        assert spmd.ops.get_backend() == "mpi"  # a refused switch changes nothing
+            spmd.ops.set_transport("hier")
+        assert spmd.ops.get_transport() == "mpi"  # a refused switch changes nothing
         with pytest.raises(spmd.SpmdError, match="unknown"):
-            spmd.ops.set_backend("gloo")
+            spmd.ops.set_transport("gloo")
     finally:
-        spmd.ops.set_backend("auto")
-    assert spmd.ops.get_backend() == "shm"
+        spmd.ops.set_transport("auto")
+    assert spmd.ops.get_transport() == "shm"
 
 
 @multirank(nprocs=(3, 4), env={"SPMD_SIMULATE_NODES": "2"}, timeout=HEAVY)
 def test_hierarchical_across_simulated_nodes(comm):
     # Nodes of consecutive ranks: 4 ranks -> {0, 1} {2, 3}; 3 ranks -> {0, 1} {2}.
-    assert spmd.ops.get_backend() == "hier"
+    assert spmd.ops.get_transport() == "hier"
     _all_ops_everywhere(comm, "eager")
     _all_ops_everywhere(comm, "jit")
     # Bit-identical sums on every rank, through shared memory and MPI between leaders.
@@ -74,40 +74,40 @@ def test_hierarchical_across_simulated_nodes(comm):
 
 @multirank(nprocs=(2,), env={"SPMD_SIMULATE_NODES": "2"})
 def test_one_rank_per_node_uses_mpi(comm):
-    assert spmd.ops.get_backend() == "mpi"
+    assert spmd.ops.get_transport() == "mpi"
     assert float(spmd.allreduce(jnp.float32(comm.rank + 1))) == 3
 
 
-@multirank(nprocs=(2, 3), env={"SPMD_BACKEND": "mpi"})
-def test_backend_from_the_environment(comm):
-    assert spmd.ops.get_backend() == "mpi"
+@multirank(nprocs=(2, 3), env={"SPMD_TRANSPORT": "mpi"})
+def test_transport_from_the_environment(comm):
+    assert spmd.ops.get_transport() == "mpi"
     np.testing.assert_array_equal(spmd.allgather(jnp.int32(comm.rank)[None]), np.arange(comm.size))
 
 
-@multirank(nprocs=(2,), env={"SPMD_BACKEND": "hier"})
-def test_an_unavailable_backend_fails_every_collective_but_not_point_to_point(comm):
+@multirank(nprocs=(2,), env={"SPMD_TRANSPORT": "hier"})
+def test_an_unavailable_transport_fails_every_collective_but_not_point_to_point(comm):
     """hier needs several nodes: every collective raises, the second as the first (never a
     silent fall back to shared memory); send/recv need only MPI and still work; forcing a
-    backend the group has makes the collectives work."""
+    transport the group has makes the collectives work."""
     for _ in range(2):
-        with pytest.raises(spmd.SpmdError, match="backend 'hier' is not available"):
+        with pytest.raises(spmd.SpmdError, match="transport 'hier' is not available"):
             spmd.allreduce(jnp.float32(1))
     if comm.rank == 0:
         spmd.send(jnp.arange(3), dst=1)
     else:
         np.testing.assert_array_equal(spmd.recv(jnp.zeros(3, jnp.int32), src=0), [0, 1, 2])
     try:
-        spmd.ops.set_backend("shm")
+        spmd.ops.set_transport("shm")
         assert float(spmd.allreduce(jnp.float32(comm.rank + 1))) == 3
-        assert spmd.ops.get_backend() == "shm"
+        assert spmd.ops.get_transport() == "shm"
     finally:
-        spmd.ops.set_backend("auto")
+        spmd.ops.set_transport("auto")
 
 
 @multirank(nprocs=(2, 3), launcher="env")
 def test_file_store_communicator_runs_on_shared_memory(comm):
     assert comm.backend == "void"
-    assert spmd.ops.get_backend() == "shm"
+    assert spmd.ops.get_transport() == "shm"
     r, n = comm.rank, comm.size
     assert float(jax.jit(spmd.allreduce)(jnp.float32(r + 1))) == n * (n + 1) / 2
     np.testing.assert_array_equal(spmd.all_to_all(jnp.arange(n) + 10 * r), 10 * np.arange(n) + r)
@@ -116,29 +116,29 @@ def test_file_store_communicator_runs_on_shared_memory(comm):
 
 
 def _one_rank_inspects_the_world_alone():
-    """Rank 0 alone asks for the backend and traces collectives before any rank made one; the
+    """Rank 0 alone asks for the transport and traces collectives before any rank made one; the
     others go straight to the communicator's own exchanges and then to a collective."""
     comm = spmd.init()
     seen = None
     if comm.rank == 0:
         program = jax.make_jaxpr(lambda v: spmd.allreduce(v))(jnp.ones(2))
-        seen = (spmd.ops.get_backend(), "spmd_allreduce" in str(program))
+        seen = (spmd.ops.get_transport(), "spmd_allreduce" in str(program))
         str(spmd.trace(lambda v: spmd.allgather(v))(jnp.ones(2)))
     comm.barrier()
     ranks = comm.allgather_object(comm.rank)
     total = jax.jit(spmd.allreduce)(jnp.full(2, comm.rank + 1.0))
-    return seen, ranks, total.tolist(), spmd.ops.get_backend()
+    return seen, ranks, total.tolist(), spmd.ops.get_transport()
 
 
 @pytest.mark.parametrize("launcher", ["mpi", "env"])
-def test_one_rank_may_trace_collectives_or_ask_the_backend_alone(launcher):
+def test_one_rank_may_trace_collectives_or_ask_the_transport_alone(launcher):
     """The world's transports are prepared in spmd.init; nothing done on one rank alone may
     pair with the others' barrier (it did, and both ranks failed with a bare TypeError)."""
     results = run(_one_rank_inspects_the_world_alone, 2, launcher=launcher, fresh=True)
     assert results[0][0] == ("shm", True)
     assert results[1][0] is None
-    for _, ranks, total, backend in results:
-        assert (ranks, total, backend) == ([0, 1], [3.0, 3.0], "shm")
+    for _, ranks, total, transport in results:
+        assert (ranks, total, transport) == ([0, 1], [3.0, 3.0], "shm")
 
 
 def _one_rank_traces_a_new_group_alone():
@@ -189,11 +189,11 @@ def test_a_timed_out_preparation_leaves_no_shared_memory():
 
 
 @multirank(nprocs=(2,), launcher="env", env={"SPMD_SIMULATE_NODES": "2"})
-def test_the_file_store_across_nodes_has_no_backend(comm):
+def test_the_file_store_across_nodes_has_no_transport(comm):
     """Shared memory cannot span nodes and the file store has no MPI: every collective raises
-    saying so (it said "backend 'mpi' is not available (available: )")."""
+    saying so (it said "'mpi' is not available (available: )")."""
     for _ in range(2):
-        with pytest.raises(spmd.SpmdError, match=f"rank {comm.rank}: no backend can carry"):
+        with pytest.raises(spmd.SpmdError, match=f"rank {comm.rank}: no transport can carry"):
             spmd.allreduce(jnp.float32(1))
 
 
@@ -222,9 +222,9 @@ def test_a_bad_staging_mode_on_one_rank_fails_every_rank():
 def test_shm_hop_probe(comm):
     """The staging probe on its own: a timing on the group's rank 0, NaN elsewhere, None for a
     group of one; a sub-group probes among its own ranks."""
-    from spmd._groups import shm_hop_ns
+    from spmd.runtime import shm_hop_ns
 
-    hop = shm_hop_ns()
+    hop = shm_hop_ns(comm)
     if comm.size == 1:
         assert hop is None
         return
@@ -244,6 +244,6 @@ def test_shm_hop_probe(comm):
 
 @multirank(nprocs=(2,), env={"SPMD_SIMULATE_NODES": "2"})
 def test_shm_hop_probe_needs_shared_memory(comm):
-    from spmd._groups import shm_hop_ns
+    from spmd.runtime import shm_hop_ns
 
-    assert shm_hop_ns() is None  # one rank per node: MPI only
+    assert shm_hop_ns(comm) is None  # one rank per node: MPI only

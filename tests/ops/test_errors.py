@@ -93,14 +93,14 @@ def _every_kind_of_mismatch(comm):
 
 @multirank(nprocs=(2, 3))
 def test_shapes_or_dtypes_that_differ_between_ranks(comm):
-    assert spmd.ops.get_backend() == "shm"
+    assert spmd.ops.get_transport() == "shm"
     _every_kind_of_mismatch(comm)
 
 
-@multirank(nprocs=(2, 3), env={"SPMD_BACKEND": "mpi"})
+@multirank(nprocs=(2, 3), env={"SPMD_TRANSPORT": "mpi"})
 def test_shapes_or_dtypes_that_differ_between_ranks_over_mpi(comm):
     """MPI compares nothing itself: spmd checks every call, as shared memory does."""
-    assert spmd.ops.get_backend() == "mpi"
+    assert spmd.ops.get_transport() == "mpi"
     _every_kind_of_mismatch(comm)
 
 
@@ -109,7 +109,7 @@ def test_shapes_or_dtypes_that_differ_between_nodes_over_hier(comm):
     """Nodes {0, 1} and {2, 3}: the cases above make rank 0 differ from the other rank of its
     node; here the node {2, 3} agrees within itself and differs from the node {0, 1}, which
     only the check between nodes can see."""
-    assert spmd.ops.get_backend() == "hier"
+    assert spmd.ops.get_transport() == "hier"
     _every_kind_of_mismatch(comm)
     text = _mismatch(comm, lambda r: spmd.allreduce(jnp.ones((2 + r // 2,))))
     assert "rank 1: allreduce(op=sum) of float32[2]" in text
@@ -150,7 +150,7 @@ def test_a_backward_collective_never_pairs_with_a_forward_one(comm):
     np.testing.assert_allclose(g, (r + 1) * n * 2 * sum(range(1, n + 1)) * np.ones(2))
 
 
-@multirank(nprocs=(2,), env={"SPMD_BACKEND": "mpi"})
+@multirank(nprocs=(2,), env={"SPMD_TRANSPORT": "mpi"})
 def test_a_backward_collective_is_named_over_mpi(comm):
     def loss(v):
         return jnp.sum(spmd.broadcast(v if comm.rank == 0 else jnp.zeros(3), root=0) ** 2)
@@ -184,7 +184,7 @@ def test_the_timeout_bounds_the_whole_wait_not_each_peer(comm):
         assert time.monotonic() - start < 3.2  # 2 s, not 1.5 + 2
 
 
-@multirank(nprocs=(2,), env={"SPMD_TIMEOUT": "2", "SPMD_BACKEND": "mpi"}, fresh=True)
+@multirank(nprocs=(2,), env={"SPMD_TIMEOUT": "2", "SPMD_TRANSPORT": "mpi"}, fresh=True)
 def test_an_mpi_timeout_makes_the_group_unusable(comm):
     """MPI cannot cancel a collective: after a timeout the abandoned call may still complete
     with a late rank, so the group refuses every later call instead of mismatching them."""

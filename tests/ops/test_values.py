@@ -147,7 +147,7 @@ def test_point_to_point_on_the_world_needs_no_call_from_other_ranks(comm):
         got = jax.jit(lambda: spmd.recv(jnp.zeros(3), src=0))()
         np.testing.assert_array_equal(got, [0, 2, 4])
     assert int(spmd.allreduce(jnp.int32(comm.rank + 1))) == 6
-    assert spmd.ops.get_backend() == "shm"
+    assert spmd.ops.get_transport() == "shm"
 
 
 @multirank(nprocs=(2, 3))
@@ -370,8 +370,8 @@ def test_half_precision_sums_round_once_to_nearest_even(comm):
     there the result is checked to be identical everywhere and within rounding of it."""
     r, n = comm.rank, comm.size
     try:
-        for backend in ("shm", "mpi"):
-            spmd.ops.set_backend(backend)
+        for transport in ("shm", "mpi"):
+            spmd.ops.set_transport(transport)
             for dtype in (np.float16, jnp.bfloat16):
                 ins = [_half_inputs(k, dtype) for k in range(n)]
                 acc = ins[0].astype(np.float32)
@@ -379,9 +379,9 @@ def test_half_precision_sums_round_once_to_nearest_even(comm):
                     acc = acc + x.astype(np.float32)
                 want = acc.astype(dtype)
                 got = np.asarray(jax.jit(spmd.allreduce)(jnp.asarray(ins[r])))
-                if backend == "shm" or n == 2:
+                if transport == "shm" or n == 2:
                     bad = np.flatnonzero(got.view(np.uint16) != want.view(np.uint16))
-                    assert bad.size == 0, (backend, dtype, bad[:5], got[bad[:5]], want[bad[:5]])
+                    assert bad.size == 0, (transport, dtype, bad[:5], got[bad[:5]], want[bad[:5]])
                 else:
                     assert len(set(comm.allgather_object(got.tobytes()))) == 1
                     np.testing.assert_allclose(
@@ -392,7 +392,7 @@ def test_half_precision_sums_round_once_to_nearest_even(comm):
                     most.astype(np.float32), np.maximum.reduce(ins).astype(np.float32)
                 )
     finally:
-        spmd.ops.set_backend("auto")
+        spmd.ops.set_transport("auto")
 
 
 @multirank(nprocs=(2, 3))
@@ -428,7 +428,7 @@ def test_half_precision_sums_round_once_hierarchical(comm):
     ranks in order, the two node leaders add their partial sums, and the total is rounded once,
     bit for bit what NumPy computes that way (rounding each node's partial sum to the half type
     first would round twice). A pytree mixing half and float32 leaves takes both paths."""
-    assert spmd.ops.get_backend() == "hier"
+    assert spmd.ops.get_transport() == "hier"
     r, n = comm.rank, comm.size
     nodes: list[list[int]] = []  # consecutive ranks; a node starts at each local rank 0
     for k, local in enumerate(comm.allgather_object(comm.local_rank)):
@@ -528,20 +528,20 @@ def _native_compression(native: bool):
 @multirank(nprocs=(2, 3))
 def test_compressed_allreduce_rounds_each_rank_once_and_the_sum_once(comm):
     try:
-        for backend in ("shm", "mpi"):
-            spmd.ops.set_backend(backend)
+        for transport in ("shm", "mpi"):
+            spmd.ops.set_transport(transport)
             for native in (True, False):
                 with _native_compression(native):
-                    _compressed_case(comm, exact_order=backend == "shm" or comm.size == 2)
+                    _compressed_case(comm, exact_order=transport == "shm" or comm.size == 2)
     finally:
-        spmd.ops.set_backend("auto")
+        spmd.ops.set_transport("auto")
 
 
 @multirank(nprocs=(3,), env={"SPMD_SIMULATE_NODES": "2"})
 def test_compressed_allreduce_hierarchical(comm):
     """Nodes {0, 1} and {2}: the rounded values are summed in float32 inside the node and
     between the nodes, and rounded once at the end, which for 3 ranks is rank order."""
-    assert spmd.ops.get_backend() == "hier"
+    assert spmd.ops.get_transport() == "hier"
     for native in (True, False):
         with _native_compression(native):
             _compressed_case(comm, exact_order=True)
@@ -605,14 +605,14 @@ def test_mpi_half_precision_after_a_larger_reduce_scatter(comm):
     after a reduce_scatter of a larger total must not outgrow the output one."""
     n = comm.size
     try:
-        spmd.ops.set_backend("mpi")
+        spmd.ops.set_transport("mpi")
         big = jnp.full((n << 20,), comm.rank + 1, jnp.float16)
         part = np.asarray(jax.jit(spmd.reduce_scatter)(big))
         np.testing.assert_array_equal(part, np.full(1 << 20, n * (n + 1) // 2, np.float16))
         summed = np.asarray(jax.jit(spmd.allreduce)(big))
         np.testing.assert_array_equal(summed, np.full(n << 20, n * (n + 1) // 2, np.float16))
     finally:
-        spmd.ops.set_backend("auto")
+        spmd.ops.set_transport("auto")
 
 
 def _max_min_specials(comm):
@@ -644,16 +644,16 @@ def _max_min_specials(comm):
 def test_float_max_min_with_nan_and_signed_zeros_over_shm_and_mpi(comm):
     try:
         with x64():
-            for backend in ("shm", "mpi"):
-                spmd.ops.set_backend(backend)
+            for transport in ("shm", "mpi"):
+                spmd.ops.set_transport(transport)
                 _max_min_specials(comm)
     finally:
-        spmd.ops.set_backend("auto")
+        spmd.ops.set_transport("auto")
 
 
 @multirank(nprocs=(3, 4), env={"SPMD_SIMULATE_NODES": "2"})
 def test_float_max_min_with_nan_and_signed_zeros_hierarchical(comm):
-    assert spmd.ops.get_backend() == "hier"
+    assert spmd.ops.get_transport() == "hier"
     with x64():
         _max_min_specials(comm)
 

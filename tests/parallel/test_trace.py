@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import spmd
-from spmd.parallel import allreduce_gradients
+from spmd.parallel import reduce_gradients
 from spmd.testing import multirank
 
 from ._model import global_batches, init_params, loss_fn, make_step, optimizers
@@ -166,12 +166,12 @@ def test_trace_of_a_step_shows_the_inserted_allreduces(comm):
 
 
 @multirank(nprocs=(2,))
-def test_allreduce_gradients_is_a_pass_over_programs(comm):
+def test_reduce_gradients_is_a_pass_over_programs(comm):
     """The pass on its own: trace a gradient function, rewrite it, run the Program."""
     params = init_params()
     batch = spmd.data.shard_batch(global_batches(1, comm.size)[0])
     program = spmd.trace(spmd.grad(loss_fn))(params, batch)
-    averaged = allreduce_gradients(program, bucket_mb=0)
+    averaged = reduce_gradients(bucket_mb=0)(program)
     assert len(_allreduces(averaged)) == 3 and not _allreduces(program)
     got = averaged(params, batch)
     mine = jax.grad(loss_fn)(params, batch)

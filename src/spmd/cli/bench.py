@@ -592,7 +592,7 @@ def machine_info(env: Env, backend: str) -> dict[str, Any]:
     """Hardware and versions; no hostname, no paths."""
     import jax
 
-    from .._groups import shm_staging
+    from ..runtime import shm_staging
 
     try:
         affinity = len(os.sched_getaffinity(0))
@@ -628,13 +628,13 @@ def machine_info(env: Env, backend: str) -> dict[str, Any]:
 
 
 def shm_hop(probes: int = 3) -> float | None:
-    """The world's shared-memory hop time (spmd._groups.shm_hop_ns), rounded, as rank 0
+    """The world's shared-memory hop time (spmd.runtime.shm_hop_ns), rounded, as rank 0
     measured it: the least of ``probes`` probes, since a rank descheduled during one (at a job's
     start, XLA's threads still busy) only adds to it. Collective. Over 100 ns the ranks share
     no cache and staging streams; the state can change during a run on a VM."""
-    from .._groups import shm_hop_ns
+    from ..runtime import get_communicator, shm_hop_ns
 
-    hops = [shm_hop_ns() for _ in range(probes)]
+    hops = [shm_hop_ns(get_communicator()) for _ in range(probes)]
     if hops[0] is None or math.isnan(hops[0]):
         return None
     return round(min(h for h in hops if h is not None), 1)

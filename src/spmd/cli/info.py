@@ -61,7 +61,7 @@ def _gpu_libraries() -> list[str]:
 
 def _collectives() -> list[str]:
     """How collectives move data: the handlers, the rule and what is forced. (A running program
-    asks ``spmd.ops.get_backend(...)`` for a group's actual choice.)"""
+    asks ``spmd.ops.get_transport(...)`` for a group's actual choice.)"""
     from .._native_lib import native
 
     out = []
@@ -71,14 +71,14 @@ def _collectives() -> list[str]:
     except Exception as e:
         out.append(f"  collective handlers (cpu): unavailable ({e})")
     from .._errors import SpmdError
-    from .._groups import _requested_backend, shm_staging
+    from ..runtime import requested_transport, shm_staging
 
     try:
-        requested = _requested_backend()
+        requested = requested_transport()
     except SpmdError as e:
         requested = f"error: {e}"
     out.append(
-        f"  collective backend: {requested} (auto: shm inside one node, hier = shm + MPI between "
+        f"  collective transport: {requested} (auto: shm inside one node, hier = shm + MPI between "
         "node leaders when a group spans nodes with several ranks on some node, mpi otherwise; "
         "send/recv always mpi)"
     )
@@ -95,8 +95,7 @@ def _collectives() -> list[str]:
 
 def report() -> str:
     from .._errors import SpmdError
-    from ..runtime._env import detect
-    from ..runtime._state import _requested_name
+    from ..runtime import detect, requested_communicator
     from ._mpiexec import find_mpiexec, flavor
 
     lines = [f"spmd environment ({platform.platform()}, Python {platform.python_version()})"]
@@ -111,7 +110,7 @@ def report() -> str:
     lines.append(f"native layer: {_native_layer()}")
     lines.append("backends:")
     try:
-        launch = detect(os.environ, _requested_name(None))  # as spmd.init() would decide
+        launch = detect(os.environ, requested_communicator(None))  # as spmd.init() would decide
         here = launch.communicator or "none (a world of one)"
         size = launch.size if launch.size is not None else "?"
         lines.append(f"  launcher detected: {here}; rank {launch.rank} of {size}")
@@ -121,9 +120,14 @@ def report() -> str:
     lines += _collectives()
     lines += [f"  gpu {g}" for g in _gpu_libraries()]
     try:
-        from ..ops._cuda import info_lines
+        from ..ops import chain_config
+        from ..runtime import describe_gpu
 
-        lines += info_lines()
+        lines += describe_gpu()
+        try:
+            lines.append(f"  GPU all-reduce chain: {chain_config().describe()}")
+        except SpmdError as e:
+            lines.append(f"  GPU all-reduce chain: misconfigured ({e})")
     except Exception as e:
         lines.append(f"  GPU module: unavailable ({e})")
     lines.append("devices:")

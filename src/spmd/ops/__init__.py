@@ -5,22 +5,31 @@ custom all-reduce on GPU).
 Every operation takes ``rank_list=`` (RAF's grouping) or ``group=`` (a Communicator or an axis
 name of the active mesh), and arrays or pytrees of arrays (one fused call). The gradient
 convention and the ordering guarantees are described in ``docs/collectives.md``.
+
+``set_transport``/``get_transport`` choose and report how collectives move data (shared memory,
+MPI or both on CPU; the custom all-reduce or NCCL on GPU).
 """
 
-from .._groups import get_backend as get_backend
-from .._groups import set_backend as set_backend
+from typing import Any
+
 from ._all_to_all import all_to_all as all_to_all
 from ._allreduce import allreduce as allreduce
 from ._broadcast import broadcast as broadcast
+from ._checks import ARRAY_LIKE as ARRAY_LIKE
+from ._checks import SUPPORTED_DTYPES as SUPPORTED_DTYPES
 from ._gather import allgather as allgather
 from ._gather import allgatherv as allgatherv
 from ._gather import reduce_scatter as reduce_scatter
 from ._gather import reduce_scatterv as reduce_scatterv
+from ._gpu_chain import chain_config as chain_config
+from ._ordering import holds_collective as holds_collective
 from ._p2p import barrier as barrier
 from ._p2p import recv as recv
 from ._p2p import send as send
 from ._p2p import sendrecv as sendrecv
 from ._rmsnorm import allreduce_rmsnorm as allreduce_rmsnorm
+from ._transport import get_transport as get_transport
+from ._transport import set_transport as set_transport
 
 __all__ = [
     "all_to_all",
@@ -30,15 +39,29 @@ __all__ = [
     "allreduce_rmsnorm",
     "barrier",
     "broadcast",
-    "get_backend",
+    "get_transport",
     "recv",
     "reduce_scatter",
     "reduce_scatterv",
     "send",
     "sendrecv",
-    "set_backend",
+    "set_transport",
 ]
+
+# Used by the layers above (spmd.parallel, spmd.cli), not part of the public API.
+_INTERNAL = ("ARRAY_LIKE", "SUPPORTED_DTYPES", "chain_config", "holds_collective")
 
 
 def __dir__() -> list[str]:
     return list(__all__)
+
+
+def __getattr__(name: str) -> Any:
+    # Renamed: "backend" names the communicator (spmd.init(backend=...)).
+    if name in ("set_backend", "get_backend"):
+        import warnings
+
+        new = name.replace("backend", "transport")
+        warnings.warn(f"spmd.ops.{name} is now spmd.ops.{new}", DeprecationWarning, stacklevel=2)
+        return globals()[new]
+    raise AttributeError(f"module 'spmd.ops' has no attribute {name!r}")

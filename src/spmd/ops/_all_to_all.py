@@ -12,22 +12,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src import core
-from jax._src.interpreters import ad, batching
 
 from .._errors import SpmdError
-from .._groups import GroupRef, resolve
-from . import _cuda
-from ._core import (
-    arg_aval,
-    bind,
-    check_axis,
-    collective_primitive,
-    flatten,
-    instantiate,
-    linear_jvp,
-    register_lowering,
-)
+from .._jax_compat import ad, batching, core
+from ._autodiff import arg_aval, batch_second, instantiate, linear_jvp
+from ._checks import check_axis, flatten
+from ._primitive import GroupRef, alone, bind, collective_primitive, register_lowering, resolve
 
 all_to_all_p = collective_primitive("spmd_all_to_all")
 
@@ -42,20 +32,21 @@ def all_to_all(
     has ``split_axis`` ``size`` times shorter and ``concat_axis`` ``size`` times longer (as
     ``jax.lax.all_to_all(..., tiled=True)``).
     """
-    ref = resolve(rank_list, group)
-    leaves, treedef, paths = flatten(x, "all_to_all", ref)
+    ref = resolve(rank_list, group, op="all_to_all")
+    leaves, treedef, paths = flatten(x, "all_to_all")
     n = ref.size
     plans = []
     for v, p in zip(leaves, paths, strict=True):
-        s = check_axis(split_axis, v.ndim, "split_axis", "all_to_all", ref, p)
-        c = check_axis(concat_axis, v.ndim, "concat_axis", "all_to_all", ref, p)
+        s = check_axis(split_axis, v.ndim, "split_axis", "all_to_all", p)
+        c = check_axis(concat_axis, v.ndim, "concat_axis", "all_to_all", p)
         if v.shape[s] % n:
             raise SpmdError(
-                f"rank {ref.world_rank}: all_to_all: {p} has {v.shape[s]} elements along "
-                f"split_axis={s}, not divisible by the group size {n}"
+                f"{p} has {v.shape[s]} elements along split_axis={s}, not divisible by the "
+                f"group size {n}",
+                op="all_to_all",
             )
         plans.append((s, c))
-    if _cuda.alone(ref):
+    if alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
     blocks = []
     for v, (s, _) in zip(leaves, plans, strict=True):
@@ -86,8 +77,7 @@ def _transpose(cts: list[Any], *args: Any, group: GroupRef) -> list[Any]:
 
 def _batch(args: list[Any], dims: list[Any], *, group: GroupRef) -> Any:
     # Axis 0 holds the blocks: batch dimensions go to axis 1.
-    moved = [a if d is None else jnp.moveaxis(a, d, 1) for a, d in zip(args, dims, strict=True)]
-    out_dims = [None if d is None else 1 for d in dims]
+    moved, out_dims = batch_second(args, dims)
     return all_to_all_p.bind(*moved, group=group), out_dims
 
 

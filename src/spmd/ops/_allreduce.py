@@ -15,27 +15,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
-from jax._src.ad_util import Zero
-from jax._src.interpreters import ad, batching, mlir
 
 from .._errors import SpmdError
-from .._groups import GroupRef, resolve
-from . import _cuda
-from ._core import (
-    REDUCE_OPS,
-    arg_aval,
-    batch_first,
+from .._jax_compat import ad, batching, core, mlir
+from .._native_lib import tables
+from . import _gpu_chain
+from ._autodiff import arg_aval, batch_first, instantiate, live, zero_tangent
+from ._checks import REDUCE_OPS, check_reduce_op, flatten, from_sum, to_sum
+from ._primitive import (
+    GroupRef,
+    alone,
     bind,
-    check_reduce_op,
     collective_primitive,
     collective_rules,
-    flatten,
-    from_sum,
-    instantiate,
+    gpu_side,
     register_rules,
-    to_sum,
-    zero_tangent,
+    resolve,
 )
 
 allreduce_p = collective_primitive("spmd_allreduce")
@@ -78,12 +73,12 @@ def allreduce(
         ``x``'s structure, shapes and dtypes, identical on every rank: reduced in rank order
         on shared memory, in MPI's order or node by node otherwise (docs/collectives.md).
     """
-    ref = resolve(rank_list, group)
-    leaves, treedef, _ = flatten(x, "allreduce", ref)
-    check_reduce_op(op, "allreduce", ref, leaves)
-    quantize = _cuda.check_quantize(quantize, f"rank {ref.world_rank}: allreduce: ")
-    _check_compression(compression, op, ref)
-    if _cuda.alone(ref):
+    ref = resolve(rank_list, group, op="allreduce")
+    leaves, treedef, _ = flatten(x, "allreduce")
+    check_reduce_op(op, "allreduce", leaves)
+    quantize = _gpu_chain.check_quantize(quantize, "allreduce")
+    _check_compression(compression, op)
+    if alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
     if compression is not None:
         return jax.tree_util.tree_unflatten(treedef, _compressed(leaves, op, ref, compression))
@@ -96,31 +91,27 @@ def _exact(leaves: list[Any], op: str, ref: GroupRef, quantize: str | None) -> l
     return from_sum(op, outs, leaves, ref.size)
 
 
-# Wire codes of compressed allreduces, shared with the native layer (native/cpu/handlers.cc).
-WIRES = {"fp16": 1, "bf16": 2}
+# Wire codes of compressed allreduces, shared with the native layer.
+WIRES: dict[str, int] = tables()["wires"]
 _HALVES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
 # On CPU, a compressed call with fewer float32 bytes than this is lowered to XLA casts around an
 # exact half-precision allreduce (_cast_around: the same bits, as that allreduce also sums in
-# float32 in rank order and rounds once); larger ones round inside the native call. Around 1-2
-# MiB the casts measured a little faster; from 4 MiB the native call (2 ranks on 2 cores,
-# benchmarks/allreduce_compression.py, three runs, speed relative to float32: 1 MiB casts
-# 0.45-0.63x, native 0.42-0.47x; 4 MiB casts 0.67-0.87x, native 0.73-0.85x; 7.1 MiB casts
-# 0.71-0.79x, native 0.84-1.06x; 16 MiB casts 0.84-1.07x, native 0.98-1.34x).
+# float32 in rank order and rounds once); larger ones round inside the native call, which is
+# faster from there on (docs/performance.md, "Compressed allreduce").
 NATIVE_COMPRESSION_MIN_BYTES = 4 << 20
 
 
-def _check_compression(compression: Any, op: str, ref: GroupRef) -> None:
+def _check_compression(compression: Any, op: str) -> None:
     if compression is None:
         return
     if compression not in WIRES:
         raise SpmdError(
-            f"rank {ref.world_rank}: allreduce: compression={compression!r}; expected None, "
-            "'bf16' or 'fp16'"
+            f"compression={compression!r}; expected None, 'bf16' or 'fp16'", op="allreduce"
         )
     if op not in ("sum", "avg"):
         raise SpmdError(
-            f"rank {ref.world_rank}: allreduce: compression={compression!r} needs op='sum' or "
-            f"op='avg', got op={op!r}"
+            f"compression={compression!r} needs op='sum' or op='avg', got op={op!r}",
+            op="allreduce",
         )
 
 
@@ -171,19 +162,18 @@ def _abstract_eval(
 def _cuda_attrs(
     ctx: Any, *, group: GroupRef, op: str, quantize: str | None, compression: str | None
 ) -> dict[str, Any]:
-    """The backend chain's choice for each leaf (spmd/ops/_cuda.py), fixed at compile time."""
-    where = f"rank {group.world_rank}: allreduce: "
-    gpu = _cuda.registered(group.gid, where)
-    cfg = _cuda.config()
+    """The GPU chain's choice for each leaf (_gpu_chain.py), fixed at compile time."""
+    gpu = gpu_side(group, "allreduce")
+    cfg = _gpu_chain.chain_config()
     algos = tuple(
-        _cuda.ALGOS[
-            _cuda.select_allreduce(
+        _gpu_chain.ALGOS[
+            _gpu_chain.select_allreduce(
                 int(np.prod(a.shape)) * a.dtype.itemsize, a.dtype, op, gpu, cfg, quantize
             )
         ]
         for a in ctx.avals_in
     )
-    codec = _cuda.CODECS.get(quantize or cfg.quantize or "", 0)
+    codec = _gpu_chain.CODECS.get(quantize or cfg.quantize or "", 0)
     return {"algos": algos, "codec": np.int32(codec)}
 
 
@@ -216,12 +206,11 @@ def _lower_cpu(ctx: Any, *operands: Any, **params: Any) -> list[Any]:
 def _lower_cuda(ctx: Any, *operands: Any, **params: Any) -> list[Any]:
     if params["compression"] is not None:  # no native codec on GPU
         return _cast_around(ctx, operands, **params)
-    group: GroupRef = params["group"]
-    packs = _cuda.pack_allreduce(
+    packs = _gpu_chain.pack_allreduce(
         [(int(np.prod(a.shape)), a.dtype) for a in ctx.avals_in],
         params["op"],
-        _cuda.registered(group.gid, f"rank {group.world_rank}: allreduce: "),
-        _cuda.config(),
+        gpu_side(params["group"], "allreduce"),
+        _gpu_chain.chain_config(),
         params["quantize"],
     )
     if not packs:
@@ -230,13 +219,13 @@ def _lower_cuda(ctx: Any, *operands: Any, **params: Any) -> list[Any]:
 
 
 def _packed(ctx: Any, operands: Any, packs: list[list[int]], params: Any) -> list[Any]:
-    """One fused call with the leaves of each pack (``_cuda.pack_allreduce``) flattened into one
-    buffer, each padded to 16 bytes: XLA copies them in and slices the results out; the handler
-    sends each pack with one launch instead of one per leaf."""
+    """One fused call with the leaves of each pack (``_gpu_chain.pack_allreduce``) flattened
+    into one buffer, each padded to 16 bytes: XLA copies them in and slices the results out;
+    the handler sends each pack with one launch instead of one per leaf."""
     avals = ctx.avals_in
     packed = {i for pack in packs for i in pack}
     rest = [i for i in range(len(avals)) if i not in packed]
-    sizes = [_cuda.padded_count(int(np.prod(a.shape)), a.dtype) for a in avals]
+    sizes = [_gpu_chain.padded_count(int(np.prod(a.shape)), a.dtype) for a in avals]
     wire = [
         core.ShapedArray((sum(sizes[i] for i in pack),), avals[pack[0]].dtype) for pack in packs
     ] + [avals[i] for i in rest]
@@ -292,14 +281,13 @@ def _jvp(
         *primals, group=group, op=op, quantize=quantize, compression=compression
     )
     group = group.jvp()  # the collectives below work on tangents
-    # Which tangents are symbolic zeros is decided by the program, so the same on every rank.
-    live = [i for i, t in enumerate(tangents) if not isinstance(t, Zero)]
+    at = live(tangents)
     t_outs: list[Any] = [zero_tangent(y) for y in outs]
-    if not live:
+    if not at:
         return outs, t_outs
-    xs = [primals[i] for i in live]
-    ts = [tangents[i] for i in live]
-    ys = [outs[i] for i in live]
+    xs = [primals[i] for i in at]
+    ts = [tangents[i] for i in at]
+    ys = [outs[i] for i in at]
     if op in ("sum", "avg"):  # linear (compressed: up to the rounding, which is not followed)
         res = _sum(ts, group, quantize, compression, op)
     elif op == "prod":
@@ -318,7 +306,7 @@ def _jvp(
         )
         cnt = _sum([m.astype(t.dtype) for m, t in zip(masks, ts, strict=True)], group)
         res = [n / c for n, c in zip(num, cnt, strict=True)]
-    for i, r in zip(live, res, strict=True):
+    for i, r in zip(at, res, strict=True):
         t_outs[i] = r
     return outs, t_outs
 
@@ -335,9 +323,8 @@ def _transpose(
     # A compressed op="avg" (y = sum_s x_s / n) transposes to itself.
     if op not in ("sum", "avg"):
         raise SpmdError(
-            f"rank {group.world_rank}: allreduce(op={op!r}) is not linear, so it has no "
-            "transpose (jax.linear_transpose, or a VJP that treats it as linear); only op='sum' "
-            "and op='avg' do"
+            f"allreduce(op={op!r}) is not linear, so it has no transpose (jax.linear_transpose, "
+            "or a VJP that treats it as linear); only op='sum' and op='avg' do"
         )
     avals = [arg_aval(a) for a in args]
     cts = [instantiate(ct, aval) for ct, aval in zip(cts, avals, strict=True)]

@@ -11,23 +11,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src import core
-from jax._src.interpreters import ad, batching
 
-from .._groups import GroupRef, resolve
-from . import _cuda
+from .._jax_compat import ad, batching, core
 from ._allreduce import allreduce_p
-from ._core import (
-    arg_aval,
-    batch_first,
-    bind,
-    check_rank,
-    collective_primitive,
-    flatten,
-    instantiate,
-    linear_jvp,
-    register_lowering,
-)
+from ._autodiff import arg_aval, batch_first, instantiate, linear_jvp
+from ._checks import check_rank, flatten
+from ._primitive import GroupRef, alone, bind, collective_primitive, register_lowering, resolve
 
 broadcast_p = collective_primitive("spmd_broadcast")
 
@@ -38,10 +27,10 @@ def broadcast(x: Any, root: int = 0, *, rank_list: Any = None, group: Any = None
     ``x`` (array or pytree, one fused call) has the same shapes and dtypes on every rank; the
     other ranks' values are ignored. Grouping: ``rank_list=`` or ``group=``.
     """
-    ref = resolve(rank_list, group)
-    leaves, treedef, _ = flatten(x, "broadcast", ref)
-    r = check_rank(root, "root", "broadcast", ref)
-    if _cuda.alone(ref):
+    ref = resolve(rank_list, group, op="broadcast")
+    leaves, treedef, _ = flatten(x, "broadcast")
+    r = check_rank(root, "root", "broadcast", ref.ranks)
+    if alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
     return jax.tree_util.tree_unflatten(treedef, bind(broadcast_p, *leaves, group=ref, root=r))
 

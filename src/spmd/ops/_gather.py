@@ -16,27 +16,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
-from jax._src.ad_util import Zero
-from jax._src.interpreters import ad, batching
 
 from .._errors import SpmdError, SpmdTypeError
-from .._groups import GroupRef, resolve
-from . import _cuda
-from ._core import (
-    REDUCE_OPS,
-    arg_aval,
+from .._jax_compat import ad, batching, core
+from ._autodiff import arg_aval, batch_second, instantiate, linear_jvp, live, zero_tangent
+from ._checks import REDUCE_OPS, check_axis, check_reduce_op, flatten, from_sum, to_sum
+from ._primitive import (
+    GroupRef,
+    alone,
     bind,
-    check_axis,
-    check_reduce_op,
     collective_primitive,
-    flatten,
-    from_sum,
-    instantiate,
-    linear_jvp,
     register_lowering,
-    to_sum,
-    zero_tangent,
+    resolve,
 )
 
 allgather_p = collective_primitive("spmd_allgather")
@@ -55,13 +46,12 @@ def allgather(x: Any, axis: int = 0, *, rank_list: Any = None, group: Any = None
     result's ``axis`` is ``size`` times longer. For a new leading axis instead, gather
     ``x[None]``. Grouping: ``rank_list=`` or ``group=``, as :func:`spmd.allreduce`.
     """
-    ref = resolve(rank_list, group)
-    leaves, treedef, paths = flatten(x, "allgather", ref)
+    ref = resolve(rank_list, group, op="allgather")
+    leaves, treedef, paths = flatten(x, "allgather")
     axes = [
-        check_axis(axis, v.ndim, "axis", "allgather", ref, p)
-        for v, p in zip(leaves, paths, strict=True)
+        check_axis(axis, v.ndim, "axis", "allgather", p) for v, p in zip(leaves, paths, strict=True)
     ]
-    if _cuda.alone(ref):
+    if alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
     moved = [jnp.moveaxis(v, a, 0) for v, a in zip(leaves, axes, strict=True)]
     outs = bind(allgather_p, *moved, group=ref, sizes=())
@@ -75,17 +65,17 @@ def allgatherv(x: Any, sizes: Sequence[int], *, rank_list: Any = None, group: An
     ``sizes[r]`` rows; every rank gets ``sum(sizes)`` rows. ``sizes`` is the same on every rank;
     the other dimensions and the dtype match across ranks. Pytrees: every leaf has
     ``sizes[rank]`` rows."""
-    ref = resolve(rank_list, group)
-    leaves, treedef, paths = flatten(x, "allgatherv", ref)
+    ref = resolve(rank_list, group, op="allgatherv")
+    leaves, treedef, paths = flatten(x, "allgatherv")
     sz = _check_sizes(sizes, ref, "allgatherv")
     for v, p in zip(leaves, paths, strict=True):
         if v.ndim == 0 or v.shape[0] != sz[ref.rank]:
             raise SpmdError(
-                f"rank {ref.world_rank}: allgatherv: {p} has shape {v.shape}, but sizes={list(sz)} "
-                f"says this rank (position {ref.rank} in the group) passes {sz[ref.rank]} rows "
-                "along axis 0"
+                f"{p} has shape {v.shape}, but sizes={list(sz)} says this rank (position "
+                f"{ref.rank} in the group) passes {sz[ref.rank]} rows along axis 0",
+                op="allgatherv",
             )
-    if _cuda.alone(ref):
+    if alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
     return jax.tree_util.tree_unflatten(treedef, bind(allgather_p, *leaves, group=ref, sizes=sz))
 
@@ -98,20 +88,20 @@ def reduce_scatter(
     ``x.shape[axis]`` must divide by the group size; the result's ``axis`` is ``size`` times
     shorter. The dual of :func:`allgather`.
     """
-    ref = resolve(rank_list, group)
-    leaves, treedef, paths = flatten(x, "reduce_scatter", ref)
-    check_reduce_op(op, "reduce_scatter", ref, leaves)
+    ref = resolve(rank_list, group, op="reduce_scatter")
+    leaves, treedef, paths = flatten(x, "reduce_scatter")
+    check_reduce_op(op, "reduce_scatter", leaves)
     axes = []
     for v, p in zip(leaves, paths, strict=True):
-        a = check_axis(axis, v.ndim, "axis", "reduce_scatter", ref, p)
+        a = check_axis(axis, v.ndim, "axis", "reduce_scatter", p)
         if v.shape[a] % ref.size:
             raise SpmdError(
-                f"rank {ref.world_rank}: reduce_scatter: {p} has {v.shape[a]} elements along "
-                f"axis {a}, not divisible by the group size {ref.size}; pad it, or use "
-                "reduce_scatterv with explicit sizes"
+                f"{p} has {v.shape[a]} elements along axis {a}, not divisible by the group "
+                f"size {ref.size}; pad it, or use reduce_scatterv with explicit sizes",
+                op="reduce_scatter",
             )
         axes.append(a)
-    if _cuda.alone(ref):
+    if alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
     native, sent = to_sum(op, [jnp.moveaxis(v, a, 0) for v, a in zip(leaves, axes, strict=True)])
     outs = from_sum(
@@ -127,17 +117,18 @@ def reduce_scatterv(
 ) -> Any:
     """Reduce ``x`` (``sum(sizes)`` rows along axis 0, same on every rank) over ranks and keep
     rows ``sum(sizes[:rank]) .. + sizes[rank]``: rank r gets ``sizes[r]`` rows."""
-    ref = resolve(rank_list, group)
-    leaves, treedef, paths = flatten(x, "reduce_scatterv", ref)
-    check_reduce_op(op, "reduce_scatterv", ref, leaves)
+    ref = resolve(rank_list, group, op="reduce_scatterv")
+    leaves, treedef, paths = flatten(x, "reduce_scatterv")
+    check_reduce_op(op, "reduce_scatterv", leaves)
     sz = _check_sizes(sizes, ref, "reduce_scatterv")
     for v, p in zip(leaves, paths, strict=True):
         if v.ndim == 0 or v.shape[0] != sum(sz):
             raise SpmdError(
-                f"rank {ref.world_rank}: reduce_scatterv: {p} has shape {v.shape}, but "
-                f"sizes={list(sz)} adds up to {sum(sz)} rows along axis 0"
+                f"{p} has shape {v.shape}, but sizes={list(sz)} adds up to {sum(sz)} rows "
+                "along axis 0",
+                op="reduce_scatterv",
             )
-    if _cuda.alone(ref):
+    if alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
     native, sent = to_sum(op, leaves)
     outs = bind(reduce_scatter_p, *sent, group=ref, op=native, sizes=sz)
@@ -150,19 +141,20 @@ def reduce_scatterv(
 def _check_sizes(sizes: Any, ref: GroupRef, name: str) -> Sizes:
     if isinstance(sizes, str | bytes) or not isinstance(sizes, Sequence | np.ndarray):
         raise SpmdTypeError(
-            f"rank {ref.world_rank}: {name}: sizes={sizes!r} is not a list of {ref.size} row "
-            "counts, one per rank of the group"
+            f"sizes={sizes!r} is not a list of {ref.size} row counts, one per rank of the group",
+            op=name,
         )
     if len(sizes) != ref.size:
         raise SpmdError(
-            f"rank {ref.world_rank}: {name}: sizes={list(sizes)} has {len(sizes)} entries for a "
-            f"group of {ref.size} ranks {list(ref.ranks)}; give one row count per rank"
+            f"sizes={list(sizes)} has {len(sizes)} entries for a group of {ref.size} ranks "
+            f"{list(ref.ranks)}; give one row count per rank",
+            op=name,
         )
     for s in sizes:
         if isinstance(s, bool) or not isinstance(s, int | np.integer) or s < 0:
             raise SpmdError(
-                f"rank {ref.world_rank}: {name}: sizes={list(sizes)} holds {s!r}; row counts "
-                "are non-negative integers"
+                f"sizes={list(sizes)} holds {s!r}; row counts are non-negative integers",
+                op=name,
             )
     return tuple(int(s) for s in sizes)
 
@@ -197,8 +189,7 @@ register_lowering(
 def _batcher(prim: core.Primitive) -> Any:
     # Axis 0 is the gathered/scattered one: batch dimensions go to axis 1 and stay there.
     def rule(args: list[Any], dims: list[Any], **params: Any) -> Any:
-        moved = [a if d is None else jnp.moveaxis(a, d, 1) for a, d in zip(args, dims, strict=True)]
-        out_dims = [None if d is None else 1 for d in dims]
+        moved, out_dims = batch_second(args, dims)
         return prim.bind(*moved, **params), out_dims
 
     return rule
@@ -209,10 +200,6 @@ batching.primitive_batchers[reduce_scatter_p] = _batcher(reduce_scatter_p)
 
 
 # -- autodiff -----------------------------------------------------------------------------------
-
-
-def _live(tangents: list[Any]) -> list[int]:
-    return [i for i, t in enumerate(tangents) if not isinstance(t, Zero)]
 
 
 def _gather_transpose(cts: list[Any], *args: Any, group: GroupRef, sizes: Sizes) -> list[Any]:
@@ -228,12 +215,12 @@ def _scatter_jvp(
     outs = reduce_scatter_p.bind(*primals, group=group, op=op, sizes=sizes)
     group = group.jvp()  # the collectives below work on tangents
     t_outs: list[Any] = [zero_tangent(y) for y in outs]
-    live = _live(tangents)
-    if not live:
+    at = live(tangents)
+    if not at:
         return outs, t_outs
-    xs = [primals[i] for i in live]
-    ts = [tangents[i] for i in live]
-    ys = [outs[i] for i in live]
+    xs = [primals[i] for i in at]
+    ts = [tangents[i] for i in at]
+    ys = [outs[i] for i in at]
 
     def rs(values: list[Any]) -> list[Any]:
         return list(reduce_scatter_p.bind(*values, group=group, op="sum", sizes=sizes))
@@ -251,7 +238,7 @@ def _scatter_jvp(
         num = rs([jnp.where(m, t, jnp.zeros_like(t)) for m, t in zip(masks, ts, strict=True)])
         cnt = rs([m.astype(t.dtype) for m, t in zip(masks, ts, strict=True)])
         res = [n / c for n, c in zip(num, cnt, strict=True)]
-    for i, r in zip(live, res, strict=True):
+    for i, r in zip(at, res, strict=True):
         t_outs[i] = r
     return outs, t_outs
 
@@ -263,8 +250,8 @@ def _scatter_transpose(
     # dL/dx_s[block r] = ct_r: gathering the cotangents gives each rank its full dL/dx.
     if op != "sum":
         raise SpmdError(
-            f"rank {group.world_rank}: reduce_scatter(op={op!r}) is not linear, so it has no "
-            "transpose; only op='sum' and op='avg' do"
+            f"reduce_scatter(op={op!r}) is not linear, so it has no transpose; only op='sum' "
+            "and op='avg' do"
         )
     out_avals = _scatter_eval(*[arg_aval(a) for a in args], group=group, op=op, sizes=sizes)
     cts = [instantiate(ct, aval) for ct, aval in zip(cts, out_avals, strict=True)]

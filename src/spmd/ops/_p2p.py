@@ -23,25 +23,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
-from jax._src.interpreters import ad, batching
 
 from .._errors import SpmdError
-from .._groups import GroupRef, resolve
-from . import _cuda
-from ._core import (
-    arg_aval,
-    batch_first,
-    bind,
-    check_dtype,
-    check_rank,
-    collective_primitive,
-    flatten,
-    instantiate,
-    linear_jvp,
-    register_lowering,
-    zero_tangent,
-)
+from .._jax_compat import ad, batching, core
+from ._autodiff import arg_aval, batch_first, instantiate, linear_jvp, zero_tangent
+from ._checks import check_dtype, check_rank, flatten
+from ._primitive import GroupRef, alone, bind, collective_primitive, register_lowering, resolve
 
 sendrecv_p = collective_primitive("spmd_sendrecv")
 send_p = collective_primitive("spmd_send")
@@ -56,11 +43,12 @@ _DONE = core.ShapedArray((0,), np.dtype(np.uint8))
 
 
 def _check_peer(value: Any, what: str, name: str, ref: GroupRef) -> int:
-    peer = check_rank(value, what, name, ref)
+    peer = check_rank(value, what, name, ref.ranks)
     if peer == ref.rank:
         raise SpmdError(
-            f"rank {ref.world_rank}: {name}: {what}={peer} is this rank itself; a {name} to "
-            "oneself never completes (use sendrecv, which may name oneself)"
+            f"{what}={peer} is this rank itself; a {name} to oneself never completes (use "
+            "sendrecv, which may name oneself)",
+            op=name,
         )
     return peer
 
@@ -68,8 +56,8 @@ def _check_peer(value: Any, what: str, name: str, ref: GroupRef) -> int:
 def send(x: Any, dst: int, *, rank_list: Any = None, group: Any = None) -> None:
     """Send ``x`` (array or pytree) to the rank at position ``dst`` of the group, which must
     call :func:`recv` with ``src`` = this rank. Returns once ``x`` was handed over."""
-    ref = resolve(rank_list, group, p2p=True)
-    leaves, _, _ = flatten(x, "send", ref)
+    ref = resolve(rank_list, group, op="send", p2p=True)
+    leaves, _, _ = flatten(x, "send")
     d = _check_peer(dst, "dst", "send", ref)
     for leaf in leaves:
         bind(send_p, leaf, group=ref, dst=d)
@@ -78,7 +66,7 @@ def send(x: Any, dst: int, *, rank_list: Any = None, group: Any = None) -> None:
 def recv(like: Any, src: int, *, rank_list: Any = None, group: Any = None) -> Any:
     """Receive from the rank at position ``src`` an array (or pytree) shaped like ``like``
     (arrays or ``jax.ShapeDtypeStruct``s; their values are not used)."""
-    ref = resolve(rank_list, group, p2p=True)
+    ref = resolve(rank_list, group, op="recv", p2p=True)
     s = _check_peer(src, "src", "recv", ref)
     with_path, treedef = jax.tree_util.tree_flatten_with_path(like)
     specs = []
@@ -86,7 +74,7 @@ def recv(like: Any, src: int, *, rank_list: Any = None, group: Any = None) -> An
         name = "like" + jax.tree_util.keystr(path)
         # As send sees it: numpy's float64 is float32 without jax_enable_x64.
         dtype = jax.dtypes.canonicalize_dtype(getattr(v, "dtype", None) or np.asarray(v).dtype)
-        check_dtype(dtype, "recv", name, ref)
+        check_dtype(dtype, "recv", name)
         specs.append((_anchor(v), tuple(np.shape(v)), np.dtype(dtype)))
     outs = [
         bind(recv_p, *anchor, group=ref, src=s, shape=shape, dtype=dtype)[0]
@@ -107,11 +95,11 @@ def sendrecv(x: Any, src: int, dst: int, *, rank_list: Any = None, group: Any = 
     """Send ``x`` to position ``dst`` of the group and return what position ``src`` sent this
     rank (shaped like ``x``), at once; e.g. a ring shift: ``sendrecv(x, src=(r - 1) % n,
     dst=(r + 1) % n)``. Differentiable (the cotangent travels back from dst)."""
-    ref = resolve(rank_list, group, p2p=True)
-    leaves, treedef, _ = flatten(x, "sendrecv", ref)
-    s = check_rank(src, "src", "sendrecv", ref)
-    d = check_rank(dst, "dst", "sendrecv", ref)
-    if _cuda.alone(ref):
+    ref = resolve(rank_list, group, op="sendrecv", p2p=True)
+    leaves, treedef, _ = flatten(x, "sendrecv")
+    s = check_rank(src, "src", "sendrecv", ref.ranks)
+    d = check_rank(dst, "dst", "sendrecv", ref.ranks)
+    if alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
     outs = [bind(sendrecv_p, leaf, group=ref, src=s, dst=d)[0] for leaf in leaves]
     return jax.tree_util.tree_unflatten(treedef, outs)
@@ -120,7 +108,7 @@ def sendrecv(x: Any, src: int, dst: int, *, rank_list: Any = None, group: Any = 
 def barrier(*, rank_list: Any = None, group: Any = None) -> None:
     """Return once every rank of the group has called ``barrier`` (in jit: once every rank's
     program reaches it)."""
-    ref = resolve(rank_list, group)
+    ref = resolve(rank_list, group, op="barrier")
     if ref.size > 1:
         bind(barrier_p, group=ref)
 

@@ -2,7 +2,7 @@
 layer, add the residual, RMS-normalize) as one collective.
 
 On GPU it is one kernel over the custom all-reduce's IPC buffers where eligible (hidden size up
-to 16384 and the rows within the registered buffer; spmd/ops/_cuda.py, select_rmsnorm), and NCCL's
+to 16384 and the rows within the registered buffer; _gpu_chain.select_rmsnorm), and NCCL's
 all-reduce followed by a norm kernel otherwise; on CPU it is the all-reduce followed by the
 norm in XLA. Every path computes the same thing, to float rounding:
 
@@ -21,14 +21,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
-from jax._src.interpreters import ad, batching, mlir
 
 from .._errors import SpmdError, SpmdTypeError
-from .._groups import GroupRef, resolve
-from . import _cuda
+from .._jax_compat import ad, batching, core, mlir
+from . import _gpu_chain
 from ._allreduce import allreduce_p
-from ._core import bind, collective_primitive, lower_collective
+from ._primitive import (
+    GroupRef,
+    alone,
+    bind,
+    collective_primitive,
+    gpu_side,
+    lower_collective,
+    resolve,
+)
 
 allreduce_rmsnorm_p = collective_primitive("spmd_allreduce_rmsnorm")
 
@@ -57,25 +63,27 @@ def allreduce_rmsnorm(
     Returns:
         ``normed`` and ``residual_out = allreduce(x) + residual``, both shaped like ``x``.
     """
-    ref = resolve(rank_list, group)
-    where = f"rank {ref.world_rank}: allreduce_rmsnorm: "
+    op = "allreduce_rmsnorm"
+    ref = resolve(rank_list, group, op=op)
     x, residual, weight = jnp.asarray(x), jnp.asarray(residual), jnp.asarray(weight)
     if x.dtype.name not in _FLOATS:
-        raise SpmdTypeError(f"{where}x has dtype {x.dtype}; expected one of {', '.join(_FLOATS)}")
+        raise SpmdTypeError(f"x has dtype {x.dtype}; expected one of {', '.join(_FLOATS)}", op=op)
     if x.ndim < 1:
-        raise SpmdError(f"{where}x is a scalar; expected [..., hidden]")
+        raise SpmdError("x is a scalar; expected [..., hidden]", op=op)
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise SpmdError(
-            f"{where}residual is {residual.dtype}{list(residual.shape)}, expected x's "
-            f"{x.dtype}{list(x.shape)}"
+            f"residual is {residual.dtype}{list(residual.shape)}, expected x's "
+            f"{x.dtype}{list(x.shape)}",
+            op=op,
         )
     if weight.shape != (x.shape[-1],) or weight.dtype != x.dtype:
         raise SpmdError(
-            f"{where}weight is {weight.dtype}{list(weight.shape)}, expected "
-            f"{x.dtype}[{x.shape[-1]}] (hidden = x.shape[-1])"
+            f"weight is {weight.dtype}{list(weight.shape)}, expected {x.dtype}[{x.shape[-1]}] "
+            "(hidden = x.shape[-1])",
+            op=op,
         )
     eps = float(eps)
-    if _cuda.alone(ref):
+    if alone(ref):
         return _norm(x + residual, weight, eps)
     normed, out = bind(allreduce_rmsnorm_p, x, residual, weight, group=ref, eps=eps)
     return normed, out
@@ -106,21 +114,20 @@ def _cuda_rule(
     aval: Any = ctx.avals_in[0]
     if aval.dtype == np.float64:
         raise SpmdTypeError(
-            f"rank {group.world_rank}: allreduce_rmsnorm: float64 runs on CPU only; on GPU pass "
-            "float32, float16 or bfloat16"
+            "float64 runs on CPU only; on GPU pass float32, float16 or bfloat16",
+            op="allreduce_rmsnorm",
         )
     hidden = aval.shape[-1]
     rows = int(np.prod(aval.shape[:-1]))
-    gpu = _cuda.registered(group.gid, f"rank {group.world_rank}: allreduce_rmsnorm: ")
-    path = _cuda.select_rmsnorm(rows, hidden, aval.dtype, gpu, _cuda.config())
-    _cuda.ensure_handlers()
+    gpu = gpu_side(group, "allreduce_rmsnorm")
+    path = _gpu_chain.select_rmsnorm(rows, hidden, aval.dtype, gpu, _gpu_chain.chain_config())
     return lower_collective(
         ctx,
         "spmd_cuda_allreduce_rmsnorm",
         [x, residual, weight],
         group=group.attr,
-        eps=eps,
-        algo=np.int32(_cuda.ALGOS[path]),
+        eps=np.float32(eps),
+        algo=np.int32(_gpu_chain.ALGOS[path]),
     )
 
 

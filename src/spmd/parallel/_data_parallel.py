@@ -1,78 +1,49 @@
 """``@spmd.data_parallel``: RAF's AutoDataParallel for JAX, with PyTorch DDP's engineering.
 
-The step is traced once per input signature into an op list (:mod:`._program`) in which
-``spmd.grad`` marked every gradient. The pass :func:`allreduce_gradients` then inserts fused
-allreduces that average the gradients over the data-parallel group:
+A :class:`~spmd.parallel.Step` with one pass, :func:`reduce_gradients`, which inserts fused
+allreduces that average the gradients ``spmd.grad`` marked over the data-parallel group:
 
 - buckets: gradient leaves in reverse parameter order (the order backward produces them), packed
   up to ``bucket_mb`` MiB per bucket; ``bucket_mb=0`` gives one allreduce per leaf;
 - placement: each bucket's allreduce goes right after the op that produces its last gradient
-  (``overlap=True``), so communication can run while the rest of the backward pass computes;
-  with ``overlap=False`` all buckets go after the backward pass;
+  (``overlap=True``), so that on CPU XLA may run it while the rest of the backward pass
+  computes; with ``overlap=False`` all buckets go after the backward pass;
 - compression: ``"bf16"``/``"fp16"`` send float32 gradients in half precision (pre-divided by the
   group size, so the sum cannot overflow where the average would not), summed in float32 and
-  rounded once (``spmd.allreduce(compression=...)``; on CPU the rounding happens inside the
-  shared-memory copies); gradients of other dtypes travel exactly;
+  rounded once (``spmd.allreduce(compression=...)``); gradients of other dtypes travel exactly;
 - ``spmd.no_sync()``: inside it, the step does not communicate; it adds this rank's gradients
   to a local accumulator that the next synchronised call adds before its allreduce (DDP's
-  semantics: the accumulated sum of micro-batch gradients, averaged over ranks).
-
-The compiled program is cached per input signature and variant; calls take jit's fast path.
-On its first call the step compares a checksum of the parameters (the arguments that
-``spmd.grad`` differentiates) across the group and raises, naming the ranks that differ.
+  semantics: the accumulated sum of micro-batch gradients, averaged over ranks). The step runs
+  one of three programs made from one trace (its *variants*): synchronising, accumulating, or
+  synchronising what was accumulated.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-import zlib
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax._src import core
 
 from .._errors import SpmdError, SpmdTypeError
-from ..mesh import mesh_key
-from ..runtime import Communicator, this_rank
-from ._grad import mark_p, marking
-from ._program import Env, Program, eval_eqn, retrace, trace_program
+from ..mesh import resolve_group
+from ._grad import mark_p
+from ._passes import NO_GRAD, Bucket, GradientLeaf, Pass, chain, gradient_leaves, schedule
+from ._program import Env, Program, eval_eqn, retrace
+from ._step import Step, Traced, syncing
 
-__all__ = [
-    "DataParallel",
-    "allreduce_gradients",
-    "broadcast_params",
-    "check_replicas",
-    "check_same",
-    "data_parallel",
-    "no_sync",
-]
+__all__ = ["DataParallel", "broadcast_params", "data_parallel", "reduce_gradients"]
 
 _COMPRESSION = ("bf16", "fp16")
-_NO_SYNC: contextvars.ContextVar[bool] = contextvars.ContextVar("spmd_no_sync", default=False)
+PENDING_SHAPES = (
+    "the gradients accumulated under spmd.no_sync() belong to a call with other argument shapes "
+    "or structure; accumulate micro-batches of one shape"
+)
 
 
 # -- API ------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def no_sync() -> Iterator[None]:
-    """Inside this context, ``@data_parallel`` steps accumulate gradients locally, without
-    communication; the next call outside it averages the accumulated sum over the group.
-
-    As with PyTorch DDP, the outputs of the steps run inside ``no_sync`` are computed from this
-    rank's local gradients; use them only for what does not need synchronised gradients.
-    """
-    token = _NO_SYNC.set(True)
-    try:
-        yield
-    finally:
-        _NO_SYNC.reset(token)
 
 
 def broadcast_params(tree: Any, root: int = 0, *, group: Any = None) -> Any:
@@ -81,28 +52,37 @@ def broadcast_params(tree: Any, root: int = 0, *, group: Any = None) -> Any:
     Start data-parallel replicas from one state: ``params = spmd.broadcast_params(params)``.
     Leaves of any dtype travel bit for bit, PRNG keys included (dtypes the collectives do not
     take go as their bytes).
+
+    Example (a world of one: the tree comes back as it is)::
+
+        >>> import jax, jax.numpy as jnp, spmd
+        >>> params = {"w": jnp.ones((2, 2)), "key": jax.random.key(0)}
+        >>> out = spmd.broadcast_params(params)
+        >>> out["w"].shape, jnp.array_equal(jax.random.key_data(out["key"]),
+        ...                                 jax.random.key_data(params["key"]))
+        ((2, 2), Array(True, dtype=bool))
     """
-    from ..ops import broadcast
-    from ..ops._core import ARRAY_LIKE
+    from ..ops import ARRAY_LIKE, broadcast
     from ..sharded import is_sharded
 
-    comm = _communicator(group, "broadcast_params")
+    comm = resolve_group(None, group, op="broadcast_params")
     with_path, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sharded)
     for path, leaf in with_path:
         name = jax.tree_util.keystr(path) or "the tree"
         if is_sharded(leaf):
             # Each rank's shard is its own data: rank root's would overwrite the others'.
             raise SpmdError(
-                f"{this_rank()}: broadcast_params: {name} is a ShardedArray, whose shards "
-                "differ between ranks by design; broadcast the full array before sharding it, "
-                "or leave sharded state out of the tree"
+                f"{name} is a ShardedArray, whose shards differ between ranks by design; "
+                "broadcast the full array before sharding it, or leave sharded state out of the "
+                "tree",
+                op="broadcast_params",
             )
         if not isinstance(leaf, ARRAY_LIKE):
             raise SpmdTypeError(
-                f"{this_rank()}: broadcast_params: {name} is a {type(leaf).__name__}, not an "
-                "array; pass arrays or pytrees (lists, tuples, dicts) of arrays (for a model "
-                "object holding functions, e.g. equinox's, broadcast "
-                "eqx.filter(model, eqx.is_array))"
+                f"{name} is a {type(leaf).__name__}, not an array; pass arrays or pytrees "
+                "(lists, tuples, dicts) of arrays (for a model object holding functions, e.g. "
+                "equinox's, broadcast eqx.filter(model, eqx.is_array))",
+                op="broadcast_params",
             )
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     wired = [_to_wire(x) for x in leaves]
@@ -116,7 +96,7 @@ def _to_wire(x: Any) -> tuple[Any, Callable[[Any], Any]]:
     """``x`` as an array the collectives take, and how to make it ``x`` again, bit for bit:
     PRNG keys as their key data, dtypes the collectives do not take (uint32, int16, complex,
     ...) as their bytes (uint8, one more dimension)."""
-    from ..ops._core import SUPPORTED_DTYPES
+    from ..ops import SUPPORTED_DTYPES
 
     if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         impl = jax.random.key_impl(x)
@@ -155,7 +135,9 @@ def data_parallel(
     Each rank calls the step with its own local batch. Every gradient produced by
     ``spmd.grad``/``spmd.value_and_grad`` inside is averaged over the group by allreduces the
     transform inserts right after the ops that produce them, in buckets. ``spmd.trace(step)``
-    shows them.
+    shows them. On its first call the step checks that the parameters (the arguments
+    ``spmd.grad`` differentiates) are the same on every rank, and raises naming the ranks that
+    differ.
 
     Args:
         fn: the step. It must compute its gradients with ``spmd.(value_and_)grad``.
@@ -171,6 +153,17 @@ def data_parallel(
             micro-batches along axis 0 and accumulates their gradients locally (mean over
             micro-batches) before the one allreduce.
         check_params: on the first call, check that the parameters are identical on every rank.
+
+    Example (a world of one; under ``spmd-run -n N`` the same step averages over N ranks)::
+
+        >>> import jax.numpy as jnp, spmd
+        >>> @spmd.data_parallel
+        ... def step(w, x):
+        ...     loss, g = spmd.value_and_grad(lambda w: jnp.sum((w * x) ** 2))(w)
+        ...     return w - 0.1 * g, loss
+        >>> w, loss = step(jnp.ones(3), jnp.arange(3.0))
+        >>> w
+        Array([ 1. ,  0.8, -0.6], dtype=float32)
     """
     options: dict[str, Any] = dict(
         group=group,
@@ -186,117 +179,76 @@ def data_parallel(
     return DataParallel(fn, **options)
 
 
-# -- errors ---------------------------------------------------------------------------------------
+class DataParallel(Step):
+    """A data-parallel training step (what ``@spmd.data_parallel`` returns): a
+    :class:`~spmd.parallel.Step` whose pass is :func:`reduce_gradients`."""
 
-NO_GRAD = (
-    "{where}: {name} computes no gradient with spmd.grad or spmd.value_and_grad, so there is "
-    "nothing to average. Compute the gradients in the step with them, e.g.\n"
-    "    loss, grads = spmd.value_and_grad(loss_fn)(params, batch)\n"
-    "(jax.grad's gradients are not seen, nor are spmd.grad calls inside a nested jax.jit)."
-)
+    transform = "data_parallel"
 
-PARAMS_DIFFER = (
-    "{where}: the parameters differ between ranks at the first step: {detail}. Data-parallel "
-    "replicas must start from one state: params = spmd.broadcast_params(params) before "
-    "training (or pass check_params=False if they differ on purpose)."
-)
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        group: Any,
+        bucket_mb: float,
+        average: bool,
+        compression: str | None,
+        overlap: bool,
+        accumulate_steps: int,
+        check_params: bool,
+    ) -> None:
+        if bucket_mb < 0:
+            raise SpmdError(f"bucket_mb={bucket_mb!r}; expected a number >= 0", op=self.transform)
+        _check_compression(compression)
+        super().__init__(
+            fn, group=group, accumulate_steps=accumulate_steps, check_params=check_params
+        )
+        self.options: dict[str, Any] = dict(
+            bucket_mb=bucket_mb, average=average, compression=compression, overlap=overlap
+        )
+        # no_sync's local gradient sums, and the traced signature they belong to.
+        self._pending: list[Any] | None = None
+        self._pending_for: Traced | None = None
+
+    def passes(self, traced: Traced, variant: Any) -> Pass:
+        sync, pending = variant or (True, False)
+        return chain(reduce_gradients(group=self.group, sync=sync, pending=pending, **self.options))
+
+    def variant(self, traced: Traced) -> Any:
+        """None (synchronise), or (sync, pending): whether the call synchronises, and whether it
+        adds the gradients accumulated under ``no_sync``."""
+        pending = self._pending is not None
+        if pending and self._pending_for is not traced:
+            raise SpmdError(PENDING_SHAPES, op=f"{self.transform}({traced.program.name})")
+        sync = syncing()
+        return None if sync and not pending else (sync, pending)
+
+    def extra_inputs(self, traced: Traced, variant: Any) -> Sequence[Any]:
+        return self._pending or ()
+
+    def results(self, traced: Traced, variant: Any, outs: Sequence[Any]) -> Any:
+        n = traced.program.out_tree.num_leaves
+        sync = variant is None or variant[0]
+        self._pending = None if sync else list(outs[n:])
+        self._pending_for = None if sync else traced
+        return super().results(traced, variant, outs[:n])
 
 
 def _check_compression(compression: Any) -> None:
     if compression is not None and compression not in _COMPRESSION:
         raise SpmdError(
-            f"{this_rank()}: data_parallel: compression={compression!r}; expected None, "
-            "'bf16' or 'fp16'"
+            f"compression={compression!r}; expected None, 'bf16' or 'fp16'", op="data_parallel"
         )
 
 
-def _communicator(group: Any, where: str) -> Communicator:
-    from ..mesh import resolve_group
-
-    return resolve_group(None, group, op=where)
+# -- the pass -------------------------------------------------------------------------------------
 
 
-# -- pass -----------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Leaf:
-    """One marked gradient leaf: where it comes from and where the step reads it."""
-
-    k: int  # position among all marked gradients of the step
-    call: int
-    path: str
-    src: Any  # the value the backward pass produced (mark input)
-    dst: Any  # the value the rest of the step reads (mark output)
-    nbytes: int
-    producer: int  # index of the producing op, -1 for an input or constant
-
-
-@dataclass
-class _Bucket:
-    leaves: list[_Leaf] = field(default_factory=list)
-    nbytes: int = 0
-
-
-def gradient_leaves(program: Program) -> tuple[list[_Leaf], dict[int, int]]:
-    """The marked gradients of a program, and {gradient call: index of its mark op}."""
-    eqns = program.jaxpr.jaxpr.eqns
-    producer: dict[Any, int] = {}
-    leaves: list[_Leaf] = []
-    marks: dict[int, int] = {}
-    for i, eqn in enumerate(eqns):
-        if eqn.primitive is mark_p and eqn.params["kind"] == "grad":
-            marks[eqn.params["call"]] = i
-            for src, dst, path in zip(eqn.invars, eqn.outvars, eqn.params["paths"], strict=True):
-                aval = src.aval
-                nbytes = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
-                # A constant gradient (of an unused or linear scalar) is a literal: no producer.
-                made = -1 if isinstance(src, core.Literal) else producer.get(src, -1)
-                leaves.append(
-                    _Leaf(len(leaves), eqn.params["call"], path, src, dst, nbytes, made)
-                )  # fmt: skip
-        for v in eqn.outvars:
-            producer[v] = i
-    return leaves, marks
-
-
-def _buckets(leaves: list[_Leaf], bucket_mb: float) -> list[_Bucket]:
-    """Reverse parameter order within each gradient call, packed up to bucket_mb MiB."""
-    cap = bucket_mb * 2**20
-    buckets: list[_Bucket] = []
-    calls = sorted({leaf.call for leaf in leaves})
-    for call in calls:
-        current = _Bucket()
-        for leaf in reversed([x for x in leaves if x.call == call]):
-            if current.leaves and (cap <= 0 or current.nbytes + leaf.nbytes > cap):
-                buckets.append(current)
-                current = _Bucket()
-            current.leaves.append(leaf)
-            current.nbytes += leaf.nbytes
-        if current.leaves:
-            buckets.append(current)
-    return buckets
-
-
-def schedule(
-    leaves: list[_Leaf], marks: dict[int, int], bucket_mb: float, overlap: bool
-) -> dict[int, list[_Bucket]]:
-    """{op index: the buckets to reduce right after it} (-1: before the first op). With overlap,
-    a bucket goes after the op that produces its last gradient; without, after the backward pass
-    (just before its gradient call's mark)."""
-    at: dict[int, list[_Bucket]] = {}
-    for b in _buckets(leaves, bucket_mb):
-        i = max(x.producer for x in b.leaves) if overlap else marks[b.leaves[0].call] - 1
-        at.setdefault(i, []).append(b)
-    return at
-
-
-def _reducible(leaf: _Leaf) -> bool:
+def _reducible(leaf: GradientLeaf) -> bool:
     return bool(jnp.issubdtype(leaf.src.aval.dtype, jnp.inexact))
 
 
-def allreduce_gradients(
-    program: Program,
+def reduce_gradients(
     *,
     group: Any = None,
     bucket_mb: float = 25.0,
@@ -305,19 +257,44 @@ def allreduce_gradients(
     overlap: bool = True,
     sync: bool = True,
     pending: bool = False,
-) -> Program:
-    """The data-parallel pass: insert bucketed allreduces of the marked gradients.
+) -> Pass:
+    """The data-parallel pass: insert bucketed allreduces of the gradients ``spmd.grad`` marked.
 
-    With ``pending=True`` the program takes one more input per gradient leaf, added to the
-    gradient before it is reduced; with ``sync=False`` nothing is communicated and the program
-    returns the (accumulated) local gradients as a second output. Gradient marks and parameter
-    marks are removed.
+    Options as :func:`data_parallel`'s. With ``pending=True`` the program takes one more input
+    per gradient leaf, added to the gradient before it is reduced; with ``sync=False`` nothing
+    is communicated and the program returns the (accumulated) local gradients as a second
+    output. Gradient marks and parameter marks are removed.
+
+    Example: the pass on its own, on a traced gradient function (a world of one)::
+
+        >>> import jax.numpy as jnp, spmd
+        >>> program = spmd.trace(spmd.grad(lambda w: jnp.sum(w**2)))(jnp.ones(2))
+        >>> averaged = spmd.parallel.reduce_gradients(bucket_mb=0)(program)
+        >>> averaged(jnp.ones(2))
+        Array([2., 2.], dtype=float32)
     """
     _check_compression(compression)
-    comm = _communicator(group, "data_parallel")
+
+    def apply(program: Program) -> Program:
+        return _reduce(program, group, bucket_mb, average, compression, overlap, sync, pending)
+
+    return apply
+
+
+def _reduce(
+    program: Program,
+    group: Any,
+    bucket_mb: float,
+    average: bool,
+    compression: str | None,
+    overlap: bool,
+    sync: bool,
+    pending: bool,
+) -> Program:
+    comm = resolve_group(None, group, op="data_parallel")
     leaves, marks = gradient_leaves(program)
     if not leaves:
-        raise SpmdError(NO_GRAD.format(where=f"{this_rank()}: data_parallel", name=program.name))
+        raise SpmdError(NO_GRAD.format(name=program.name), op="data_parallel")
     at = schedule(leaves, marks, bucket_mb, overlap)
     eqns = program.jaxpr.jaxpr.eqns
     invars = program.jaxpr.jaxpr.invars
@@ -332,7 +309,7 @@ def allreduce_gradients(
         op = "avg" if average else "sum"
         return list(allreduce(values, op, group=comm, compression=compression))
 
-    def flush(env: Env, bucket: _Bucket, extra: Sequence[Any]) -> None:
+    def flush(env: Env, bucket: Bucket, extra: Sequence[Any]) -> None:
         values = [env.read(x.src) for x in bucket.leaves]
         if pending:
             values = [
@@ -383,167 +360,3 @@ def allreduce_gradients(
         name=program.name,
         in_names=[*program.in_names, *(f"pending{x.path}" for x in leaves if pending)],
     )
-
-
-# -- the step -------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Traced:
-    program: Program  # with marks
-    param_inputs: list[int]  # flat input indices of the parameters spmd.grad differentiates
-    variants: dict[tuple[bool, bool], Callable[..., Any]] = field(default_factory=dict)
-
-
-class DataParallel:
-    """A data-parallel training step (what ``@spmd.data_parallel`` returns)."""
-
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        *,
-        group: Any,
-        bucket_mb: float,
-        average: bool,
-        compression: str | None,
-        overlap: bool,
-        accumulate_steps: int,
-        check_params: bool,
-    ) -> None:
-        if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
-            raise SpmdError(
-                f"{this_rank()}: data_parallel: accumulate_steps={accumulate_steps!r}; expected "
-                "an int >= 1"
-            )
-        if bucket_mb < 0:
-            raise SpmdError(
-                f"{this_rank()}: data_parallel: bucket_mb={bucket_mb!r}; expected a number >= 0"
-            )
-        _check_compression(compression)
-        functools.update_wrapper(self, fn)
-        self.fn = fn
-        self.group = group
-        self.options: dict[str, Any] = dict(
-            bucket_mb=bucket_mb, average=average, compression=compression, overlap=overlap
-        )
-        self.accumulate_steps = accumulate_steps
-        self.check_params = check_params
-        self._cache: dict[Any, _Traced] = {}
-        self._checked = False
-        # no_sync's local gradient sums, and the traced signature they belong to.
-        self._pending: list[Any] | None = None
-        self._pending_for: _Traced | None = None
-
-    # Tracing -----------------------------------------------------------------------------------
-
-    def _traced(self, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any],
-                tree: Any) -> _Traced:  # fmt: skip
-        key = (tree, tuple(core.typeof(x) for x in leaves), mesh_key())
-        hit = self._cache.get(key)
-        if hit is None:
-            with marking(self.accumulate_steps):
-                program = trace_program(self.fn, args, kwargs)
-            index = {v: i for i, v in enumerate(program.jaxpr.jaxpr.invars)}
-            params = [
-                index[v]
-                for e in program.jaxpr.jaxpr.eqns
-                if e.primitive is mark_p and e.params["kind"] == "param"
-                for v in e.invars
-                if v in index
-            ]
-            hit = self._cache[key] = _Traced(program, sorted(set(params)))
-        return hit
-
-    def _transformed(self, traced: _Traced, sync: bool, pending: bool) -> Program:
-        return allreduce_gradients(
-            traced.program, group=self.group, sync=sync, pending=pending, **self.options
-        )
-
-    def __spmd_trace__(self, *args: Any, **kwargs: Any) -> Program:
-        """The step's op list with the inserted collectives (what ``spmd.trace`` shows)."""
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        return self._transformed(self._traced(args, kwargs, leaves, tree), True, False)
-
-    # Calling -----------------------------------------------------------------------------------
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        refuse_tracers(leaves, f"data_parallel({getattr(self.fn, '__name__', 'step')})")
-        traced = self._traced(args, kwargs, leaves, tree)
-        if self.check_params and not self._checked:
-            comm = _communicator(self.group, "data_parallel")
-            check_replicas(comm, traced.program, traced.param_inputs, leaves, "data_parallel")
-            self._checked = True
-        sync = not _NO_SYNC.get()
-        pending = self._pending is not None
-        if pending and self._pending_for is not traced:
-            raise SpmdError(
-                f"{this_rank()}: data_parallel({traced.program.name}): the gradients accumulated "
-                "under spmd.no_sync() belong to a call with other argument shapes or "
-                "structure; accumulate micro-batches of one shape"
-            )
-        run = traced.variants.get((sync, pending))
-        if run is None:
-            program = self._transformed(traced, sync, pending)
-            run = traced.variants[(sync, pending)] = program._compiled
-        outs = run(*leaves, *(self._pending or []))
-        n = traced.program.out_tree.num_leaves
-        self._pending = None if sync else list(outs[n:])
-        self._pending_for = None if sync else traced
-        return jax.tree_util.tree_unflatten(traced.program.out_tree, outs[:n])
-
-
-def refuse_tracers(leaves: Sequence[Any], what: str) -> None:
-    """A step called under jax.jit/vmap would have its Python state (the replica check, the
-    no_sync accumulator) frozen into the trace: refuse instead of desynchronising replicas."""
-    if any(isinstance(x, core.Tracer) for x in leaves):
-        raise SpmdError(
-            f"{this_rank()}: {what}: called inside a JAX transformation (jax.jit, jax.vmap, ...); "
-            "the step compiles itself, so call it directly"
-        )
-
-
-def _canonical(x: Any) -> np.ndarray:
-    """The bytes the replica check compares: -0.0 counts as 0.0 (equal values, other bits)."""
-    a = np.ascontiguousarray(x)
-    if np.issubdtype(a.dtype, np.inexact) or a.dtype.name == "bfloat16":
-        a = np.where(a == 0, np.zeros((), a.dtype), a)
-    return a
-
-
-def check_replicas(
-    comm: Communicator, program: Program, param_inputs: list[int], leaves: list[Any], where: str
-) -> None:
-    """Raise on every rank if the parameters (flat inputs ``param_inputs``) differ between the
-    ranks of ``comm``, naming the ranks and the first parameter that differs (CRC32 checksums)."""
-    names = program.in_names
-    check_same(comm, [(names[i], leaves[i]) for i in param_inputs], f"{where}({program.name})")
-
-
-def check_same(comm: Communicator, named: list[tuple[str, Any]], where: str) -> None:
-    """Raise on every rank if the arrays of ``named`` ((name, array) pairs) differ between the
-    ranks of ``comm``, naming the ranks and the first array that differs."""
-    if comm.size == 1 or not named:
-        return
-    sums = [zlib.crc32(_canonical(a).tobytes()) for _, a in named]
-    everyone = comm.allgather_object(sums)
-    differ = [r for r, s in enumerate(everyone) if s != everyone[0]]
-    if not differ:
-        return
-    first = differ[0]
-    if len(everyone[first]) != len(sums) or len(everyone[0]) != len(sums):
-        counts = {comm.ranks[r]: len(s) for r, s in enumerate(everyone)}
-        detail = (
-            f"the ranks hold different numbers of parameter arrays (rank: count {counts}); "
-            "every rank must pass the same parameter structure"
-        )
-    else:
-        bad = [name for (name, _), a, b in zip(named, everyone[0], everyone[first], strict=True)
-               if a != b]  # fmt: skip
-        ranks = [comm.ranks[r] for r in differ]
-        detail = (
-            f"ranks {ranks} hold other values than rank {comm.ranks[0]} "
-            f"(first difference: {bad[0]}; {len(bad)} of {len(sums)} parameter arrays differ "
-            f"on rank {comm.ranks[first]})"
-        )
-    raise SpmdError(PARAMS_DIFFER.format(where=f"rank {comm.world_rank}: {where}", detail=detail))

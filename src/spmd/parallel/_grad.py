@@ -25,10 +25,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src import core
-from jax._src.interpreters import ad, batching, mlir
 
 from .._errors import PerExampleGradientWarning, SpmdError
+from .._jax_compat import ad, batching, core, mlir
 from ..runtime import this_rank
 
 __all__ = ["grad", "mark_p", "marking", "value_and_grad"]
@@ -161,8 +160,9 @@ def value_and_grad(
             if not -len(args) <= i < len(args):
                 name = getattr(fun, "__name__", repr(fun))  # a functools.partial has none
                 raise SpmdError(
-                    f"{this_rank()}: spmd.value_and_grad: argnums={argnums} but {name} "
-                    f"was called with {len(args)} positional arguments"
+                    f"argnums={argnums} but {name} "
+                    f"was called with {len(args)} positional arguments",
+                    op="spmd.value_and_grad",
                 )
         marked = tuple(i % len(args) for i in nums)  # jax's argnums may count from the end
         args = tuple(_mark(a, "param", call) if i in marked else a for i, a in enumerate(args))
@@ -216,7 +216,7 @@ def _split(x: Any, k: int, where: str) -> Any:
     x = jnp.asarray(x)
     if x.shape[0] % k:
         raise SpmdError(
-            f"{this_rank()}: data_parallel(accumulate_steps={k}): {where} has {x.shape[0]} "
+            f"data_parallel(accumulate_steps={k}): {where} has {x.shape[0]} "
             f"rows, which do not split into {k} micro-batches; pass a batch whose leading "
             f"dimension is a multiple of {k}"
         )

@@ -27,13 +27,14 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core
 
 from .._errors import SpmdError
-from .._groups import FORWARD, ROLE_NAMES
-from ..ops._core import ClosedJaxpr, _holds_collective, is_closed_jaxpr
+from .._jax_compat import ClosedJaxpr, core, is_closed_jaxpr
+from ..ops import holds_collective
 
 __all__ = ["Env", "Op", "Program", "eval_eqn", "retrace", "trace"]
+
+Shape = tuple[int, ...]
 
 
 # -- API ------------------------------------------------------------------------------------------
@@ -54,6 +55,11 @@ class Program:
 
     Call it with arguments of the structure, shapes and dtypes it was traced with; it runs
     compiled (``jax.jit`` of the op list, compiled once).
+
+    ``in_sharding`` and ``out_sharding`` say, per flat input and output, whether the value is
+    split by rows (axis 0) over the step's group: its global shape, or None for a full value.
+    A program as traced has none sharded; the ZeRO pass reads ``in_sharding`` and sets
+    ``out_sharding``.
     """
 
     def __init__(
@@ -64,19 +70,29 @@ class Program:
         *,
         name: str = "main",
         in_names: Sequence[str] | None = None,
+        in_sharding: Sequence[Shape | None] | None = None,
+        out_sharding: Sequence[Shape | None] | None = None,
     ) -> None:
         self.jaxpr = jaxpr
         self.in_tree = in_tree
         self.out_tree = out_tree
         self.name = name
-        n = len(jaxpr.jaxpr.invars)
+        n, m = len(jaxpr.jaxpr.invars), len(jaxpr.jaxpr.outvars)
         self.in_names = (
             tuple(in_names) if in_names is not None else tuple(f"in{i}" for i in range(n))
         )
         if len(self.in_names) != n:
             raise SpmdError(f"Program {name}: {len(self.in_names)} input names for {n} inputs")
+        self.in_sharding = tuple(in_sharding) if in_sharding is not None else (None,) * n
+        self.out_sharding = tuple(out_sharding) if out_sharding is not None else (None,) * m
 
-    def replace(self, jaxpr: ClosedJaxpr, out_tree: Any = None) -> Program:
+    def replace(
+        self,
+        jaxpr: ClosedJaxpr,
+        out_tree: Any = None,
+        *,
+        out_sharding: Sequence[Shape | None] | None = None,
+    ) -> Program:
         """The same signature with another op list (what a pass returns)."""
         return Program(
             jaxpr,
@@ -84,6 +100,8 @@ class Program:
             self.out_tree if out_tree is None else out_tree,
             name=self.name,
             in_names=self.in_names,
+            in_sharding=self.in_sharding,
+            out_sharding=out_sharding,
         )
 
     @property
@@ -152,7 +170,7 @@ def trace(fn: Callable[..., Any]) -> Callable[..., Program]:
 # -- tracing --------------------------------------------------------------------------------------
 
 
-def _arg_names(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> list[str]:
+def arg_names(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> list[str]:
     """Readable names for the flattened inputs: the parameter name plus the pytree path."""
     try:
         params = list(inspect.signature(fn).parameters.values())
@@ -162,19 +180,24 @@ def _arg_names(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, An
     names: list[str] = []
     for i, a in enumerate(args):
         base = positional[i] if i < len(positional) else f"arg{i}"
-        names += [base + _path(p) for p, _ in jax.tree_util.tree_flatten_with_path(a)[0]]
+        names += [base + path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(a)[0]]
     for k in sorted(kwargs):  # as tree_flatten orders a dict: by key, not by call order
-        names += [k + _path(p) for p, _ in jax.tree_util.tree_flatten_with_path(kwargs[k])[0]]
+        names += [k + path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(kwargs[k])[0]]
     return names
 
 
-def _path(path: Any) -> str:
+def path_name(path: Any) -> str:
     """``['w'][0].mu`` -> ``.w.0.mu``."""
     text = jax.tree_util.keystr(path)
     return "".join("." + p for p in re.findall(r"[\w]+", text))
 
 
-def trace_program(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Program:
+def trace_program(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    in_sharding: Sequence[Shape | None] | None = None,
+) -> Program:
     """Trace ``fn(*args, **kwargs)`` into a Program (no marking context change)."""
     leaves, in_tree = jax.tree_util.tree_flatten((tuple(args), kwargs))
 
@@ -185,7 +208,14 @@ def trace_program(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str,
     closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*leaves)
     out_tree = jax.tree_util.tree_structure(out_shape)
     name = getattr(fn, "__name__", "main")
-    return Program(closed, in_tree, out_tree, name=name, in_names=_arg_names(fn, args, kwargs))
+    return Program(
+        closed,
+        in_tree,
+        out_tree,
+        name=name,
+        in_names=arg_names(fn, args, kwargs),
+        in_sharding=in_sharding,
+    )
 
 
 # -- passes: re-evaluation ------------------------------------------------------------------------
@@ -265,8 +295,9 @@ def _attrs(eqn: core.JaxprEqn) -> list[str]:
     if "group" in p:
         group = p["group"]
         attrs.append(f"group={list(getattr(group, 'ranks', [group]))}")
-        if getattr(group, "role", FORWARD) != FORWARD:
-            attrs.append(f"role={ROLE_NAMES[group.role]}")
+        role = getattr(group, "role", "forward")
+        if role != "forward":
+            attrs.append(f"role={role}")
     if "name" in p and isinstance(p["name"], str):
         return [f"name={p['name']}", *attrs]
     for k, v in p.items():
@@ -380,7 +411,7 @@ def _called_body(eqn: core.JaxprEqn) -> core.Jaxpr | None:
             isinstance(body, core.Jaxpr)
             and len(body.invars) == len(eqn.invars)
             and len(body.outvars) == len(eqn.outvars)
-            and _holds_collective(body)
+            and holds_collective(body)
         ):
             return body
     return None

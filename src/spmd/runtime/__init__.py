@@ -1,8 +1,10 @@
 """spmd's runtime: init/finalize, launcher detection, communicators and their pool.
 
-Knows nothing of JAX tracing; imports neither JAX nor MPI until :func:`init` needs them. Besides
-the public API it exports what the layers above use from it: the launcher's per-rank helpers
-(affinity, malloc tuning, failure reports) and launcher detection.
+Knows nothing of JAX tracing; imports neither JAX nor MPI until :func:`init` needs them. Owns
+the native groups the collectives run on (their transports, their GPU side). Besides the public
+API it exports what the layers above use from it: native groups and transports (for spmd.ops),
+the launcher's per-rank helpers (affinity, malloc tuning, failure reports) and launcher
+detection.
 """
 
 from ._affinity import bind_mode as bind_mode
@@ -10,6 +12,7 @@ from ._affinity import bind_rank as bind_rank
 from ._affinity import record_cpus as record_cpus
 from ._affinity import recorded_cpus as recorded_cpus
 from ._communicator import Communicator as Communicator
+from ._device import gpu_active as gpu_active
 from ._env import detect as detect
 from ._env import mpi_rank_size as mpi_rank_size
 from ._env import timeout_seconds as timeout_seconds
@@ -18,32 +21,53 @@ from ._failure import format_rank_traceback as format_rank_traceback
 from ._failure import must_abort as must_abort
 from ._failure import report_exception as report_exception
 from ._failure import report_status as report_status
+from ._gpu import GpuGroup as GpuGroup
+from ._gpu import describe as describe_gpu
+from ._gpu import nccl_library as nccl_library
+from ._groups import NativeGroup as NativeGroup
+from ._groups import find as find_native_group
+from ._groups import requested_transport as requested_transport
+from ._groups import set_transport as set_transport
+from ._groups import shm_hop_ns as shm_hop_ns
+from ._groups import shm_staging as shm_staging
 from ._malloc import tune as tune_malloc
 from ._state import finalize as finalize
 from ._state import get_communicator as get_communicator
 from ._state import init as init
 from ._state import is_initialized as is_initialized
+from ._state import requested_communicator as requested_communicator
 from ._state import set_default_communicator as set_default_communicator
 from ._state import this_rank as this_rank
 
 __all__ = [
     "Communicator",
+    "GpuGroup",
+    "NativeGroup",
     "abort_job",
     "bind_mode",
     "bind_rank",
+    "describe_gpu",
     "detect",
     "finalize",
+    "find_native_group",
     "format_rank_traceback",
     "get_communicator",
+    "gpu_active",
     "init",
     "is_initialized",
     "mpi_rank_size",
     "must_abort",
+    "nccl_library",
     "record_cpus",
     "recorded_cpus",
     "report_exception",
     "report_status",
+    "requested_communicator",
+    "requested_transport",
     "set_default_communicator",
+    "set_transport",
+    "shm_hop_ns",
+    "shm_staging",
     "this_rank",
     "timeout_seconds",
     "tune_malloc",

@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from .._errors import SpmdError, SpmdTypeError, prefix
-from ._transport import Transport
+from ._channel import Channel
+from ._groups import NativeGroup, native_group
 
 Groups = tuple[tuple[int, ...], ...]
 T = TypeVar("T")
@@ -99,7 +100,8 @@ class Communicator:
         world_rank: int,
         node_ids: Sequence[str],
         backend: str,
-        transport_factory: Callable[[Communicator], tuple[Transport, Transport]],
+        channel_factory: Callable[[Communicator], tuple[Channel, Channel]],
+        data_comm: Any = None,
     ) -> None:
         ranks = groups[group_id]
         my_node = node_ids[world_rank]
@@ -115,9 +117,12 @@ class Communicator:
         self._node_id = my_node
         self._node_ids = tuple(node_ids)
         self._backend = backend
-        self._transport_factory = transport_factory
-        self._transport: Transport | None = None
-        self._setup: Transport | None = None
+        self._channel_factory = channel_factory
+        self._channel: Channel | None = None
+        self._setup: Channel | None = None
+        # The MPI communicator the group's collectives move data on: the world's is made in
+        # spmd.init; a sub-group's is made with its native group (None until then).
+        self._data_comm = data_comm
 
     # -- attributes -----------------------------------------------------------------------------
 
@@ -189,10 +194,10 @@ class Communicator:
 
     # -- object exchange ------------------------------------------------------------------------
 
-    def _get_transport(self) -> Transport:
-        if self._transport is None:
-            self._transport, self._setup = self._transport_factory(self)
-        return self._transport
+    def _get_channel(self) -> Channel:
+        if self._channel is None:
+            self._channel, self._setup = self._channel_factory(self)
+        return self._channel
 
     def _setup_allgather(self, obj: Any) -> list[Any]:
         """:meth:`allgather_object` on a channel of its own, for the exchanges spmd makes
@@ -204,13 +209,13 @@ class Communicator:
         waits for the others' preparation, and times out with an error saying so if they never
         get there.
         """
-        self._get_transport()  # both channels are made together
+        self._get_channel()  # both channels are made together
         assert self._setup is not None
         return self._setup.allgather(obj)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), in group-rank order, on every rank of the group."""
-        return self._get_transport().allgather(obj)
+        return self._get_channel().allgather(obj)
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """``obj`` of group rank ``root`` on every rank of the group."""
@@ -221,11 +226,28 @@ class Communicator:
                 f"root={root} is out of range for a group of "
                 f"{self.size} ranks (valid: 0..{self.size - 1})"
             )
-        return self._get_transport().allgather(obj if self._rank == root else None)[root]
+        return self._get_channel().allgather(obj if self._rank == root else None)[root]
 
     def barrier(self) -> None:
         """Return once every rank of the group has called ``barrier``."""
-        self._get_transport().allgather(None)
+        self._get_channel().allgather(None)
+
+    def _outcomes(
+        self, step: Callable[[], T], setup: bool
+    ) -> tuple[list[Any], str | None, Exception | None]:
+        exchange = self._setup_allgather if setup else self.allgather_object
+        result: T | None = None
+        own: Exception | None = None
+        try:
+            result = step()
+        except Exception as e:  # every rank learns of it below
+            own = e
+        text = None
+        if own is not None:
+            text = str(own) if isinstance(own, SpmdError) else f"{prefix()}{own}"
+        outcomes = exchange((text, result)) if self.size > 1 else [(text, result)]
+        first = next((t for t, _ in outcomes if t is not None), None)
+        return [r for _, r in outcomes], first, own
 
     def agree(self, step: Callable[[], T], *, setup: bool = False) -> list[T]:
         """Run ``step()`` on every rank of the group and agree on the outcome.
@@ -236,39 +258,43 @@ class Communicator:
         collective that a failed rank will never join. ``setup=True`` exchanges over the
         channel spmd uses to prepare groups for collectives (see :meth:`_setup_allgather`).
         """
-        exchange = self._setup_allgather if setup else self.allgather_object
-        result: T | None = None
-        own: Exception | None = None
-        try:
-            result = step()
-        except Exception as e:  # every rank learns of it below
-            own = e
-        text = None
-        if own is not None:
-            text = str(own) if isinstance(own, SpmdError) else f"{prefix()}{own!r}"
-        outcomes = exchange((text, result)) if self.size > 1 else [(text, result)]
+        results, first, own = self._outcomes(step, setup)
         if own is not None:
             raise own
-        first = next((t for t, _ in outcomes if t is not None), None)
         if first is not None:
             raise SpmdError(f"failed because another rank did: {first}")
-        return [r for _, r in outcomes]  # type: ignore[misc]
+        return results
+
+    def outcomes(self, step: Callable[[], T], *, setup: bool = False) -> tuple[list[T] | None, str]:
+        """As :meth:`agree`, without raising: ``(every rank's result, "")`` when ``step``
+        succeeded on every rank, else ``(None, the first failure's message)``, the same on
+        every rank (the message names the rank that failed)."""
+        results, first, _ = self._outcomes(step, setup)
+        return (None, first) if first is not None else (results, "")
+
+    def native_group(
+        self, *, p2p: bool = False, gpu_settings: Callable[[], Any] | None = None
+    ) -> NativeGroup:
+        """This group in the native layer, which spmd's collectives run on (registered at first
+        use, collectively over the group; see :mod:`spmd.runtime._groups`): with ``p2p``, only
+        what point-to-point calls need. ``gpu_settings``: the GPU all-reduce chain's settings,
+        for the group's GPU side where JAX computes on a GPU."""
+        return native_group(self, p2p=p2p, gpu_settings=gpu_settings)
 
     def mpi_comm(self) -> Any:
         """The group's mpi4py communicator (used for bootstrap exchanges), or None when the
         group has no MPI (a group of one, or the file-store communicator)."""
-        transport = self._get_transport()
-        return getattr(transport, "comm", None)
+        return getattr(self._get_channel(), "comm", None)
 
     def _setup_dup(self) -> Any:
         """A new MPI communicator of the group, duplicated over the setup channel (see
         :meth:`_setup_allgather`) with its deadline; None without MPI."""
-        self._get_transport()
+        self._get_channel()
         dup = getattr(self._setup, "dup", None)
         return dup() if dup is not None else None
 
     def _close(self) -> None:
-        for transport in (self._setup, self._transport):
-            if transport is not None:
-                transport.close()
-        self._transport = self._setup = None
+        for channel in (self._setup, self._channel):
+            if channel is not None:
+                channel.close()
+        self._channel = self._setup = None

@@ -9,6 +9,7 @@ peer-to-peer access and IPC between processes keep working. On CPU this does not
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import os
 import sys
@@ -83,10 +84,11 @@ def device_shortage(local_size: int, rank: int) -> str:
     if (raw is not None and not visible) or len(visible) == 1:
         return ""  # CUDA sees no GPU (JAX runs on CPU), or the launcher gave one per process
     import jax
-    from jax._src import xla_bridge
+
+    from .._jax_compat import backends_are_initialized
 
     chosen = getattr(jax.config, "jax_platforms", None) or ""
-    if xla_bridge.backends_are_initialized() or not _platforms_allow(chosen, "cuda"):
+    if backends_are_initialized() or not _platforms_allow(chosen, "cuda"):
         return ""
     return too_few_devices(local_size, len(visible) if visible else _cuda_device_count(), rank)
 
@@ -106,9 +108,10 @@ def bind_local_device(local_rank: int) -> str | None:
         if len(visible) == 1:
             return None  # the launcher already gave this process one device
         import jax
-        from jax._src import xla_bridge
 
-        if xla_bridge.backends_are_initialized():
+        from .._jax_compat import backends_are_initialized
+
+        if backends_are_initialized():
             return None  # too late: JAX already chose its devices (jax was used before init)
         jax.config.update(f"jax_{platform}_visible_devices", str(local_rank))  # type: ignore[no-untyped-call]
         return f"{platform}:{local_rank}"
@@ -124,3 +127,12 @@ def drain_device_work() -> None:
     jax.effects_barrier()  # type: ignore[no-untyped-call]
     for array in jax.live_arrays():  # type: ignore[no-untyped-call]
         array.block_until_ready()
+
+
+@functools.cache
+def gpu_active() -> bool:
+    """Whether JAX computes on a GPU (then groups get their GPU side too). Starts JAX's
+    backends: call it only where JAX runs anyway."""
+    import jax
+
+    return bool(jax.default_backend() == "gpu")

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from .._errors import SpmdError, set_rank
 from .._errors import this_rank as this_rank
+from . import _groups
+from ._channel import (
+    SETUP_WHAT,
+    Channel,
+    FileChannel,
+    MpiChannel,
+    SelfChannel,
+    mpi_create_group,
+)
 from ._communicator import Communicator, Groups, resolve_rank_list
 from ._device import bind_local_device, device_shortage, drain_device_work
 from ._env import COMMUNICATOR_NAMES, CommunicatorName, LaunchInfo, detect, node_id
@@ -16,14 +24,6 @@ from ._env import timeout_seconds as _timeout_seconds
 from ._failure import install_abort_hook, uninstall_abort_hook
 from ._malloc import tune as _tune_malloc
 from ._store import FileStore, namespace_from_env
-from ._transport import (
-    SETUP_WHAT,
-    FileTransport,
-    MpiTransport,
-    SelfTransport,
-    Transport,
-    mpi_create_group,
-)
 
 
 class _Runtime:
@@ -53,15 +53,13 @@ class _Runtime:
                     "(README, 'Using a system MPI').",
                     rank=rank,
                 )
-            bootstrap: Transport = MpiTransport(self.mpi_world, rank, range(size), self.timeout)
+            bootstrap: Channel = MpiChannel(self.mpi_world, rank, range(size), self.timeout)
             # The world's data communicator, for spmd.ops (its collectives never match the
             # bootstrap's exchanges). Made here, where every rank takes part, so that a send
             # between two ranks never waits for a third that makes no call.
             self.mpi_data = self.mpi_world.Dup()
             self.mpi_setup = self.mpi_world.Dup()
-            setup: Transport = MpiTransport(
-                self.mpi_setup, rank, range(size), self.timeout, SETUP_WHAT
-            )
+            setup: Channel = MpiChannel(self.mpi_setup, rank, range(size), self.timeout, SETUP_WHAT)
         elif launch.communicator == "void" and launch.size and launch.size > 1:
             rank, size = launch.rank, launch.size
             assert launch.store_path is not None
@@ -69,11 +67,11 @@ class _Runtime:
             # may start again while rank 0 still removes the previous one.
             namespace = f"{namespace_from_env(os.environ)}-{generation}"
             self.store = FileStore(launch.store_path, namespace, rank, self.timeout)
-            bootstrap = FileTransport(self.store, range(size), rank)
-            setup = FileTransport(self.store, range(size), rank, "setup", SETUP_WHAT)
+            bootstrap = FileChannel(self.store, range(size), rank)
+            setup = FileChannel(self.store, range(size), rank, "setup", SETUP_WHAT)
         else:
             rank, size = 0, 1
-            bootstrap = setup = SelfTransport()
+            bootstrap = setup = SelfChannel()
 
         self.rank, self.size = rank, size
         set_rank(rank)  # errors name this rank from here on, the exchanges' below included
@@ -85,26 +83,27 @@ class _Runtime:
             world_rank=rank,
             node_ids=self.node_ids,
             backend=self.name,
-            transport_factory=lambda _: (bootstrap, setup),
+            channel_factory=lambda _: (bootstrap, setup),
+            data_comm=self.mpi_data,
         )
         self.pool[groups] = self.world
 
-    def _transport_for(self, comm: Communicator) -> tuple[Transport, Transport]:
+    def _channels_for(self, comm: Communicator) -> tuple[Channel, Channel]:
         """A sub-communicator's two channels: its own (``allgather_object``), and the one for
         spmd's preparation of the group (``Communicator._setup_allgather``). Made together, at
         the group's first exchange of either kind: collective over the group, with a deadline."""
         if comm.size == 1:
-            return SelfTransport(), SelfTransport()
+            return SelfChannel(), SelfChannel()
         if self.mpi_world is not None:
             sub = mpi_create_group(self.mpi_world, self.rank, comm.ranks, self.timeout)
             return (
-                MpiTransport(sub, self.rank, comm.ranks, self.timeout),
-                MpiTransport(sub.Dup(), self.rank, comm.ranks, self.timeout, SETUP_WHAT),
+                MpiChannel(sub, self.rank, comm.ranks, self.timeout),
+                MpiChannel(sub.Dup(), self.rank, comm.ranks, self.timeout, SETUP_WHAT),
             )
         assert self.store is not None
         return (
-            FileTransport(self.store, comm.ranks, self.rank, comm.groups),
-            FileTransport(self.store, comm.ranks, self.rank, ("setup", comm.groups), SETUP_WHAT),
+            FileChannel(self.store, comm.ranks, self.rank, comm.groups),
+            FileChannel(self.store, comm.ranks, self.rank, ("setup", comm.groups), SETUP_WHAT),
         )
 
     def communicator(self, rank_list: Any) -> Communicator:
@@ -118,7 +117,7 @@ class _Runtime:
                 world_rank=self.rank,
                 node_ids=self.node_ids,
                 backend=self.name,
-                transport_factory=self._transport_for,
+                channel_factory=self._channels_for,
             )
             self.pool[groups] = comm
         return comm
@@ -126,8 +125,7 @@ class _Runtime:
     def close(self) -> None:
         drain_device_work()
         self.world.barrier()
-        for callback in reversed(_finalizers):
-            callback()
+        _groups.release_all()
         for comm in self.pool.values():
             if comm is not self.world:
                 comm._close()
@@ -151,19 +149,13 @@ class _Runtime:
 
 
 _lock = threading.RLock()
-# Called by finalize (after draining device work, before communicators are freed): layers above
-# the runtime release what they built on it (spmd.ops's native groups).
-_finalizers: list[Callable[[], None]] = []
-# Called by init with the new world communicator, on every rank (spmd.ops prepares the world's
-# native group there, where every rank takes part).
-_initializers: list[Callable[[Communicator], None]] = []
 _runtime: _Runtime | None = None
 _default_name: CommunicatorName | None = None
 _mpi_finalized = False
 _generation = 0  # how many runtimes this process has started
 
 
-def _requested_name(backend: str | None) -> CommunicatorName | None:
+def requested_communicator(backend: str | None) -> CommunicatorName | None:
     name = backend or _default_name or os.environ.get("SPMD_COMMUNICATOR") or None
     if name is not None and name not in COMMUNICATOR_NAMES:
         raise SpmdError(
@@ -194,7 +186,7 @@ def init(backend: str | None = None) -> Communicator:
     """
     global _runtime, _generation
     with _lock:
-        requested = _requested_name(backend)
+        requested = requested_communicator(backend)
         if _runtime is not None:
             if requested is not None and backend is not None and requested != _runtime.name:
                 raise SpmdError(
@@ -224,8 +216,7 @@ def init(backend: str | None = None) -> Communicator:
             install_abort_hook(runtime.rank)
         _runtime = runtime
         set_rank(runtime.rank)
-        for callback in _initializers:  # they handle their own failures (see on_init)
-            callback(runtime.world)
+        _groups.prepare_world(runtime.world)
         return runtime.world
 
 
@@ -244,27 +235,6 @@ def finalize() -> None:
         uninstall_abort_hook()
         runtime.close()
         _mpi_finalized = _mpi_finalized or runtime.mpi_world is not None
-
-
-def on_init(callback: Callable[[Communicator], None]) -> None:
-    """Run ``callback(world)`` at the end of every later :func:`init` that starts a runtime.
-    It must not raise: what it prepares is optional, and a failure is reported where it is
-    used (spmd's collectives: at the first one)."""
-    with _lock:
-        if callback not in _initializers:
-            _initializers.append(callback)
-
-
-def on_finalize(callback: Callable[[], None]) -> None:
-    """Run ``callback`` in every later :func:`finalize`, before communicators are freed."""
-    with _lock:
-        if callback not in _finalizers:
-            _finalizers.append(callback)
-
-
-def world_data_comm() -> Any:
-    """The world's MPI communicator for collectives' data (None without MPI or before init)."""
-    return _runtime.mpi_data if _runtime is not None else None
 
 
 def is_initialized() -> bool:

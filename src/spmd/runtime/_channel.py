@@ -17,12 +17,12 @@ from ._store import FileStore
 from ._wait import wait_until
 
 
-class Transport(Protocol):
+class Channel(Protocol):
     def allgather(self, obj: Any) -> list[Any]: ...
     def close(self) -> None: ...
 
 
-class SelfTransport:
+class SelfChannel:
     """A group of one: every exchange is local."""
 
     def allgather(self, obj: Any) -> list[Any]:
@@ -32,12 +32,12 @@ class SelfTransport:
         pass
 
 
-class MpiTransport:
+class MpiChannel:
     """Pickled objects exchanged with MPI's non-blocking allgathers (the sizes, then the bytes),
     each polled against a deadline: MPI's blocking calls cannot time out.
 
     MPI cannot cancel a collective, so a timed-out exchange stays posted: its buffers are kept
-    alive for MPI to finish into, and the transport refuses every later exchange (a late rank
+    alive for MPI to finish into, and the channel refuses every later exchange (a late rank
     would otherwise pair its next call with the abandoned one, then wait forever).
     """
 
@@ -62,12 +62,11 @@ class MpiTransport:
             return
         self._abandoned.append((request, buffers))
         self.broken = (
-            f"rank {self.world_rank}: {what} on the group of ranks {self.ranks} timed out "
-            f"after {self.timeout:g} s: at least one rank of the group never called it. "
-            "Every rank of a group must make the same calls in the same order; raise "
-            "SPMD_TIMEOUT if they are just slow."
+            f"{what} on the group of ranks {self.ranks} timed out after {self.timeout:g} s: at "
+            "least one rank of the group never called it. Every rank of a group must make the "
+            "same calls in the same order; raise SPMD_TIMEOUT if they are just slow."
         )
-        raise SpmdError(self.broken)
+        raise SpmdError(self.broken, rank=self.world_rank)
 
     def allgather(self, obj: Any) -> list[Any]:
         import numpy as np
@@ -103,8 +102,10 @@ def refuse_if_broken(broken: str | None, world_rank: int, what: str, ranks: list
     """After a timed-out exchange a group's channel is unusable: its ranks may be out of step."""
     if broken is not None:
         raise SpmdError(
-            f"{what}: the group of ranks {ranks} is unusable after an "
-            f"earlier exchange timed out ({broken})"
+            f"the group of ranks {ranks} is unusable after an earlier exchange timed out "
+            f"({broken})",
+            op=what,
+            rank=world_rank,
         )
 
 
@@ -159,7 +160,7 @@ def mpi_create_group(world: Any, world_rank: int, ranks: Sequence[int], timeout:
     return world.Create_group(world.Get_group().Incl(members))
 
 
-class FileTransport:
+class FileChannel:
     """Exchanges through a :class:`FileStore`; files are named ``<group>.<seq>.<rank>``.
 
     Garbage collection: once a rank has completed exchange k, every member has written k, so
@@ -190,7 +191,7 @@ class FileTransport:
 
     def allgather(self, obj: Any) -> list[Any]:
         # After a timeout the ranks' sequence numbers may differ: a later exchange would read
-        # another one's files. Refuse, as MpiTransport does.
+        # another one's files. Refuse, as MpiChannel does.
         refuse_if_broken(self.broken, self.world_rank, self.what, self.ranks)
         seq = self.seq
         self.seq += 1

@@ -1,0 +1,129 @@
+"""Argument checks every op shares: pytrees of arrays, dtypes, reductions, ranks and axes.
+
+They run on every rank before anything is sent, and depend only on the arguments, so every rank
+of a group raises the same :class:`spmd.SpmdError` for the same bad call (naming its own rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._errors import SpmdError, SpmdTypeError
+from .._native_lib import tables
+
+SUPPORTED_DTYPES = tuple(
+    np.dtype(d)
+    for d in ("float16", jnp.bfloat16, "float32", "float64", "int8", "uint8", "int32", "int64",
+              "bool")
+)  # fmt: skip
+REDUCE_OPS: dict[str, int] = tables()["reduce_ops"]
+REDUCE_NAMES = (*REDUCE_OPS, "avg")
+# What a collective takes as a leaf: arrays and scalars (then checked for their dtype).
+ARRAY_LIKE = (jax.Array, np.ndarray, np.generic, int, float, complex)
+
+PRNG_KEY = (
+    "{path} has dtype {dtype}, which collectives do not take; pass its bits, "
+    "jax.random.key_data(x), bit-cast to uint8 (spmd.broadcast_params does this for you)"
+)
+UNSUPPORTED_DTYPE = (
+    "{path} has dtype {dtype}; spmd's collectives take {supported}. Cast it to one that holds "
+    "its values (e.g. int16 -> int32), or, to move it unchanged (broadcast, gather, send), pass "
+    "its bytes: jax.lax.bitcast_convert_type(x, jnp.uint8) (complex: of x.real and x.imag)"
+)
+
+
+def flatten(x: Any, op: str) -> tuple[list[jax.Array], Any, list[str]]:
+    """Leaves of ``x`` as arrays, their treedef and pytree paths; checks the dtypes."""
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(x)
+    leaves, paths = [], []
+    for path, leaf in with_path:
+        name = "x" + jax.tree_util.keystr(path)
+        if not isinstance(leaf, ARRAY_LIKE):
+            raise SpmdTypeError(
+                f"{name} is a {type(leaf).__name__}, not an array; pass arrays or pytrees "
+                "(lists, tuples, dicts) of arrays",
+                op=op,
+            )
+        arr = jnp.asarray(leaf)
+        check_dtype(arr.dtype, op, name)
+        leaves.append(arr)
+        paths.append(name)
+    return leaves, treedef, paths
+
+
+def check_dtype(dtype: Any, op: str, path: str) -> None:
+    if jnp.issubdtype(dtype, jax.dtypes.extended):  # PRNG keys
+        raise SpmdTypeError(PRNG_KEY.format(path=path, dtype=dtype), op=op)
+    if np.dtype(dtype) not in SUPPORTED_DTYPES:
+        supported = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise SpmdTypeError(
+            UNSUPPORTED_DTYPE.format(path=path, dtype=np.dtype(dtype), supported=supported), op=op
+        )
+
+
+def check_reduce_op(op: Any, name: str, leaves: Sequence[jax.Array]) -> None:
+    if op not in REDUCE_NAMES:
+        raise SpmdError(
+            f"op={op!r} is not a reduction; expected one of {', '.join(REDUCE_NAMES)}", op=name
+        )
+    if op == "avg":
+        for leaf in leaves:
+            if not jnp.issubdtype(leaf.dtype, jnp.floating):
+                raise SpmdTypeError(
+                    f"op='avg' needs floating-point arrays, got {leaf.dtype}; use op='sum' and "
+                    "divide, or cast to a float dtype",
+                    op=name,
+                )
+
+
+def check_rank(value: Any, what: str, op: str, ranks: Sequence[int]) -> int:
+    """``value`` as a rank of the group of world ranks ``ranks`` (its position in the group)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise SpmdTypeError(
+            f"{what}={value!r} is not an integer rank of the group of ranks {list(ranks)}", op=op
+        )
+    if not 0 <= int(value) < len(ranks):
+        raise SpmdError(
+            f"{what}={value} is out of range for the group of ranks {list(ranks)} (valid: "
+            f"0..{len(ranks) - 1}, positions in that group)",
+            op=op,
+        )
+    return int(value)
+
+
+def check_axis(axis: Any, ndim: int, what: str, op: str, path: str) -> int:
+    """``axis`` of an array of ``ndim`` dimensions, made non-negative."""
+    if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
+        raise SpmdTypeError(f"{what}={axis!r} is not an int", op=op)
+    if not -ndim <= int(axis) < max(ndim, 1) or ndim == 0:
+        raise SpmdError(
+            f"{what}={axis} is out of range for {path} with {ndim} dimension(s) (valid: "
+            f"{-ndim}..{ndim - 1})"
+            + ("; a scalar has no axis to split or join, reshape it to (1,)" if ndim == 0 else ""),
+            op=op,
+        )
+    return int(axis) % ndim
+
+
+_HALF = (np.dtype(np.float16), np.dtype(jnp.bfloat16))
+
+
+def to_sum(op: str, leaves: Sequence[Any]) -> tuple[str, list[Any]]:
+    """What the native layer reduces for ``op``: an average is a sum, float16/bfloat16 leaves
+    of it widened to float32 so that the sum cannot overflow (or round) before the division."""
+    if op != "avg":
+        return op, list(leaves)
+    return "sum", [v.astype(jnp.float32) if v.dtype in _HALF else v for v in leaves]
+
+
+def from_sum(op: str, outs: Sequence[Any], like: Sequence[Any], size: int) -> list[Any]:
+    """The results of :func:`to_sum`'s reduction as ``op``'s: averages divided by the group
+    size and rounded once to the dtypes of ``like``."""
+    if op != "avg":
+        return list(outs)
+    return [(y / size).astype(x.dtype) for y, x in zip(outs, like, strict=True)]

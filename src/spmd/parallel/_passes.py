@@ -1,0 +1,136 @@
+"""Passes: functions ``Program -> Program``, how they compose, and what the built-in ones share.
+
+A pass factory takes a transform's options and returns a pass; a transform is a step (:class:`
+spmd.parallel.Step`) with a chain of passes, as optax builds an optimizer from a chain of
+gradient transformations::
+
+    step = Step(fn, passes=chain(reduce_gradients(bucket_mb=0)))
+
+Most passes re-evaluate a program's ops under a fresh trace (:func:`spmd.parallel.retrace`),
+adding or replacing ops on the way. The gradient marks that ``spmd.grad`` leaves in a traced
+step tell them which values are gradients, of which parameters (:func:`gradient_leaves`); the
+data-parallel and ZeRO passes both reduce them in the same buckets, at the same places
+(:func:`schedule`). docs/architecture.md, "Writing a pass", walks through one.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._jax_compat import core
+from ._grad import mark_p
+from ._program import Program
+
+Pass = Callable[[Program], Program]
+
+NO_GRAD = (
+    "{name} computes no gradient with spmd.grad or spmd.value_and_grad, so there is nothing to "
+    "average. Compute the gradients in the step with them, e.g.\n"
+    "    loss, grads = spmd.value_and_grad(loss_fn)(params, batch)\n"
+    "(jax.grad's gradients are not seen, nor are spmd.grad calls inside a nested jax.jit)."
+)
+
+
+def chain(*passes: Pass) -> Pass:
+    """One pass that applies ``passes`` in order.
+
+    Example::
+
+        >>> import spmd
+        >>> identity = spmd.parallel.chain()
+        >>> double = spmd.parallel.chain(identity, identity)
+    """
+
+    def chained(program: Program) -> Program:
+        return functools.reduce(lambda p, f: f(p), passes, program)
+
+    return chained
+
+
+@dataclass
+class GradientLeaf:
+    """One marked gradient leaf: where it comes from and where the step reads it."""
+
+    k: int  # position among all marked gradients of the step
+    call: int  # the spmd.grad call that produced it
+    path: str  # its pytree path in that call's gradients
+    src: Any  # the value the backward pass produced (the mark's input)
+    dst: Any  # the value the rest of the step reads (the mark's output)
+    nbytes: int
+    producer: int  # index of the producing op, -1 for an input or constant
+
+
+@dataclass
+class Bucket:
+    leaves: list[GradientLeaf] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def gradient_leaves(program: Program) -> tuple[list[GradientLeaf], dict[int, int]]:
+    """The marked gradients of a program, and {gradient call: index of its mark op}."""
+    eqns = program.jaxpr.jaxpr.eqns
+    producer: dict[Any, int] = {}
+    leaves: list[GradientLeaf] = []
+    marks: dict[int, int] = {}
+    for i, eqn in enumerate(eqns):
+        if eqn.primitive is mark_p and eqn.params["kind"] == "grad":
+            marks[eqn.params["call"]] = i
+            for src, dst, path in zip(eqn.invars, eqn.outvars, eqn.params["paths"], strict=True):
+                aval = src.aval
+                nbytes = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+                # A constant gradient (of an unused or linear scalar) is a literal: no producer.
+                made = -1 if isinstance(src, core.Literal) else producer.get(src, -1)
+                leaves.append(
+                    GradientLeaf(len(leaves), eqn.params["call"], path, src, dst, nbytes, made)
+                )
+        for v in eqn.outvars:
+            producer[v] = i
+    return leaves, marks
+
+
+def marked_params(program: Program) -> list[int]:
+    """Flat input positions of the parameters ``spmd.grad`` differentiates in ``program``."""
+    index = {v: i for i, v in enumerate(program.jaxpr.jaxpr.invars)}
+    found = {
+        index[v]
+        for e in program.jaxpr.jaxpr.eqns
+        if e.primitive is mark_p and e.params["kind"] == "param"
+        for v in e.invars
+        if v in index
+    }
+    return sorted(found)
+
+
+def _buckets(leaves: list[GradientLeaf], bucket_mb: float) -> list[Bucket]:
+    """Reverse parameter order within each gradient call, packed up to bucket_mb MiB."""
+    cap = bucket_mb * 2**20
+    buckets: list[Bucket] = []
+    for call in sorted({leaf.call for leaf in leaves}):
+        current = Bucket()
+        for leaf in reversed([x for x in leaves if x.call == call]):
+            if current.leaves and (cap <= 0 or current.nbytes + leaf.nbytes > cap):
+                buckets.append(current)
+                current = Bucket()
+            current.leaves.append(leaf)
+            current.nbytes += leaf.nbytes
+        if current.leaves:
+            buckets.append(current)
+    return buckets
+
+
+def schedule(
+    leaves: list[GradientLeaf], marks: dict[int, int], bucket_mb: float, overlap: bool
+) -> dict[int, list[Bucket]]:
+    """{op index: the buckets to reduce right after it} (-1: before the first op). With overlap,
+    a bucket goes after the op that produces its last gradient; without, after the backward pass
+    (just before its gradient call's mark)."""
+    at: dict[int, list[Bucket]] = {}
+    for b in _buckets(leaves, bucket_mb):
+        i = max(x.producer for x in b.leaves) if overlap else marks[b.leaves[0].call] - 1
+        at.setdefault(i, []).append(b)
+    return at

@@ -1,0 +1,229 @@
+"""The step base: what every parallel transform does around its passes.
+
+A :class:`Step` wraps a training step ``fn``. On a call it
+
+1. refuses JAX tracers (a step compiles itself: called under ``jax.jit`` its Python state, the
+   replica check and the no_sync accumulator, would be frozen into the trace);
+2. traces ``fn`` once per input signature (pytree structure, shapes and dtypes, the active
+   mesh) into a :class:`~spmd.parallel.Program`, with ``spmd.grad``'s marks;
+3. on its first call, checks that the parameters ``spmd.grad`` differentiates are the same on
+   every rank of the group (CRC32 checksums; ``check_params=False`` skips it);
+4. applies its chain of passes to the program, once per signature and *variant* (a transform
+   may run several programs from one trace, e.g. data_parallel inside ``spmd.no_sync()``), and
+   runs the result compiled, on jit's fast path.
+
+``spmd.trace(step)(*args)`` shows the transformed program. A transform subclasses Step and says
+which passes to run (:meth:`Step.passes`), and, where it needs to, how it traces, which variant
+a call runs and what a call passes in and gives back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._errors import SpmdError
+from .._jax_compat import core
+from ..mesh import mesh_key, resolve_group
+from ..runtime import Communicator
+from ._grad import marking
+from ._passes import Pass, marked_params
+from ._program import Program, trace_program
+
+PARAMS_DIFFER = (
+    "the parameters differ between ranks at the first step: {detail}. Data-parallel replicas "
+    "must start from one state: params = spmd.broadcast_params(params) before training (or pass "
+    "check_params=False if they differ on purpose)."
+)
+TRACED_CALL = (
+    "called inside a JAX transformation (jax.jit, jax.vmap, ...); the step compiles itself, so "
+    "call it directly"
+)
+
+_NO_SYNC: contextvars.ContextVar[bool] = contextvars.ContextVar("spmd_no_sync", default=False)
+
+
+@contextlib.contextmanager
+def no_sync() -> Iterator[None]:
+    """Inside this context, ``@data_parallel`` steps accumulate gradients locally, without
+    communication; the next call outside it averages the accumulated sum over the group.
+
+    As with PyTorch DDP, the outputs of the steps run inside ``no_sync`` are computed from this
+    rank's local gradients; use them only for what does not need synchronised gradients.
+
+    Example (a world of one: the accumulated gradients are averaged over one rank)::
+
+        >>> import jax.numpy as jnp, spmd
+        >>> @spmd.data_parallel
+        ... def grads(w, x):
+        ...     return spmd.grad(lambda w: jnp.sum(w * x))(w)
+        >>> with spmd.no_sync():
+        ...     _ = grads(jnp.ones(2), jnp.ones(2))
+        >>> grads(jnp.ones(2), jnp.ones(2))  # the sum of both micro-batches' gradients
+        Array([2., 2.], dtype=float32)
+    """
+    token = _NO_SYNC.set(True)
+    try:
+        yield
+    finally:
+        _NO_SYNC.reset(token)
+
+
+def syncing() -> bool:
+    """Whether a step called now synchronises its gradients (False inside :func:`no_sync`)."""
+    return not _NO_SYNC.get()
+
+
+@dataclass
+class Traced:
+    """One input signature of a step: its program as traced, and what was built from it."""
+
+    program: Program  # as traced, with spmd.grad's marks
+    param_inputs: list[int]  # flat positions of the parameters the replica check compares
+    transformed: dict[Any, Program] = field(default_factory=dict)  # by variant
+    runs: dict[Any, Callable[..., Any]] = field(default_factory=dict)  # compiled, by variant
+    info: dict[str, Any] = field(default_factory=dict)  # what a transform keeps per signature
+
+
+class Step:
+    """A training step transformed by a chain of passes (see the module doc)."""
+
+    transform = "step"  # how errors name the transform
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        group: Any = None,
+        accumulate_steps: int = 1,
+        check_params: bool = True,
+    ) -> None:
+        if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
+            raise SpmdError(
+                f"accumulate_steps={accumulate_steps!r}; expected an int >= 1", op=self.transform
+            )
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.group = group
+        self.accumulate_steps = accumulate_steps
+        self.check_params = check_params
+        self._cache: dict[Any, Traced] = {}
+        self._checked = False
+
+    @property
+    def name(self) -> str:
+        """How errors name the step: ``data_parallel(train_step)``."""
+        return f"{self.transform}({getattr(self.fn, '__name__', 'step')})"
+
+    def comm(self) -> Communicator:
+        """The step's group (an axis name resolves against the mesh active now)."""
+        return resolve_group(None, self.group, op=self.transform)
+
+    # What a transform says -----------------------------------------------------------------
+
+    def passes(self, traced: Traced, variant: Any) -> Pass:
+        """The chain of passes that makes the program of ``variant`` from ``traced.program``."""
+        raise NotImplementedError
+
+    def trace(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
+        """Trace ``fn`` for these arguments (with ``spmd.grad``'s marks)."""
+        with marking(self.accumulate_steps):
+            program = trace_program(self.fn, args, kwargs)
+        return Traced(program, marked_params(program))
+
+    def variant(self, traced: Traced) -> Any:
+        """Which transformed program a call now runs (one per step unless overridden)."""
+        return None
+
+    def extra_inputs(self, traced: Traced, variant: Any) -> Sequence[Any]:
+        """Inputs a call passes after the arguments' leaves."""
+        return ()
+
+    def results(self, traced: Traced, variant: Any, outs: Sequence[Any]) -> Any:
+        """What a call returns, from the compiled program's flat outputs."""
+        return jax.tree_util.tree_unflatten(traced.program.out_tree, outs)
+
+    # The machinery ---------------------------------------------------------------------------
+
+    def _traced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Traced, list[Any]]:
+        # A ShardedArray flattens to its shard, and its global shape, spec and mesh are part of
+        # the structure: the key tells apart arrays whose shards look alike.
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        key = (tree, tuple(core.typeof(x) for x in leaves), mesh_key())
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self.trace(args, kwargs)
+        return hit, leaves
+
+    def program(self, traced: Traced, variant: Any) -> Program:
+        """The transformed program of ``variant`` (built once)."""
+        program = traced.transformed.get(variant)
+        if program is None:
+            program = traced.transformed[variant] = self.passes(traced, variant)(traced.program)
+        return program
+
+    def __spmd_trace__(self, *args: Any, **kwargs: Any) -> Program:
+        """The step's op list with what its passes inserted (what ``spmd.trace`` shows)."""
+        traced, _ = self._traced(args, kwargs)
+        return self.program(traced, None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
+        if any(isinstance(x, core.Tracer) for x in leaves):
+            raise SpmdError(TRACED_CALL, op=self.name)
+        traced, leaves = self._traced(args, kwargs)
+        if self.check_params and not self._checked:
+            named = [(traced.program.in_names[i], leaves[i]) for i in traced.param_inputs]
+            check_same(self.comm(), named, self.name)
+            self._checked = True
+        variant = self.variant(traced)
+        run = traced.runs.get(variant)
+        if run is None:
+            run = traced.runs[variant] = self.program(traced, variant)._compiled
+        outs = run(*leaves, *self.extra_inputs(traced, variant))
+        return self.results(traced, variant, outs)
+
+
+def _canonical(x: Any) -> np.ndarray:
+    """The bytes the replica check compares: -0.0 counts as 0.0 (equal values, other bits)."""
+    a = np.ascontiguousarray(x)
+    if np.issubdtype(a.dtype, np.inexact) or a.dtype.name == "bfloat16":
+        a = np.where(a == 0, np.zeros((), a.dtype), a)
+    return a
+
+
+def check_same(comm: Communicator, named: list[tuple[str, Any]], op: str) -> None:
+    """Raise on every rank if the arrays of ``named`` ((name, array) pairs) differ between the
+    ranks of ``comm``, naming the ranks and the first array that differs."""
+    if comm.size == 1 or not named:
+        return
+    sums = [zlib.crc32(_canonical(a).tobytes()) for _, a in named]
+    everyone = comm.allgather_object(sums)
+    differ = [r for r, s in enumerate(everyone) if s != everyone[0]]
+    if not differ:
+        return
+    first = differ[0]
+    if len(everyone[first]) != len(sums) or len(everyone[0]) != len(sums):
+        counts = {comm.ranks[r]: len(s) for r, s in enumerate(everyone)}
+        detail = (
+            f"the ranks hold different numbers of parameter arrays (rank: count {counts}); "
+            "every rank must pass the same parameter structure"
+        )
+    else:
+        bad = [name for (name, _), a, b in zip(named, everyone[0], everyone[first], strict=True)
+               if a != b]  # fmt: skip
+        ranks = [comm.ranks[r] for r in differ]
+        detail = (
+            f"ranks {ranks} hold other values than rank {comm.ranks[0]} "
+            f"(first difference: {bad[0]}; {len(bad)} of {len(sums)} parameter arrays differ "
+            f"on rank {comm.ranks[first]})"
+        )
+    raise SpmdError(PARAMS_DIFFER.format(detail=detail), op=op)
