@@ -1043,7 +1043,7 @@ def main(
     try:
         resolve_args(args)  # bad options fail here, before any job starts
         if mpi_rank_size(os.environ) is None:  # not in a job: start one
-            from .run import launch
+            from ..launch import launch
 
             nprocs = args.nprocs or 2
             target = [os.path.abspath(script)] if script else ["-m", "spmd.cli.bench"]

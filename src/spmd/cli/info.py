@@ -95,9 +95,9 @@ def _collectives() -> list[str]:
 
 def report() -> str:
     from .._errors import SpmdError
-    from ..runtime._env import detect
+    from ..launch import find_mpiexec, flavor
+    from ..runtime import detect
     from ..runtime._state import _requested_name
-    from ._mpiexec import find_mpiexec, flavor
 
     lines = [f"spmd environment ({platform.platform()}, Python {platform.python_version()})"]
     lines.append("versions:")

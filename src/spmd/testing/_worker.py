@@ -20,8 +20,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..cli._exec import launch_rank
-from ..runtime._failure import format_rank_traceback
+from ..launch import launch_rank
+from ..runtime import format_rank_traceback
 from . import _wire
 
 
