@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from spmd.cli.bench import cores_tag, job_cores
+from spmd.bench import cores_tag, job_cores
 
 OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "all_to_all")
 BUS_FACTOR = {"allreduce": 1.0, "broadcast": 1.0}  # 2 ranks: 2(n-1)/n = 1; the rest (n-1)/n
@@ -80,7 +80,7 @@ def test_results_are_tagged_with_the_cores_the_job_was_given() -> None:
         # the child narrows its own affinity first (a preexec_fn would make subprocess fork a
         # process in which JAX runs threads)
         code = (f"import os; os.sched_setaffinity(0, {sorted(cpus)})\n" if cpus else "") + (
-            "from spmd.cli.bench import cores_tag, job_cores; print(job_cores(), cores_tag())"
+            "from spmd.bench import cores_tag, job_cores; print(job_cores(), cores_tag())"
         )
         out = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
