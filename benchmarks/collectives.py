@@ -2,8 +2,9 @@
 
     spmd-run -n 2 python benchmarks/collectives.py [spmd-bench options]
 
-The same code as the ``spmd-bench`` command (:mod:`spmd.cli.bench`); started outside an MPI job
-it relaunches itself under ``spmd-run``. By default it writes
+The same code as the ``spmd-bench`` command (:mod:`spmd.cli.bench`, measuring with
+:mod:`spmd.bench`); started outside an MPI job it relaunches itself under ``spmd-run``. By
+default it writes
 ``benchmarks/results/collectives-<tag>.json`` and ``.md`` (tag: ``cpu<cores>-n<ranks>``, or
 ``cpu<cores>of<total>-n<ranks>`` on a job given fewer cores than the machine has).
 See benchmarks/README.md.

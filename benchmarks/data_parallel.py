@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spmd.cli.bench import (
+from spmd.bench import (
     cores_tag,
     cpu_model,
     job_cores,

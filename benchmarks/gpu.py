@@ -23,7 +23,6 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-
 from spmd.ops._cuda import ALGOS, CODECS, CUSTOM_DTYPE_CODES, native_cuda
 
 SIZES = [256 << 10, 1 << 20, 8 << 20, 32 << 20, 64 << 20]

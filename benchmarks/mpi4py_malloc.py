@@ -19,7 +19,7 @@ collectives three ways, each in its own job, rounds alternating:
 
 Time: per call the maximum over ranks, the median over calls, then the median over rounds.
 The spmd job also records the shared-memory staging probe's hop time before and after its calls
-(``spmd.cli.bench.shm_hop``; benchmarks/README.md: where the two cores share no cache).
+(``spmd.bench.shm_hop``; benchmarks/README.md: where the two cores share no cache).
 Writes ``benchmarks/results/mpi4py-malloc-cpu<cores>-n<ranks>.{json,md}`` (``cpu<cores>of<total>``
 on a job given fewer cores than the machine has).
 """
@@ -97,7 +97,7 @@ def worker(impl: str, nbytes: int, calls: int) -> dict[str, Any]:
             "allgather": lambda: ag(bs).block_until_ready(),
             "reduce_scatter": lambda: rs(xs).block_until_ready(),
         }
-        from spmd.cli.bench import shm_hop
+        from spmd.bench import shm_hop
 
         hops = [shm_hop()]
         times = {op: _timed(comm, call, calls) for op, call in calls_by_op.items()}
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             print("RESULT " + json.dumps(res), flush=True)
         return 0
     # The driver only: a plain worker never imports spmd.
-    from spmd.cli.bench import cores_tag, job_cores
+    from spmd.bench import cores_tag, job_cores
 
     runs: dict[str, dict[str, list[float]]] = {i: {} for i in IMPLS}
     hops: list[float] = []  # the spmd jobs' probe readings, before and after their calls

@@ -473,7 +473,7 @@ def test_large_replicated_leaves_are_written_by_several_ranks(tmp_path, nprocs):
 
 
 def test_the_write_plan_evens_out_bytes_per_rank():
-    from spmd.checkpoint import _plan
+    from spmd.checkpoint._plan import plan as _plan
 
     full = ((0, 8), (0, 1024))
     # 4 ranks: 6 replicated leaves of 32 KiB (float32 8 x 1024) and 2 MiB ones, and a leaf

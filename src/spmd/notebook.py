@@ -43,15 +43,18 @@ import types
 from typing import Any
 
 from ._errors import SpmdError
-from .cli._exec import output_file
-from .cli.run import launch
+from .launch import launch, output_file
 
 __all__ = ["CellFailed", "load_ipython_extension", "run_cell"]
 
 
 class CellFailed(SpmdError):
     """A ``%%spmd`` cell's job did not end cleanly (a rank failed, hung past ``--timeout`` or
-    was interrupted). The ranks' output and the launcher's summary are shown above it."""
+    was interrupted). The ranks' output and the launcher's summary are shown above it. Raised
+    in the notebook's kernel, which is no rank: its message names none."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message, rank=None)
 
     def _render_traceback_(self) -> list[str]:
         # IPython shows this instead of a traceback through the extension's frames.
@@ -59,11 +62,12 @@ class CellFailed(SpmdError):
 
 
 _USAGE = "usage: %%spmd -n N [--nodes K] [--timeout S] [--push NAME [NAME ...]]"
+_PUSH = "%%spmd --push"
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # argparse would print and exit the kernel
-        raise SpmdError(f"%%spmd: {message}; {_USAGE}")
+        raise SpmdError(f"{message}; {_USAGE}", op="%%spmd", rank=None)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -105,7 +109,8 @@ class _Pusher(pickle.Pickler):
             kind = "class" if isinstance(obj, type) else "function"
             raise SpmdError(
                 f"the {kind} {obj.__qualname__} is defined in the notebook, and the ranks "
-                "cannot load it: define it in a module (%%writefile) and import it there"
+                "cannot load it: define it in a module (%%writefile) and import it there",
+                rank=None,
             )
         jax = sys.modules.get("jax")
         if jax is not None and isinstance(obj, jax.Array):
@@ -122,21 +127,24 @@ def _push(names: list[str], namespace: dict[str, Any] | None, path: str) -> None
     if not wanted:
         return
     if namespace is None:
-        raise SpmdError("%%spmd --push: no notebook namespace to take variables from")
+        raise SpmdError("no notebook namespace to take variables from", op=_PUSH, rank=None)
     missing = [n for n in wanted if n not in namespace]
     if missing:
-        raise SpmdError(f"%%spmd --push: no variable named {', '.join(missing)} in the notebook")
+        raise SpmdError(
+            f"no variable named {', '.join(missing)} in the notebook", op=_PUSH, rank=None
+        )
     pickled = {}
     for name in wanted:
         buf = io.BytesIO()
         try:
             _Pusher(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(namespace[name])
         except SpmdError as e:
-            raise SpmdError(f"%%spmd --push {name}: {e}") from None
+            raise SpmdError(str(e), op=f"{_PUSH} {name}", rank=None) from None
         except Exception as e:
             raise SpmdError(
-                f"%%spmd --push {name}: a {type(namespace[name]).__name__} cannot be pickled "
-                f"({type(e).__name__}: {e})"
+                f"a {type(namespace[name]).__name__} cannot be pickled ({type(e).__name__}: {e})",
+                op=f"{_PUSH} {name}",
+                rank=None,
             ) from None
         pickled[name] = buf.getvalue()
     with open(path, "wb") as f:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from spmd.cli.bench import cores_tag, job_cores
+from spmd.bench import cores_tag, job_cores
 
 OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "all_to_all")
 BUS_FACTOR = {"allreduce": 1.0, "broadcast": 1.0}  # 2 ranks: 2(n-1)/n = 1; the rest (n-1)/n
@@ -56,7 +56,7 @@ def test_spmd_bench_measures_every_op_and_checks_every_result(tmp_path: Path) ->
     small = {row["impl"]: row for row in report["small_message"]}
     assert small["spmd"]["with_allreduce_us"] > 0 and small["spmd"]["without_us"] > 0
     machine = report["machine"]
-    assert machine["ranks"] == 2 and machine["spmd_backend"] == "shm"
+    assert machine["ranks"] == 2 and machine["spmd_transport"] == "shm"
     assert machine["spmd_shm_staging"] == "auto"
     for when in ("start", "end"):  # a real timing: positive, and under a millisecond per hop
         assert 0 < machine[f"shm_hop_ns_at_{when}"] < 1e6
@@ -80,7 +80,7 @@ def test_results_are_tagged_with_the_cores_the_job_was_given() -> None:
         # the child narrows its own affinity first (a preexec_fn would make subprocess fork a
         # process in which JAX runs threads)
         code = (f"import os; os.sched_setaffinity(0, {sorted(cpus)})\n" if cpus else "") + (
-            "from spmd.cli.bench import cores_tag, job_cores; print(job_cores(), cores_tag())"
+            "from spmd.bench import cores_tag, job_cores; print(job_cores(), cores_tag())"
         )
         out = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True

@@ -26,7 +26,7 @@ def test_info_reports_versions_mpi_native_and_devices():
 
 
 def test_info_under_mpiexec_sees_the_launcher():
-    from spmd.cli._mpiexec import mpiexec_argv
+    from spmd.launch import mpiexec_argv
 
     argv = mpiexec_argv(2, [sys.executable, "-m", "spmd.info"])
     out = subprocess.run(argv, capture_output=True, text=True, timeout=120)

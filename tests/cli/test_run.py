@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from spmd.cli.run import wrap_command
+from spmd.launch import wrap_command
 
 SPMD_RUN = [sys.executable, "-m", "spmd.cli.run"]
 
@@ -54,7 +54,7 @@ def test_failing_rank_stops_the_job_and_is_named(tmp_path, uses_mpi):
     assert "[rank 1] ValueError: rank one cannot go on" in out.stderr
     assert f'[rank 1]   File "{script}", line 10, in <module>' in out.stderr
     assert "spmd-run: rank 1 failed: ValueError: rank one cannot go on" in out.stderr
-    assert "_exec.py" not in out.stderr  # the wrapper's frames are not the user's problem
+    assert "_rank.py" not in out.stderr  # the wrapper's frames are not the user's problem
 
 
 def test_exit_code_of_a_failing_program_is_returned():
@@ -221,7 +221,7 @@ def test_usage_errors():
 
 
 def test_wrap_command(tmp_path):
-    exec_ = [sys.executable, "-m", "spmd.cli._exec"]
+    exec_ = [sys.executable, "-m", "spmd.launch._rank"]
     py = sys.executable
     # -S hides site-packages, where spmd is: the program runs under the wrapper instead of
     # inside it (it failed with "No module named 'spmd'")
@@ -235,7 +235,7 @@ def test_wrap_command(tmp_path):
         "-W",
         "error",
         "-m",
-        "spmd.cli._exec",
+        "spmd.launch._rank",
         "--python",
         "t.py",
         "x",
@@ -243,7 +243,7 @@ def test_wrap_command(tmp_path):
     assert wrap_command([py, "-c", "pass"]) == [
         py,
         "-m",
-        "spmd.cli._exec",
+        "spmd.launch._rank",
         "--python",
         "-c",
         "pass",

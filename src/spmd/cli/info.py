@@ -95,8 +95,8 @@ def _collectives() -> list[str]:
 
 def report() -> str:
     from .._errors import SpmdError
+    from ..launch import find_mpiexec, flavor
     from ..runtime import detect, requested_communicator
-    from ._mpiexec import find_mpiexec, flavor
 
     lines = [f"spmd environment ({platform.platform()}, Python {platform.python_version()})"]
     lines.append("versions:")

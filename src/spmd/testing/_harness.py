@@ -30,12 +30,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .._errors import SpmdError
-from ..cli._mpiexec import mpiexec_argv
+from ..launch import mpiexec_argv
 from . import _wire
 
 Launcher = Literal["mpi", "env"]
 
 _STARTUP_TIMEOUT = 120.0
+_RUN = "spmd.testing.run"  # its errors are the pytest process's, which is no rank
 _MAX_POOLS = 5
 _task_ids = itertools.count()
 
@@ -372,17 +373,20 @@ def run(
     """
     if "<locals>" in fn.__qualname__ or fn.__name__ == "<lambda>":
         raise SpmdError(
-            f"spmd.testing.run: {fn.__qualname__} is not a module-level function; the ranks "
-            "import it by name, so define it at the top level of a module"
+            f"{fn.__qualname__} is not a module-level function; the ranks import it by name, "
+            "so define it at the top level of a module",
+            op=_RUN,
+            rank=None,
         )
     if fn.__module__ == "__main__":
         raise SpmdError(
-            f"spmd.testing.run: {fn.__qualname__} is defined in the script being run "
-            "(__main__), which the ranks cannot import by name; define it in a module that "
-            "the script imports"
+            f"{fn.__qualname__} is defined in the script being run (__main__), which the ranks "
+            "cannot import by name; define it in a module that the script imports",
+            op=_RUN,
+            rank=None,
         )
     if launcher not in ("mpi", "env"):
-        raise SpmdError(f"spmd.testing.run: launcher={launcher!r}; expected 'mpi' or 'env'")
+        raise SpmdError(f"launcher={launcher!r}; expected 'mpi' or 'env'", op=_RUN, rank=None)
     timeout = default_timeout() if timeout is None else timeout
     env = dict(env or {})
     if fresh:

@@ -12,9 +12,9 @@ from ._harness import Launcher, run
 def _call_with_world(body: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(body)
     def on_rank() -> None:
-        import spmd
+        from ..runtime import init
 
-        body(spmd.init())
+        body(init())
 
     return on_rank
 
@@ -42,9 +42,11 @@ def multirank(
             from .._errors import SpmdError
 
             raise SpmdError(
-                f"@multirank: {body.__qualname__} is not a module-level function; the ranks "
-                "import the test by name, so define it at the top level of the test module "
-                "(not in a class or another function)"
+                f"{body.__qualname__} is not a module-level function; the ranks import the "
+                "test by name, so define it at the top level of the test module (not in a "
+                "class or another function)",
+                op="@multirank",
+                rank=None,  # raised where pytest collects the test, which is no rank
             )
 
         def test(nprocs: int) -> None:

@@ -20,8 +20,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..cli._exec import launch_rank
-from ..runtime._failure import format_rank_traceback
+from ..launch import launch_rank
+from ..runtime import format_rank_traceback
 from . import _wire
 
 
@@ -105,9 +105,9 @@ def main() -> None:
                 ),
             )
     if msg is not None:  # a clean shutdown: every rank got "exit"
-        import spmd
+        from ..runtime import finalize
 
-        spmd.finalize()
+        finalize()
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """The per-rank wrapper ``spmd-run`` starts: runs the user's command and reports how it ended.
 
-``python -m spmd.cli._exec --python (-c CODE | -m MODULE | SCRIPT) ARGS...`` runs Python code in
-this process as the interpreter would, so an uncaught exception is seen here: it is printed with
-every line prefixed by ``[rank N]``, recorded for ``spmd-run``, and the job is stopped.
-``python -m spmd.cli._exec --exec CMD...`` runs any other program and records its exit code.
+``python -m spmd.launch._rank --python (-c CODE | -m MODULE | SCRIPT) ARGS...`` runs Python code
+in this process as the interpreter would, so an uncaught exception is seen here: it is printed
+with every line prefixed by ``[rank N]``, recorded for ``spmd-run``, and the job is stopped.
+``python -m spmd.launch._rank --exec CMD...`` runs any other program and records its exit code.
+
+The package's ``__init__`` does not import this module, so that ``python -m`` runs it fresh.
 """
 
 from __future__ import annotations
@@ -19,23 +21,15 @@ import types
 from types import TracebackType
 
 from .._errors import SpmdError
-from ..runtime._affinity import bind_rank
-from ..runtime._env import mpi_rank_size
-from ..runtime._failure import abort_job, must_abort, report_exception, report_status
-from ..runtime._malloc import tune as tune_malloc
-
-
-def launch_rank() -> int:
-    """This process's rank as the launcher announced it (before any MPI call), in the order
-    :func:`spmd.init` decides: a torchrun-style ``RANK``/``WORLD_SIZE`` with a file store
-    first (such ranks may be started from inside an MPI job), then an MPI launcher's."""
-    env = os.environ
-    if env.get("SPMD_FILE_STORE_PATH") and env.get("RANK") and env.get("WORLD_SIZE"):
-        return int(env["RANK"])
-    found = mpi_rank_size(env)
-    if found is not None:
-        return found[0]
-    return int(env.get("RANK", "0"))
+from ..runtime import (
+    abort_job,
+    bind_rank,
+    must_abort,
+    report_exception,
+    report_status,
+    tune_malloc,
+)
+from ._protocol import launch_rank, output_file
 
 
 def _exit_code(code: object) -> int:
@@ -49,7 +43,7 @@ def _exit_code(code: object) -> int:
 
 def _run_python(rank: int, args: list[str]) -> int:
     if not args:
-        raise SystemExit("spmd.cli._exec --python: nothing to run")
+        raise SystemExit("spmd.launch._rank --python: nothing to run")
     try:
         if args[0] == "-c":
             sys.argv = ["-c", *args[2:]]
@@ -125,12 +119,6 @@ def _whole_lines() -> None:
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(line_buffering=True, write_through=False)
-
-
-def output_file(directory: str | os.PathLike[str], who: str, stream: str) -> str:
-    """Where ``spmd-run --output DIR`` keeps ``stream`` ("stdout" or "stderr") of ``who``
-    ("rank<N>" or "launcher")."""
-    return os.path.join(directory, f"{who}.{stream}")
 
 
 def _redirect_output(rank: int) -> None:

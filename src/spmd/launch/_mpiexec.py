@@ -19,7 +19,9 @@ def find_mpiexec(explicit: str | None = None) -> str:
         if candidate:
             found = shutil.which(candidate)
             if found is None:
-                raise SpmdError(f"mpiexec {candidate!r} was not found or is not executable")
+                raise SpmdError(
+                    f"mpiexec {candidate!r} was not found or is not executable", rank=None
+                )
             return found
     beside = Path(sys.executable).parent / "mpiexec"
     if beside.exists():
@@ -28,7 +30,8 @@ def find_mpiexec(explicit: str | None = None) -> str:
     if found is None:
         raise SpmdError(
             "no mpiexec found: install the MPICH wheel (pip install mpich) or a system MPI, "
-            "or set SPMD_MPIEXEC to the launcher's path"
+            "or set SPMD_MPIEXEC to the launcher's path",
+            rank=None,
         )
     return found
 

@@ -1,0 +1,24 @@
+"""Starting ranks: the MPI launcher's discovery and argv, the job runner behind ``spmd-run``
+and the ``%%spmd`` cell magic, and the per-rank wrapper it starts each rank under.
+
+Used by :mod:`spmd.cli` (``spmd-run``, ``spmd-bench``), :mod:`spmd.notebook` and
+:mod:`spmd.testing`; it starts processes and watches them, and never joins a job itself.
+"""
+
+from ._job import launch as launch
+from ._job import wrap_command as wrap_command
+from ._mpiexec import find_mpiexec as find_mpiexec
+from ._mpiexec import flavor as flavor
+from ._mpiexec import mpiexec_argv as mpiexec_argv
+from ._protocol import launch_rank as launch_rank
+from ._protocol import output_file as output_file
+
+__all__ = [
+    "find_mpiexec",
+    "flavor",
+    "launch",
+    "launch_rank",
+    "mpiexec_argv",
+    "output_file",
+    "wrap_command",
+]

@@ -1,0 +1,305 @@
+"""The job runner: starts ``command`` on N ranks through the MPI launcher, each under the
+per-rank wrapper (:mod:`spmd.launch._rank`), watches the ranks' reports, and stops the whole job
+when one fails, on ``timeout``, or when this process is interrupted or killed.
+
+When a rank fails, the others get ``grace`` seconds to finish printing, then the job is stopped;
+the summary names the failing rank and its error. The exit code is the failing rank's (128 + N
+for a rank killed by signal N, as a shell reports it), 124 after ``timeout``; Ctrl-C, SIGTERM and
+SIGHUP stop the job (130, 143, 129); on Linux, so does killing this process outright (SIGKILL:
+the launcher gets SIGTERM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from .._errors import SpmdError
+from ..runtime import bind_mode, record_cpus
+from ._mpiexec import mpiexec_argv
+from ._protocol import output_file
+
+_PYTHON = re.compile(r"python[0-9.]*$")
+# Interpreter options that take a value (``-W error`` or ``-Werror``).
+_PYTHON_OPTS_WITH_VALUE = ("-W", "-X", "--check-hash-based-pycs")
+
+
+def _has_spmd(python: str, flags: list[str]) -> bool:
+    """Whether ``python`` with the user's interpreter ``flags`` can import the wrapper: this
+    interpreter can, unless a flag changes where imports come from (``-S``, ``-I``, ...)."""
+    found = shutil.which(python)
+    if found is None:
+        return False
+    same = os.path.realpath(found) == os.path.realpath(sys.executable)
+    moves_imports = any(
+        f.startswith("-") and not f.startswith("--") and set(f[1:]) & set("SIEs") for f in flags
+    )
+    if same and not moves_imports:
+        return True
+    probe = [found, *flags, "-c", "import spmd.launch._rank"]
+    return subprocess.run(probe, capture_output=True, timeout=60).returncode == 0
+
+
+def wrap_command(command: list[str]) -> list[str]:
+    """The per-rank argv: Python commands run inside the wrapper (tracebacks are caught and
+    named), other programs and Python interpreters without spmd run under it."""
+    exe = command[0]
+    if _PYTHON.search(os.path.basename(exe)):
+        i = 1
+        while i < len(command) and command[i].startswith("-") and command[i] not in ("-c", "-m"):
+            if command[i] == "-":
+                break
+            takes_value = command[i] in _PYTHON_OPTS_WITH_VALUE
+            i += 2 if takes_value else 1
+        target = command[i:]
+        if (
+            target
+            and target[0] != "-"
+            and (target[0] not in ("-c", "-m") or len(target) >= 2)
+            and _has_spmd(exe, command[1:i])
+        ):
+            return [*command[:i], "-m", "spmd.launch._rank", "--python", *target]
+    return [sys.executable, "-m", "spmd.launch._rank", "--exec", *command]
+
+
+def _read_status(directory: Path) -> dict[int, dict[str, object]]:
+    status: dict[int, dict[str, object]] = {}
+    for path in directory.glob("rank*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # being written
+        status[int(record["rank"])] = record
+    return status
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stops the job: SIGTERM, then SIGKILL. Ctrl-C, SIGTERM and SIGHUP to this process are
+    ignored meanwhile, so that a second interrupt cannot cut the stop short and leave ranks
+    running."""
+    ignored: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, *_TERMINATING):
+            ignored[sig] = signal.signal(sig, signal.SIG_IGN)
+    try:
+        for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+    finally:
+        _restore(ignored)
+
+
+def _launcher_binds(mpi_args: list[str]) -> bool:
+    """Whether the launcher's own arguments choose a binding (MPICH/Hydra ``-bind-to``,
+    ``-binding``; Open MPI ``--bind-to``, ``--map-by``): then spmd-run pins nothing."""
+    flags = ("-bind-to", "--bind-to", "-binding", "--map-by", "-map-by")
+    return any(a.split("=", 1)[0] in flags for a in mpi_args)
+
+
+class _Terminated(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated(signum)
+
+
+_TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _catch_termination() -> dict[int, Any]:
+    """Turn SIGTERM and SIGHUP into :class:`_Terminated` (main thread only; elsewhere the
+    signals keep their handlers)."""
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is not threading.main_thread():
+        return previous
+    for sig in _TERMINATING:
+        previous[sig] = signal.signal(sig, _terminated)
+    return previous
+
+
+def _restore(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def launch(
+    nprocs: int,
+    command: list[str],
+    *,
+    nodes: int | None = None,
+    timeout: float | None = None,
+    grace: float = 2.0,
+    mpiexec: str | None = None,
+    mpi_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    output_dir: str | os.PathLike[str] | None = None,
+    stdin: Any = None,
+    report: TextIO | None = None,
+) -> int:
+    """Run ``command`` on ``nprocs`` ranks; returns the job's exit code (see module doc).
+
+    ``output_dir``: as ``--output`` (the launcher's own output goes to ``launcher.stdout`` and
+    ``launcher.stderr`` there too). ``stdin``: the job's standard input (as for ``Popen``).
+    ``report``: where spmd-run's own messages go (default: standard error).
+    """
+    if nprocs < 1:
+        raise SpmdError(f"-n {nprocs}: need at least one rank", rank=None)
+    if not command:
+        raise SpmdError("no command given; e.g. spmd-run -n 2 python train.py", rank=None)
+    child_env = dict(os.environ if env is None else env)
+    child_env.pop("SPMD_RUN_OUTPUT_DIR", None)
+    if nodes is not None:
+        child_env["SPMD_SIMULATE_NODES"] = str(nodes)
+    bind_mode(child_env)  # a bad SPMD_BIND fails here, once, not on every rank
+    out = None if output_dir is None else _output_dir(output_dir)
+    if out is not None:
+        child_env["SPMD_RUN_OUTPUT_DIR"] = str(out)
+    status_dir = Path(tempfile.mkdtemp(prefix="spmd-run-"))
+    child_env["SPMD_RUN_STATUS_DIR"] = str(status_dir)
+    if _launcher_binds(mpi_args or []) and child_env.get("SPMD_BIND", "auto") == "auto":
+        child_env["SPMD_BIND"] = "none"  # -bind-to none included: the launcher's choice
+    record_cpus(child_env)
+    report = sys.stderr if report is None else report
+    logs: list[Any] = []
+    try:
+        argv = _dies_with_us(mpiexec_argv(nprocs, wrap_command(command), mpiexec, mpi_args))
+        if out is not None:
+            logs = [open(output_file(out, "launcher", n), "wb") for n in ("stdout", "stderr")]  # noqa: SIM115
+        streams = {"stdout": logs[0], "stderr": logs[1]} if logs else {}
+        proc = subprocess.Popen(argv, env=child_env, start_new_session=True, stdin=stdin, **streams)
+    except BaseException:
+        shutil.rmtree(status_dir, ignore_errors=True)
+        raise
+    finally:
+        for log in logs:  # the launcher holds its own copies
+            log.close()
+    start = time.monotonic()
+    failed_at: float | None = None
+    stopped = timed_out = False
+    # The job runs in a session of its own (so that stopping it reaches every rank): a
+    # SIGTERM or SIGHUP to spmd-run (kill, timeout, a batch system, a closed terminal) must
+    # stop the job as Ctrl-C does, not leave it running without us.
+    previous = _catch_termination()
+    try:
+        while proc.poll() is None:
+            time.sleep(0.05)
+            now = time.monotonic()
+            status = _read_status(status_dir)
+            if failed_at is None and any(s["state"] == "failed" for s in status.values()):
+                failed_at = now
+            if failed_at is not None and now - failed_at > grace:
+                stopped = True
+                _stop(proc)
+            elif timeout is not None and now - start > timeout:
+                timed_out = stopped = True
+                _stop(proc)
+    except KeyboardInterrupt:
+        _stop(proc)
+        shutil.rmtree(status_dir, ignore_errors=True)
+        return 130
+    except _Terminated as e:
+        _stop(proc)
+        shutil.rmtree(status_dir, ignore_errors=True)
+        print(f"spmd-run: stopped the job on {e.name}", file=report, flush=True)
+        return 128 + e.signum
+    finally:
+        _restore(previous)
+    status = _read_status(status_dir)
+    shutil.rmtree(status_dir, ignore_errors=True)
+    return _summarize(nprocs, status, proc.returncode, stopped, timed_out, timeout, report)
+
+
+# Run before the launcher, in its process: SIGTERM when spmd-run dies, whatever kills it (a
+# SIGKILL, an out-of-memory kill, a notebook kernel killed mid-cell), then become the launcher.
+# (prctl(PR_SET_PDEATHSIG) outlives exec; the check after it covers a parent already gone.)
+_DEATH_SIGNAL_SHIM = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(143)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _dies_with_us(argv: list[str]) -> list[str]:
+    """``argv`` started so that the launcher gets SIGTERM if this process dies without stopping
+    the job (it then stops the ranks, as on Ctrl-C); on Linux, elsewhere ``argv`` as is."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    return [sys.executable, "-I", "-S", "-c", _DEATH_SIGNAL_SHIM, str(os.getpid()), *argv]
+
+
+def _output_dir(output_dir: str | os.PathLike[str]) -> Path:
+    """The ``--output`` directory, created, writable, and cleared of an earlier job's files."""
+    if not str(output_dir):
+        raise SpmdError("--output needs a directory", rank=None)
+    out = Path(output_dir).resolve()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpmdError(
+            f"--output {output_dir}: cannot create the directory: {e}", rank=None
+        ) from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise SpmdError(f"--output {output_dir}: the directory is not writable", rank=None)
+    # An earlier job's files (with more ranks, some would stay behind); only those names.
+    for old in out.iterdir():
+        if _OUTPUT_FILE.fullmatch(old.name) and old.is_file() and not old.is_symlink():
+            old.unlink(missing_ok=True)
+    return out
+
+
+_OUTPUT_FILE = re.compile(r"(rank\d+|launcher)\.(stdout|stderr)")
+
+
+def _summarize(
+    nprocs: int,
+    status: dict[int, dict[str, object]],
+    returncode: int,
+    stopped: bool,
+    timed_out: bool,
+    timeout: float | None,
+    report: TextIO,
+) -> int:
+    failed = sorted(r for r, s in status.items() if s["state"] == "failed")
+    unfinished = [r for r in range(nprocs) if status.get(r, {}).get("state") not in ("done",)]
+    unfinished = [r for r in unfinished if r not in failed]
+
+    def say(msg: str) -> None:
+        print(f"spmd-run: {msg}", file=report, flush=True)
+
+    for r in failed:
+        say(f"rank {r} failed: {status[r].get('error')}")
+    if timed_out:
+        say(f"timed out after {timeout:g} s; ranks that had not finished: {unfinished}")
+        return 124
+    if failed:
+        if stopped and unfinished:
+            say(f"stopped ranks {unfinished} after rank {failed[0]} failed")
+        code = status[failed[0]].get("exit_code", 1)
+        return code if isinstance(code, int) and code != 0 else 1
+    if returncode != 0:
+        say(f"the launcher exited with code {returncode}; ranks without a clean end: {unfinished}")
+        return returncode if returncode > 0 else 128 - returncode
+    return 0
