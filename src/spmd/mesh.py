@@ -81,6 +81,17 @@ class Mesh:
 
     ``with mesh:`` makes it the active mesh, whose axis names collectives accept as ``group=``.
     Creating a mesh starts the runtime (:func:`spmd.init`) if needed.
+
+    Example (a world of one; on 8 ranks ``Mesh(dp=2, tp=4)`` has the tp groups ``[[0, 1, 2,
+    3], [4, 5, 6, 7]]`` and the dp groups ``[[0, 4], [1, 5], [2, 6], [3, 7]]``)::
+
+        >>> import jax.numpy as jnp, spmd
+        >>> mesh = spmd.Mesh(dp=-1, tp=1)
+        >>> dict(mesh.shape), mesh.rank_lists("dp")
+        ({'dp': 1, 'tp': 1}, [[0]])
+        >>> with mesh:
+        ...     spmd.allreduce(jnp.ones(2), group="tp")
+        Array([1., 1.], dtype=float32)
     """
 
     def __init__(self, **axes: int) -> None:

@@ -180,3 +180,35 @@ def test_reduce_gradients_is_a_pass_over_programs(comm):
         np.testing.assert_allclose(
             got[k], np.mean([g[k] for g in everyone], 0), rtol=1e-5, atol=1e-7
         )
+
+
+def _architecture_example() -> dict:
+    """The pass and step of docs/architecture.md, "Writing a pass", as the page shows them."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "architecture.md").read_text()
+    code = text.split("## Writing a pass", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "docs/architecture.md", "exec"), namespace)
+    return namespace
+
+
+@multirank(nprocs=(2,))
+def test_the_documented_pass_composes_with_reduce_gradients(comm):
+    """docs/architecture.md's example: a pass that halves the gradients, chained before the
+    data-parallel pass in a Step of its own, gives half the averaged gradients."""
+    example = _architecture_example()
+    params = init_params()
+    batch = spmd.data.shard_batch(global_batches(1, comm.size)[0])
+
+    def step(params, batch):
+        return spmd.grad(loss_fn)(params, batch)
+
+    halved = example["HalfGradients"](step)
+    program = spmd.trace(halved)(params, batch)
+    assert len(_allreduces(program)) == 1 and "mul" in str(program)
+    got = halved(params, batch)
+    everyone = comm.allgather_object(jax.tree_util.tree_map(np.asarray, step(params, batch)))
+    for k in params:
+        want = 0.5 * np.mean([g[k] for g in everyone], 0)
+        np.testing.assert_allclose(got[k], want, rtol=1e-5, atol=1e-7)

@@ -26,6 +26,12 @@ def broadcast(x: Any, root: int = 0, *, rank_list: Any = None, group: Any = None
 
     ``x`` (array or pytree, one fused call) has the same shapes and dtypes on every rank; the
     other ranks' values are ignored. Grouping: ``rank_list=`` or ``group=``.
+
+    Example (on several ranks every rank gets rank 0's ``[0., 0.]``)::
+
+        >>> import jax.numpy as jnp, spmd
+        >>> spmd.broadcast(jnp.full((2,), spmd.init().rank, jnp.float32), root=0)
+        Array([0., 0.], dtype=float32)
     """
     ref = resolve(rank_list, group, op="broadcast")
     leaves, treedef, _ = flatten(x, "broadcast")

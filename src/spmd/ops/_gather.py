@@ -45,6 +45,13 @@ def allgather(x: Any, axis: int = 0, *, rank_list: Any = None, group: Any = None
     ``x`` (an array or pytree of arrays, one fused call) has the same shape on every rank; the
     result's ``axis`` is ``size`` times longer. For a new leading axis instead, gather
     ``x[None]``. Grouping: ``rank_list=`` or ``group=``, as :func:`spmd.allreduce`.
+
+    Example (on 2 ranks each rank would get ``[0., 1., 1., 2.]``)::
+
+        >>> import jax.numpy as jnp, spmd
+        >>> r = spmd.init().rank
+        >>> spmd.allgather(jnp.array([r, r + 1.0]))
+        Array([0., 1.], dtype=float32)
     """
     ref = resolve(rank_list, group, op="allgather")
     leaves, treedef, paths = flatten(x, "allgather")
@@ -64,7 +71,15 @@ def allgatherv(x: Any, sizes: Sequence[int], *, rank_list: Any = None, group: An
     """Concatenate along axis 0 arrays whose length differs between ranks: rank r passes
     ``sizes[r]`` rows; every rank gets ``sum(sizes)`` rows. ``sizes`` is the same on every rank;
     the other dimensions and the dtype match across ranks. Pytrees: every leaf has
-    ``sizes[rank]`` rows."""
+    ``sizes[rank]`` rows.
+
+    Example (a world of one passes ``sizes[0]`` rows; on 2 ranks with ``sizes=[1, 2]``, rank 0
+    passes one row, rank 1 two, and both get three)::
+
+        >>> import jax.numpy as jnp, spmd
+        >>> spmd.allgatherv(jnp.ones((2, 3)), sizes=[2]).shape
+        (2, 3)
+    """
     ref = resolve(rank_list, group, op="allgatherv")
     leaves, treedef, paths = flatten(x, "allgatherv")
     sz = _check_sizes(sizes, ref, "allgatherv")
@@ -87,6 +102,13 @@ def reduce_scatter(
 
     ``x.shape[axis]`` must divide by the group size; the result's ``axis`` is ``size`` times
     shorter. The dual of :func:`allgather`.
+
+    Example (on 2 ranks both holding ``[1., 2., 3., 4.]``, rank 0 gets ``[2., 4.]`` and rank 1
+    ``[6., 8.]``)::
+
+        >>> import jax.numpy as jnp, spmd
+        >>> spmd.reduce_scatter(jnp.array([1.0, 2.0, 3.0, 4.0]))
+        Array([1., 2., 3., 4.], dtype=float32)
     """
     ref = resolve(rank_list, group, op="reduce_scatter")
     leaves, treedef, paths = flatten(x, "reduce_scatter")
@@ -116,7 +138,14 @@ def reduce_scatterv(
     x: Any, sizes: Sequence[int], op: str = "sum", *, rank_list: Any = None, group: Any = None
 ) -> Any:
     """Reduce ``x`` (``sum(sizes)`` rows along axis 0, same on every rank) over ranks and keep
-    rows ``sum(sizes[:rank]) .. + sizes[rank]``: rank r gets ``sizes[r]`` rows."""
+    rows ``sum(sizes[:rank]) .. + sizes[rank]``: rank r gets ``sizes[r]`` rows.
+
+    Example (a world of one keeps every row)::
+
+        >>> import jax.numpy as jnp, spmd
+        >>> spmd.reduce_scatterv(jnp.arange(3.0), sizes=[3])
+        Array([0., 1., 2.], dtype=float32)
+    """
     ref = resolve(rank_list, group, op="reduce_scatterv")
     leaves, treedef, paths = flatten(x, "reduce_scatterv")
     check_reduce_op(op, "reduce_scatterv", leaves)

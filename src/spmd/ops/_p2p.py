@@ -55,7 +55,17 @@ def _check_peer(value: Any, what: str, name: str, ref: GroupRef) -> int:
 
 def send(x: Any, dst: int, *, rank_list: Any = None, group: Any = None) -> None:
     """Send ``x`` (array or pytree) to the rank at position ``dst`` of the group, which must
-    call :func:`recv` with ``src`` = this rank. Returns once ``x`` was handed over."""
+    call :func:`recv` with ``src`` = this rank. Returns once ``x`` was handed over.
+
+    Example (does something on two ranks or more, ``spmd-run -n 2``)::
+
+        >>> import jax.numpy as jnp, spmd
+        >>> comm = spmd.init()
+        >>> if comm.size > 1 and comm.rank == 0:
+        ...     spmd.send(jnp.arange(3.0), dst=1)
+        >>> if comm.size > 1 and comm.rank == 1:
+        ...     print(spmd.recv(jnp.zeros(3), src=0))
+    """
     ref = resolve(rank_list, group, op="send", p2p=True)
     leaves, _, _ = flatten(x, "send")
     d = _check_peer(dst, "dst", "send", ref)
@@ -65,7 +75,16 @@ def send(x: Any, dst: int, *, rank_list: Any = None, group: Any = None) -> None:
 
 def recv(like: Any, src: int, *, rank_list: Any = None, group: Any = None) -> Any:
     """Receive from the rank at position ``src`` an array (or pytree) shaped like ``like``
-    (arrays or ``jax.ShapeDtypeStruct``s; their values are not used)."""
+    (arrays or ``jax.ShapeDtypeStruct``s; their values are not used).
+
+    Example: see :func:`send`; ``like`` may also be a shape description::
+
+        >>> import jax, jax.numpy as jnp, spmd
+        >>> like = jax.ShapeDtypeStruct((3,), jnp.float32)
+        >>> comm = spmd.init()
+        >>> if comm.size > 1 and comm.rank == 1:
+        ...     print(spmd.recv(like, src=0))
+    """
     ref = resolve(rank_list, group, op="recv", p2p=True)
     s = _check_peer(src, "src", "recv", ref)
     with_path, treedef = jax.tree_util.tree_flatten_with_path(like)
@@ -94,7 +113,16 @@ def _anchor(like: Any) -> list[Any]:
 def sendrecv(x: Any, src: int, dst: int, *, rank_list: Any = None, group: Any = None) -> Any:
     """Send ``x`` to position ``dst`` of the group and return what position ``src`` sent this
     rank (shaped like ``x``), at once; e.g. a ring shift: ``sendrecv(x, src=(r - 1) % n,
-    dst=(r + 1) % n)``. Differentiable (the cotangent travels back from dst)."""
+    dst=(r + 1) % n)``. Differentiable (the cotangent travels back from dst).
+
+    Example (a ring shift: on 2 ranks each gets the other's value; a world of one its own)::
+
+        >>> import jax.numpy as jnp, spmd
+        >>> comm = spmd.init()
+        >>> r, n = comm.rank, comm.size
+        >>> spmd.sendrecv(jnp.float32(r + 1), src=(r - 1) % n, dst=(r + 1) % n)
+        Array(1., dtype=float32)
+    """
     ref = resolve(rank_list, group, op="sendrecv", p2p=True)
     leaves, treedef, _ = flatten(x, "sendrecv")
     s = check_rank(src, "src", "sendrecv", ref.ranks)
@@ -107,7 +135,13 @@ def sendrecv(x: Any, src: int, dst: int, *, rank_list: Any = None, group: Any = 
 
 def barrier(*, rank_list: Any = None, group: Any = None) -> None:
     """Return once every rank of the group has called ``barrier`` (in jit: once every rank's
-    program reaches it)."""
+    program reaches it).
+
+    Example::
+
+        >>> import spmd
+        >>> spmd.barrier()
+    """
     ref = resolve(rank_list, group, op="barrier")
     if ref.size > 1:
         bind(barrier_p, group=ref)

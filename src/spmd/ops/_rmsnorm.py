@@ -62,6 +62,16 @@ def allreduce_rmsnorm(
 
     Returns:
         ``normed`` and ``residual_out = allreduce(x) + residual``, both shaped like ``x``.
+
+    Example (a world of one: the norm of ``x + residual``)::
+
+        >>> import jax.numpy as jnp, spmd
+        >>> x = jnp.array([[1.0, -1.0, 1.0, -1.0]])
+        >>> normed, out = spmd.ops.allreduce_rmsnorm(x, x, jnp.full(4, 0.5), eps=0.0)
+        >>> normed
+        Array([[ 0.5, -0.5,  0.5, -0.5]], dtype=float32)
+        >>> out
+        Array([[ 2., -2.,  2., -2.]], dtype=float32)
     """
     op = "allreduce_rmsnorm"
     ref = resolve(rank_list, group, op=op)

@@ -53,6 +53,12 @@ def get_transport(rank_list: Any = None, group: Any = None) -> str:
 
     The first call on a group prepares it for collectives, which every rank of the group must
     take part in (the world is prepared by ``spmd.init``).
+
+    Example (under ``spmd-run -n 2`` on one node: ``'shm'``)::
+
+        >>> import spmd
+        >>> spmd.ops.get_transport()
+        'self'
     """
     comm = resolve_group(rank_list, group, op="get_transport")
     ng = comm.native_group(gpu_settings=_gpu_chain.chain_config)

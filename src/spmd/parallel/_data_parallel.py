@@ -159,11 +159,11 @@ def data_parallel(
         >>> import jax.numpy as jnp, spmd
         >>> @spmd.data_parallel
         ... def step(w, x):
-        ...     loss, g = spmd.value_and_grad(lambda w: jnp.sum((w * x) ** 2))(w)
-        ...     return w - 0.1 * g, loss
+        ...     loss, g = spmd.value_and_grad(lambda w: jnp.sum(w * x))(w)
+        ...     return w - 0.5 * g, loss
         >>> w, loss = step(jnp.ones(3), jnp.arange(3.0))
-        >>> w
-        Array([ 1. ,  0.8, -0.6], dtype=float32)
+        >>> w, loss
+        (Array([1. , 0.5, 0. ], dtype=float32), Array(3., dtype=float32))
     """
     options: dict[str, Any] = dict(
         group=group,

@@ -145,6 +145,12 @@ def value_and_grad(
     Same signature and results as ``jax.value_and_grad``. Inside ``@spmd.data_parallel`` the
     gradients it returns are averaged over the data-parallel group (the transform inserts the
     allreduces; see ``spmd.trace``).
+
+    Example (outside a transform, exactly ``jax.value_and_grad``)::
+
+        >>> import jax.numpy as jnp, spmd
+        >>> spmd.value_and_grad(lambda w: jnp.sum(w**2))(jnp.array([1.0, 2.0]))
+        (Array(5., dtype=float32), Array([2., 4.], dtype=float32))
     """
     vg = jax.value_and_grad(fun, argnums, has_aux, holomorphic, allow_int)
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
@@ -182,7 +188,14 @@ def grad(
     holomorphic: bool = False,
     allow_int: bool = False,
 ) -> Callable[..., Any]:
-    """``jax.grad`` whose gradients a parallel transform can find (see :func:`value_and_grad`)."""
+    """``jax.grad`` whose gradients a parallel transform can find (see :func:`value_and_grad`).
+
+    Example (inside ``spmd.trace`` the marks show; see :func:`spmd.trace`)::
+
+        >>> import jax.numpy as jnp, spmd
+        >>> spmd.grad(lambda w: jnp.sum(w**2))(jnp.array([1.0, 2.0]))
+        Array([2., 4.], dtype=float32)
+    """
     vg = value_and_grad(fun, argnums, has_aux, holomorphic, allow_int)
     plain = jax.grad(fun, argnums, has_aux, holomorphic, allow_int)
 

@@ -310,6 +310,13 @@ def shard_state(
     parameter and all-gathered, unless its flat position is in ``state_outputs`` (optimizer
     state, which the step finds from its pytrees). Weight decay makes the optimizer state
     depend on the parameters too.
+
+    Example (``spmd.zero_shard`` is a Step running this pass; on its own, a world of one)::
+
+        >>> import jax.numpy as jnp, spmd
+        >>> program = spmd.trace(spmd.grad(lambda w: jnp.sum(w**2)))(jnp.ones(2))
+        >>> spmd.parallel.shard_state(stage=1)(program)(jnp.ones(2))
+        Array([2., 2.], dtype=float32)
     """
 
     def apply(program: Program) -> Program:

@@ -153,6 +153,19 @@ def trace(fn: Callable[..., Any]) -> Callable[..., Program]:
     ``fn`` may be a plain function (traced by ``jax.make_jaxpr``; ``spmd.grad`` inside it marks
     the gradients it produces) or a transformed step such as ``@spmd.data_parallel``, whose
     Program shows the collectives the transform inserted.
+
+    Example::
+
+        >>> import jax.numpy as jnp, spmd
+        >>> program = spmd.trace(lambda x, y: x * y + 1)(jnp.ones(2), jnp.ones(2))
+        >>> print(program)
+        def @<lambda>(%x: Tensor[(2,), float32], %y: Tensor[(2,), float32]) {
+          let %x_1 = mul(%x, %y) /* ty=Tensor[(2,), float32] */;
+          let %x_2 = add(%x_1, 1.0) /* ty=Tensor[(2,), float32] */;
+          %x_2
+        }
+        >>> program(jnp.ones(2), jnp.full(2, 2.0))
+        Array([3., 3.], dtype=float32)
     """
     custom = getattr(fn, "__spmd_trace__", None)
     if custom is not None:

@@ -183,6 +183,14 @@ def init(backend: str | None = None) -> Communicator:
     has fewer GPUs than processes, unless ``SPMD_BIND_DEVICE=0``) and, in a world of more than
     one process, makes an uncaught exception print a rank-prefixed traceback and stop the whole
     job (``SPMD_ABORT_ON_ERROR=0`` turns that off).
+
+    Example (a script started without a launcher is a world of one; under ``spmd-run -n 4``
+    each of the four processes gets its own rank)::
+
+        >>> import spmd
+        >>> comm = spmd.init()
+        >>> comm.rank, comm.size, comm.backend
+        (0, 1, 'void')
     """
     global _runtime, _generation
     with _lock:

@@ -1,0 +1,38 @@
+"""Every public op and transform has a runnable example in its docstring, and the examples run
+(in a world of one, in this process) and print what they say."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+
+import spmd
+
+DOCUMENTED = [
+    *(getattr(spmd.ops, name) for name in spmd.ops.__all__),
+    spmd.init,
+    spmd.Mesh,
+    spmd.grad,
+    spmd.value_and_grad,
+    spmd.trace,
+    spmd.data_parallel,
+    spmd.zero_shard,
+    spmd.broadcast_params,
+    spmd.no_sync,
+    spmd.parallel.reduce_gradients,
+    spmd.parallel.shard_state,
+    spmd.parallel.chain,
+]
+
+
+@pytest.mark.parametrize("obj", DOCUMENTED, ids=lambda obj: obj.__qualname__)
+def test_docstring_example_runs(obj):
+    tests = doctest.DocTestFinder(recurse=False).find(obj, obj.__qualname__, globs={})
+    examples = [e for t in tests for e in t.examples]
+    assert examples, f"{obj.__qualname__} has no example in its docstring"
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    report: list[str] = []
+    for test in tests:
+        runner.run(test, out=report.append)
+    assert runner.failures == 0, "".join(report)
