@@ -241,3 +241,28 @@ def test_checkpoint_and_custom_derivatives_keep_program_order(comm):
 
     want = jax.grad(loop)(jnp.ones(3), jnp.ones(3))
     np.testing.assert_allclose(jax.grad(jax.checkpoint(loop))(jnp.ones(3), jnp.ones(3)), want)
+
+
+@multirank(nprocs=(2,))
+def test_forward_and_reverse_mode_through_transfers_answer_different_questions(comm):
+    """docs/collectives.md, "Forward mode": through sendrecv and broadcast, jax.grad of rank r's
+    scalar gives d(sum_s L_s)/dx_r, the global objective's gradient for rank r's input, while
+    jax.jacfwd moves a tangent on every rank at once and gives dL_r/dt, the derivative of rank
+    r's own output along a direction every rank's input takes."""
+    r, other = comm.rank, 1 - comm.rank
+    c = jnp.float32(r + 2)  # rank 0's objective weighs by 2, rank 1's by 3
+    x = jnp.float32(1.0)
+
+    def shifted(v):
+        return c * spmd.sendrecv(v, src=other, dst=other)
+
+    def broadcast(v):
+        return c * spmd.broadcast(v, root=0)
+
+    # Reverse: rank r's input reaches the other rank's objective (sendrecv), or every rank's
+    # objective from the root (broadcast).
+    assert float(jax.grad(shifted)(x)) == [3.0, 2.0][r]
+    assert float(jax.grad(broadcast)(x)) == [5.0, 0.0][r]
+    # Forward: the tangent that arrives is the other rank's (the root's), 1 on every rank.
+    assert float(jax.jacfwd(shifted)(x)) == [2.0, 3.0][r]
+    assert float(jax.jacfwd(broadcast)(x)) == [2.0, 3.0][r]
