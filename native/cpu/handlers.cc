@@ -11,7 +11,7 @@
 #include "groups.h"
 #include "messages.h"
 #include "spmd/common.h"
-#include "spmd/ffi_util.h"
+#include "spmd/call.h"
 #include "reduce.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -34,37 +34,11 @@ const char* kNames[] = {"?", "allreduce", "allgather", "reduce_scatter", "broadc
                         "all_to_all", "sendrecv", "barrier"};
 const char* kReduceNames[] = {"sum", "prod", "max", "min"};
 
-const char* DtypeName(ffi::DataType d) {
-  switch (d) {
-    case ffi::DataType::PRED:
-      return "bool";
-    case ffi::DataType::S8:
-      return "int8";
-    case ffi::DataType::U8:
-      return "uint8";
-    case ffi::DataType::S32:
-      return "int32";
-    case ffi::DataType::S64:
-      return "int64";
-    case ffi::DataType::F16:
-      return "float16";
-    case ffi::DataType::BF16:
-      return "bfloat16";
-    case ffi::DataType::F32:
-      return "float32";
-    case ffi::DataType::F64:
-      return "float64";
-    default:
-      return "unsupported";
-  }
-}
-
 // A decoded call: the group, the leaves, and what every rank must agree on.
-struct Call {
-  explicit Call(Code c) : code(c) {}
+struct Call : CallBase {
+  explicit Call(Code c) : CallBase(kNames[c]), code(c) {}
   Code code;
   std::shared_ptr<Group> group;  // held for the whole call (groups.cc)
-  std::vector<Leaf> in, out;
   std::vector<std::vector<int64_t>> dims;  // of the inputs
   std::vector<ffi::DataType> dtypes;       // of the inputs (`in` may be swapped for wire copies)
   // Static parameters, formatted only when ranks disagree (never on the hot path).
@@ -115,56 +89,32 @@ struct Call {
   }
 };
 
-ffi::Error Fail(const Call& call, const std::string& message) {
-  int rank = call.group ? call.group->world_ranks[call.group->rank] : -1;
-  return ffi::Error(ffi::ErrorCode::kInternal, "spmd.SpmdError: [rank " + std::to_string(rank) +
-                                                   "] " + kNames[call.code] + ": " + message);
-}
+ffi::Error Fail(const Call& call, const std::string& message) { return call.Fail(message); }
 
-// Decodes the ordering operand/result and the leaves; checks dtypes.
-// `vary_rows`: the inputs' first dimension may differ between ranks (allgatherv).
+// Finds the group, decodes the ordering operand/result and the leaves, and hashes what ranks
+// must agree on. `vary_rows`: the inputs' first dimension may differ between ranks (allgatherv).
 ffi::Error Decode(Call& call, int64_t group_id, ffi::RemainingArgs args, ffi::RemainingRets rets,
                   bool vary_rows) {
   call.role = RoleOf(group_id);
   call.group = GroupFind(GroupIdOf(group_id));
-  if (call.group == nullptr) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      std::string("spmd.SpmdError: ") + kNames[call.code] +
-                          ": its group is not initialized (spmd.finalize() was called, or the "
-                          "program was compiled in another process); call spmd.init() first");
-  }
+  if (call.group == nullptr) return call.GroupMissing();
+  call.set_world_rank(call.group->world_ranks[call.group->rank]);
+  if (ffi::Error e = call.Decode(args, rets); e.failure()) return e;
   call.Mix(call.code);
   call.Mix(static_cast<uint64_t>(call.role));
-  for (size_t i = 1; i < args.size(); ++i) {
-    auto b = args.get<ffi::AnyBuffer>(i);
-    if (!b.has_value()) return b.error();
-    ffi::DataType dt = b->element_type();
-    size_t w = ElemBytes(dt);
-    if (w == 0) {
-      return Fail(call, "unsupported dtype; spmd's collectives take float16, bfloat16, float32, "
-                        "float64, int8, uint8, int32, int64 and bool arrays");
+  for (const Leaf& l : call.in) {
+    call.dims.emplace_back(l.dims.begin(), l.dims.end());
+    call.dtypes.push_back(l.dtype);
+    call.Mix(static_cast<uint64_t>(l.dtype));
+    call.Mix(l.dims.size());
+    for (size_t k = vary_rows ? 1 : 0; k < l.dims.size(); ++k) {
+      call.Mix(static_cast<uint64_t>(l.dims[k]));
     }
-    call.in.push_back({static_cast<char*>(b->untyped_data()), b->size_bytes(), dt, w});
-    auto d = b->dimensions();
-    call.dims.emplace_back(d.begin(), d.end());
-    call.dtypes.push_back(dt);
-    call.Mix(static_cast<uint64_t>(dt));
-    call.Mix(d.size());
-    for (size_t k = vary_rows ? 1 : 0; k < d.size(); ++k) call.Mix(static_cast<uint64_t>(d[k]));
-  }
-  for (size_t i = 1; i < rets.size(); ++i) {
-    auto b = rets.get<ffi::AnyBuffer>(i);
-    if (!b.has_value()) return b.error();
-    ffi::DataType dt = (*b)->element_type();
-    call.out.push_back(
-        {static_cast<char*>((*b)->untyped_data()), (*b)->size_bytes(), dt, ElemBytes(dt)});
   }
   return ffi::Error::Success();
 }
 
-ffi::Error FromStatus(const Call& call, const Status& s) {
-  return s.ok() ? ffi::Error::Success() : Fail(call, s.message());
-}
+ffi::Error FromStatus(const Call& call, const Status& s) { return call.FromStatus(s); }
 
 // The MPI path checks that every rank made the same call before it moves data, as shared memory
 // does in its first sync: MPI does not compare shapes, and an allreduce of 4 elements meeting one
@@ -210,7 +160,7 @@ Status AllreduceHier(const Call& call, Group& g, ReduceOp op, const std::vector<
       continue;
     }
     if (hier_scratch.size() < o.bytes) hier_scratch.resize(o.bytes);
-    Leaf tmp{hier_scratch.data(), o.bytes, o.dtype, o.elem};
+    Leaf tmp = ScratchLeaf(hier_scratch.data(), o.bytes, o.dtype, o.elem);
     SPMD_RETURN_IF_ERROR(g.leaders.Allreduce(o.data, tmp.data, o.bytes / o.elem, o.dtype, op));
     SPMD_RETURN_IF_ERROR(g.local->Broadcast(call.Sig(), 0, tmp, o));
   }
@@ -238,10 +188,10 @@ Status AllreduceHierWide(const Call& call, Group& g, ReduceOp op, const std::vec
     at += n;
   }
   const size_t bytes = count * sizeof(float);
-  std::vector<Leaf> win{{reinterpret_cast<char*>(hier_wide_in.data()), bytes,
-                         ffi::DataType::F32, sizeof(float)}};
-  std::vector<Leaf> wout{{reinterpret_cast<char*>(hier_wide_out.data()), bytes,
-                          ffi::DataType::F32, sizeof(float)}};
+  std::vector<Leaf> win{
+      ScratchLeaf(hier_wide_in.data(), bytes, ffi::DataType::F32, sizeof(float))};
+  std::vector<Leaf> wout{
+      ScratchLeaf(hier_wide_out.data(), bytes, ffi::DataType::F32, sizeof(float))};
   SPMD_RETURN_IF_ERROR(AllreduceHier(call, g, op, win, wout));
   at = 0;
   for (const Leaf& l : out) {
@@ -317,8 +267,8 @@ Status AllreduceCompressed(Call& call) {
   for (const Leaf& l : call.in) {
     size_t n = l.bytes / l.elem;
     NarrowFloats(bf16, reinterpret_cast<const float*>(l.data), div, wire_in.data() + at, n);
-    in.push_back({reinterpret_cast<char*>(wire_in.data() + at), n * 2, dt, 2});
-    out.push_back({reinterpret_cast<char*>(wire_out.data() + at), n * 2, dt, 2});
+    in.push_back(ScratchLeaf(wire_in.data() + at, n * 2, dt, 2));
+    out.push_back(ScratchLeaf(wire_out.data() + at, n * 2, dt, 2));
     at += n;
   }
   std::swap(call.in, in);

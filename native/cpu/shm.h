@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "reduce.h"
-#include "spmd/ffi_util.h"
+#include "spmd/call.h"
 #include "spmd/status.h"
 
 namespace spmd {

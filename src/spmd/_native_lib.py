@@ -9,7 +9,7 @@ from types import ModuleType
 from ._errors import SpmdError
 
 # Must equal SPMD_NATIVE_ABI_VERSION in native/include/spmd/common.h.
-NATIVE_ABI_VERSION = 7
+NATIVE_ABI_VERSION = 8
 
 
 @functools.cache

@@ -648,7 +648,8 @@ def translate_error(e: Exception) -> Exception:
     at = text.find(_MARKER)
     if at < 0:
         return e
-    return SpmdError(text[at + len(_MARKER) :].strip())
+    # The native text starts with its own "rank N: op: " (docs/collectives.md, Errors).
+    return SpmdError(text[at + len(_MARKER) :].strip(), rank=None)
 
 
 def bind(prim: core.Primitive, *args: Any, **params: Any) -> list[Any]:
