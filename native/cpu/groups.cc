@@ -1,25 +1,10 @@
 #include "groups.h"
 
-#include <map>
+#include "spmd/registry.h"
 
 namespace spmd {
-namespace {
 
-std::mutex registry_mu;
-// Shared: a handler holds its group for the whole call, so spmd.finalize destroying the group
-// meanwhile only drops the registry's reference.
-std::map<int64_t, std::shared_ptr<Group>>& Registry() {
-  static auto* r = new std::map<int64_t, std::shared_ptr<Group>>();
-  return *r;
-}
-
-}  // namespace
-
-std::shared_ptr<Group> GroupFind(int64_t id) {
-  std::lock_guard<std::mutex> lock(registry_mu);
-  auto it = Registry().find(id);
-  return it == Registry().end() ? nullptr : it->second;
-}
+std::shared_ptr<Group> GroupFind(int64_t id) { return RegistryOf<Group>().Find(id); }
 
 Status GroupCreate(int64_t id, int rank, int size, std::vector<int> world_ranks, double timeout_s,
                    size_t one_shot_max) {
@@ -30,9 +15,9 @@ Status GroupCreate(int64_t id, int rank, int size, std::vector<int> world_ranks,
   g->world_ranks = std::move(world_ranks);
   g->timeout_s = timeout_s;
   g->one_shot_max = one_shot_max;
-  std::lock_guard<std::mutex> lock(registry_mu);
-  if (Registry().count(id)) return Status::Error("group id " + std::to_string(id) + " exists");
-  Registry()[id] = std::move(g);
+  if (!RegistryOf<Group>().Add(id, std::move(g))) {
+    return Status::Error("group id " + std::to_string(id) + " exists");
+  }
   return Status::Ok();
 }
 
@@ -87,14 +72,8 @@ Status GroupSetBackend(int64_t id, Backend backend) {
 }
 
 void GroupDestroy(int64_t id) {
-  std::shared_ptr<Group> g;
-  {
-    std::lock_guard<std::mutex> lock(registry_mu);
-    auto it = Registry().find(id);
-    if (it == Registry().end()) return;
-    g = std::move(it->second);
-    Registry().erase(it);
-  }
+  std::shared_ptr<Group> g = RegistryOf<Group>().Remove(id);
+  if (g == nullptr) return;
   std::lock_guard<std::mutex> lock(g->mu);  // wait for a collective still running
 }
 

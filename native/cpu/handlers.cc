@@ -38,7 +38,7 @@ const char* kReduceNames[] = {"sum", "prod", "max", "min"};
 struct Call : CallBase {
   explicit Call(Code c) : CallBase(kNames[c]), code(c) {}
   Code code;
-  std::shared_ptr<Group> group;  // held for the whole call (groups.cc)
+  std::shared_ptr<Group> group;  // held for the whole call (spmd/registry.h)
   std::vector<std::vector<int64_t>> dims;  // of the inputs
   std::vector<ffi::DataType> dtypes;       // of the inputs (`in` may be swapped for wire copies)
   // Static parameters, formatted only when ranks disagree (never on the hot path).

@@ -70,7 +70,7 @@ const char* const kReduceNames[] = {"sum", "prod", "max", "min"};
 struct Call : CallBase {
   using CallBase::CallBase;
   cudaStream_t stream = nullptr;
-  CudaGroup* group = nullptr;
+  std::shared_ptr<CudaGroup> group;  // held for the whole call (spmd/registry.h)
 
   // Finds the group and decodes the leaves. NCCL compares no signatures, so the role bits of
   // the group attribute only need masking off here.
