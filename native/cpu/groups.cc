@@ -1,8 +1,48 @@
 #include "groups.h"
 
+#include "messages.h"
 #include "spmd/registry.h"
+#include "spmd/tables.h"
 
 namespace spmd {
+namespace {
+
+// The transport `kind` on what is attached to `g`; an error naming what is missing.
+Status MakeTransport(const Group& g, TransportKind kind, std::unique_ptr<Transport>* out) {
+  auto missing = [&](const std::string& what) {
+    const char* name = NameOf(kTransportKinds, static_cast<int64_t>(kind));
+    return Status::Error("the transport '" + std::string(name) + "' is not attached to the group " +
+                         RankList(g.world_ranks) + ": it needs " + what);
+  };
+  switch (kind) {
+    case TransportKind::kShm:
+      if (!g.shm) return missing("a shared-memory segment (every rank of the group on one node)");
+      *out = std::make_unique<ShmTransport>(*g.shm, g.one_shot_max);
+      return Status::Ok();
+    case TransportKind::kMpi:
+      if (!g.has_mpi) return missing("an MPI communicator (an MPI launcher)");
+      *out = std::make_unique<MpiTransport>(g.mpi);
+      return Status::Ok();
+    case TransportKind::kHier:
+      if (!g.local || !g.has_mpi) {
+        return missing("node-local shared memory and an MPI communicator (a group spanning "
+                       "nodes, under an MPI launcher)");
+      }
+      *out = std::make_unique<HierTransport>(*g.local, g.is_leader ? &g.leaders : nullptr, g.mpi,
+                                             g.one_shot_max);
+      return Status::Ok();
+  }
+  return Status::Error("unknown transport code " + std::to_string(static_cast<int>(kind)) +
+                       "; expected " + CodeList(kTransportKinds));
+}
+
+// A transport holds the parts it was built on: rebuild it when a part is replaced.
+Status Rebuild(Group& g) {
+  if (g.transport == nullptr) return Status::Ok();
+  return MakeTransport(g, g.transport_kind, &g.transport);
+}
+
+}  // namespace
 
 std::shared_ptr<Group> GroupFind(int64_t id) { return RegistryOf<Group>().Find(id); }
 
@@ -30,8 +70,9 @@ Status GroupAttachShm(int64_t id, int which, const std::string& name, bool creat
   SPMD_RETURN_IF_ERROR(
       ShmGroup::Open(name, create, rank, size, chunk, staging, g->timeout_s,
                      std::move(world_ranks), &shm));
+  std::lock_guard<std::mutex> lock(g->mu);
   (which == 0 ? g->shm : g->local).reset(shm);
-  return Status::Ok();
+  return Rebuild(*g);
 }
 
 Status GroupAttachMpi(int64_t id, int which, MpiHandle comm, int rank, int size,
@@ -39,6 +80,7 @@ Status GroupAttachMpi(int64_t id, int which, MpiHandle comm, int rank, int size,
   std::shared_ptr<Group> g = GroupFind(id);
   if (g == nullptr) return Status::Error("no group " + std::to_string(id));
   if (!MpiLoaded()) return Status::Error("MPI is not loaded");
+  std::lock_guard<std::mutex> lock(g->mu);
   MpiComm& m = which == 0 ? g->mpi : g->leaders;
   m.comm = comm;
   m.rank = rank;
@@ -50,7 +92,7 @@ Status GroupAttachMpi(int64_t id, int which, MpiHandle comm, int rank, int size,
   } else {
     g->is_leader = true;
   }
-  return Status::Ok();
+  return Rebuild(*g);
 }
 
 Status GroupShmHop(int64_t id, double* hop_ns) {
@@ -63,11 +105,14 @@ Status GroupShmHop(int64_t id, double* hop_ns) {
                      hop_ns);
 }
 
-Status GroupSetBackend(int64_t id, Backend backend) {
+Status GroupSetTransport(int64_t id, TransportKind kind) {
   std::shared_ptr<Group> g = GroupFind(id);
   if (g == nullptr) return Status::Error("no group " + std::to_string(id));
   std::lock_guard<std::mutex> lock(g->mu);
-  g->backend = backend;
+  std::unique_ptr<Transport> t;
+  SPMD_RETURN_IF_ERROR(MakeTransport(*g, kind, &t));
+  g->transport = std::move(t);
+  g->transport_kind = kind;
   return Status::Ok();
 }
 

@@ -351,7 +351,7 @@ void ShmGroup::Stage(char* slot, const char* src, size_t len) const {
 
 Status ShmGroup::Mismatch(const Signature& sig) {
   // Every rank saw the same signatures, so every rank is here: exchange the descriptions.
-  std::string mine = sig.describe(sig.ctx);
+  std::string mine = sig.Describe();
   std::strncpy(ctrl(rank_)->desc, mine.c_str(), sizeof(Ctrl::desc) - 1);
   ctrl(rank_)->desc[sizeof(Ctrl::desc) - 1] = 0;
   SPMD_RETURN_IF_ERROR(Sync());

@@ -41,10 +41,18 @@ NcclType NcclTypeOf(ffi::DataType d) {
   }
 }
 
-// Reduction codes as in Python (sum, prod, max, min); on bool, sum/max are logical or (max of
-// 0/1 bytes) and prod/min logical and (min).
+// NCCL's reduction codes are spmd's (ReduceOp); on bool, sum/max are logical or (max of 0/1
+// bytes) and prod/min logical and (min).
 NcclOp NcclOpOf(int32_t op, ffi::DataType d) {
-  if (d == ffi::DataType::PRED) return (op == 0 || op == 2) ? kNcclMax : kNcclMin;
+  static_assert(static_cast<int>(ReduceOp::kSum) == kNcclSum &&
+                    static_cast<int>(ReduceOp::kProd) == kNcclProd &&
+                    static_cast<int>(ReduceOp::kMax) == kNcclMax &&
+                    static_cast<int>(ReduceOp::kMin) == kNcclMin,
+                "ReduceOp codes are NCCL's");
+  const auto o = static_cast<ReduceOp>(op);
+  if (d == ffi::DataType::PRED) {
+    return (o == ReduceOp::kSum || o == ReduceOp::kMax) ? kNcclMax : kNcclMin;
+  }
   return static_cast<NcclOp>(op);
 }
 
@@ -63,8 +71,6 @@ bool CustomDType(ffi::DataType d, car::DType* t) {
       return false;
   }
 }
-
-const char* const kReduceNames[] = {"sum", "prod", "max", "min"};
 
 // Errors name the op as "<op> (GPU)".
 struct Call : CallBase {
@@ -112,7 +118,7 @@ ffi::Error AllreduceFfi(cudaStream_t stream, int64_t group, int32_t op,
   Call call("allreduce (GPU)");
   if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
   CudaGroup& g = *call.group;
-  if (op < 0 || op > 3) return call.Fail("unknown reduction code " + std::to_string(op));
+  if (!HasCode(kReduceOps, op)) return call.Fail("unknown reduction code " + std::to_string(op));
   if (algos.size() != call.in.size()) {
     return call.Fail("got " + std::to_string(algos.size()) + " algorithm codes for " +
                          std::to_string(call.in.size()) + " arrays");
@@ -123,10 +129,11 @@ ffi::Error AllreduceFfi(cudaStream_t stream, int64_t group, int32_t op,
     auto algo = static_cast<car::Algo>(algos[i]);
     if (algo == car::Algo::kNccl) continue;
     car::DType t;
-    if (!g.car_ready || op != 0 || !CustomDType(call.in[i].dtype, &t)) {
+    const bool sum = op == static_cast<int32_t>(ReduceOp::kSum);
+    if (!g.car_ready || !sum || !CustomDType(call.in[i].dtype, &t)) {
       return call.Fail(std::string("the custom all-reduce was chosen for a leaf it cannot take (") +
                            (g.car_ready ? "" : "not registered for this group, ") + "op=" +
-                           kReduceNames[op] + ")");
+                           NameOf(kReduceOps, op) + ")");
     }
     const void* in = call.in[i].data;
     void* out = call.out[i].data;
@@ -216,7 +223,7 @@ ffi::Error ReduceScatterFfi(cudaStream_t stream, int64_t group, int32_t op,
   if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
-  if (op < 0 || op > 3) return call.Fail("unknown reduction code " + std::to_string(op));
+  if (!HasCode(kReduceOps, op)) return call.Fail("unknown reduction code " + std::to_string(op));
   if (sizes.size() != 0 && static_cast<int>(sizes.size()) != g.size) {
     return call.Fail("sizes has " + std::to_string(sizes.size()) + " entries for a group of " +
                          std::to_string(g.size));

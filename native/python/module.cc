@@ -80,7 +80,7 @@ PyObject* GroupCreate(PyObject*, PyObject* args) {
 }
 
 // group_attach_shm(id, which, name, create, rank, size, world_ranks, chunk, staging) -> None
-// staging: 0 auto, 1 cached, 2 streamed (ShmGroup::Staging).
+// staging: a ShmGroup::Staging code.
 PyObject* GroupAttachShm(PyObject*, PyObject* args) {
   long long id, chunk;
   int which, create, rank, size, staging;
@@ -90,8 +90,9 @@ PyObject* GroupAttachShm(PyObject*, PyObject* args) {
                         &chunk, &staging)) {
     return nullptr;
   }
-  if (staging < 0 || staging > 2) {
-    PyErr_SetString(PyExc_ValueError, "staging must be 0 (auto), 1 (cached) or 2 (streamed)");
+  if (!spmd::HasCode(spmd::ShmGroup::kStagingModes, staging)) {
+    PyErr_SetString(PyExc_ValueError,
+                    ("staging must be " + spmd::CodeList(spmd::ShmGroup::kStagingModes)).c_str());
     return nullptr;
   }
   std::vector<int> r;
@@ -123,12 +124,18 @@ PyObject* GroupAttachMpi(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// group_set_backend(id, code) -> None
-PyObject* GroupSetBackend(PyObject*, PyObject* args) {
+// group_set_transport(id, code) -> None: the group's transport (TransportKind); an error if what
+// it needs is not attached to the group.
+PyObject* GroupSetTransport(PyObject*, PyObject* args) {
   long long id;
   int code;
   if (!PyArg_ParseTuple(args, "Li", &id, &code)) return nullptr;
-  spmd::Status s = spmd::GroupSetBackend(id, static_cast<spmd::Backend>(code));
+  if (!spmd::HasCode(spmd::kTransportKinds, code)) {
+    PyErr_SetString(PyExc_ValueError,
+                    ("transport must be " + spmd::CodeList(spmd::kTransportKinds)).c_str());
+    return nullptr;
+  }
+  spmd::Status s = spmd::GroupSetTransport(id, static_cast<spmd::TransportKind>(code));
   if (!s.ok()) return Raise(s);
   Py_RETURN_NONE;
 }
@@ -232,7 +239,7 @@ PyMethodDef kMethods[] = {
     {"group_create", GroupCreate, METH_VARARGS, "Register a group."},
     {"group_attach_shm", GroupAttachShm, METH_VARARGS, "Map a group's shared-memory segment."},
     {"group_attach_mpi", GroupAttachMpi, METH_VARARGS, "Give a group an MPI communicator."},
-    {"group_set_backend", GroupSetBackend, METH_VARARGS, "Choose how a group moves data."},
+    {"group_set_transport", GroupSetTransport, METH_VARARGS, "Choose how a group moves data."},
     {"group_shm_hop_ns", GroupShmHopNs, METH_VARARGS, "Time the shared-memory staging probe."},
     {"group_destroy", GroupDestroy, METH_VARARGS, "Unregister a group."},
     {"quant_roundtrip", QuantRoundtrip, METH_VARARGS, "Encode and decode with a GPU codec."},

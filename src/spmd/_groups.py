@@ -331,7 +331,7 @@ def _apply_backend(gid: int, reg: _Registered) -> None:
             "'shm' needs every rank of the group on one node, 'mpi' needs an MPI launcher, "
             "'hier' needs MPI and a group spanning nodes"
         )
-    native().group_set_backend(gid, BACKENDS[backend])
+    native().group_set_transport(gid, BACKENDS[backend])
     reg.backend = backend
 
 

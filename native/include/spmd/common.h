@@ -26,6 +26,10 @@ inline constexpr int kRoleShift = 56;
 inline int64_t GroupIdOf(int64_t attr) { return attr & ((int64_t{1} << kRoleShift) - 1); }
 inline int RoleOf(int64_t attr) { return static_cast<int>((attr >> kRoleShift) & 0xff); }
 
+// Reduction codes of the collectives' "op" attribute.
+enum class ReduceOp : int32_t { kSum = 0, kProd = 1, kMax = 2, kMin = 3 };
+inline constexpr NamedCode kReduceOps[] = {{"sum", 0}, {"prod", 1}, {"max", 2}, {"min", 3}};
+
 // Every error a handler returns starts with this marker: XLA puts a prefix of its own before the
 // text, and the Python side raises what follows the marker as spmd.SpmdError.
 inline constexpr char kErrorMarker[] = "spmd.SpmdError: ";
