@@ -57,3 +57,32 @@ def test_a_transport_must_be_attached_and_chosen_before_a_collective():
             jax.block_until_ready(call(jnp.zeros(1, jnp.uint8), jnp.ones(3), **attrs))
     finally:
         mod.group_destroy(gid)
+
+
+def test_tables_match_python():
+    """The codes the native layer exports are those the Python side uses."""
+    from spmd import _groups
+    from spmd.ops import _allreduce, _core
+
+    tables = native().tables()
+    assert tables["reduce_ops"] == _core.REDUCE_OPS
+    assert tables["transports"] == _groups.BACKENDS
+    assert tables["wires"] == _allreduce.WIRES
+    assert tables["staging"] == _groups.SHM_STAGING
+    roles = {"forward": _groups.FORWARD, "jvp": _groups.JVP, "backward": _groups.BACKWARD}
+    assert tables["roles"] == roles
+    assert tables["role_shift"] == _groups._ROLE_SHIFT
+    assert tables["error_marker"] == _core._MARKER
+    assert tables["dtypes"] == tuple(str(d) for d in _core.SUPPORTED_DTYPES)
+
+
+def test_cuda_tables_match_python():
+    from spmd.ops import _cuda
+
+    mod = _cuda.native_cuda()
+    if mod is None:
+        pytest.skip("spmd was installed without its GPU module (no nvcc at install time)")
+    tables = mod.tables()
+    assert tables["algos"] == _cuda.ALGOS
+    assert tables["codecs"] == _cuda.CODECS
+    assert tables["custom_dtypes"] == _cuda.CUSTOM_DTYPE_CODES

@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -56,20 +58,16 @@ NcclOp NcclOpOf(int32_t op, ffi::DataType d) {
   return static_cast<NcclOp>(op);
 }
 
+// The custom kernels' element type for `d`, matched by dtype name (car::kCustomDtypes).
 bool CustomDType(ffi::DataType d, car::DType* t) {
-  switch (d) {
-    case ffi::DataType::F32:
-      *t = car::DType::kF32;
+  const char* name = DtypeName(d);
+  for (const NamedCode& c : car::kCustomDtypes) {
+    if (std::strcmp(c.name, name) == 0) {
+      *t = static_cast<car::DType>(c.code);
       return true;
-    case ffi::DataType::F16:
-      *t = car::DType::kF16;
-      return true;
-    case ffi::DataType::BF16:
-      *t = car::DType::kBF16;
-      return true;
-    default:
-      return false;
+    }
   }
+  return false;
 }
 
 // Errors name the op as "<op> (GPU)".
@@ -121,7 +119,10 @@ ffi::Error AllreduceFfi(cudaStream_t stream, int64_t group, int32_t op,
   if (!HasCode(kReduceOps, op)) return call.Fail("unknown reduction code " + std::to_string(op));
   if (algos.size() != call.in.size()) {
     return call.Fail("got " + std::to_string(algos.size()) + " algorithm codes for " +
-                         std::to_string(call.in.size()) + " arrays");
+                     std::to_string(call.in.size()) + " arrays");
+  }
+  for (int64_t a : algos) {
+    if (!HasCode(car::kAlgos, a)) return call.Fail("unknown algorithm code " + std::to_string(a));
   }
   std::lock_guard<std::mutex> lock(g.mu);
   // The custom paths first, each leaf one launch; then every NCCL leaf in one NCCL group.
@@ -132,8 +133,8 @@ ffi::Error AllreduceFfi(cudaStream_t stream, int64_t group, int32_t op,
     const bool sum = op == static_cast<int32_t>(ReduceOp::kSum);
     if (!g.car_ready || !sum || !CustomDType(call.in[i].dtype, &t)) {
       return call.Fail(std::string("the custom all-reduce was chosen for a leaf it cannot take (") +
-                           (g.car_ready ? "" : "not registered for this group, ") + "op=" +
-                           NameOf(kReduceOps, op) + ")");
+                       (g.car_ready ? "" : "not registered for this group, ") + "op=" +
+                       NameOf(kReduceOps, op) + ")");
     }
     const void* in = call.in[i].data;
     void* out = call.out[i].data;
@@ -174,7 +175,7 @@ ffi::Error AllgatherFfi(cudaStream_t stream, int64_t group, ffi::Span<const int6
   CudaGroup& g = *call.group;
   if (sizes.size() != 0 && static_cast<int>(sizes.size()) != g.size) {
     return call.Fail("sizes has " + std::to_string(sizes.size()) + " entries for a group of " +
-                         std::to_string(g.size));
+                     std::to_string(g.size));
   }
   int64_t total = 0;
   for (int64_t s : sizes) total += s;
@@ -186,7 +187,7 @@ ffi::Error AllgatherFfi(cudaStream_t stream, int64_t group, ffi::Span<const int6
     size_t bytes = static_cast<size_t>(sizes[g.rank]) * row;
     if (bytes != in.bytes) {
       return call.Fail("this rank passed " + std::to_string(in.bytes / in.elem) +
-                           " elements, sizes says " + std::to_string(bytes / in.elem));
+                       " elements, sizes says " + std::to_string(bytes / in.elem));
     }
   }
   std::lock_guard<std::mutex> lock(g.mu);
@@ -226,7 +227,7 @@ ffi::Error ReduceScatterFfi(cudaStream_t stream, int64_t group, int32_t op,
   if (!HasCode(kReduceOps, op)) return call.Fail("unknown reduction code " + std::to_string(op));
   if (sizes.size() != 0 && static_cast<int>(sizes.size()) != g.size) {
     return call.Fail("sizes has " + std::to_string(sizes.size()) + " entries for a group of " +
-                         std::to_string(g.size));
+                     std::to_string(g.size));
   }
   int64_t total = 0;
   for (int64_t s : sizes) total += s;

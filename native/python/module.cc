@@ -1,10 +1,12 @@
-// spmd._native: the one Python extension module of spmd. It hands the XLA FFI handlers to JAX as
-// PyCapsules and lets spmd/ops register the groups the handlers run on.
+// spmd._native: the CPU half of spmd's native layer. It hands the XLA FFI handlers to JAX as
+// PyCapsules, lets the Python group layer (spmd.runtime) register the groups the handlers run on,
+// and exports the tables of codes the two sides share.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -17,8 +19,10 @@
 
 namespace {
 
+using spmd_python::CodeDict;
 using spmd_python::IntList;
 using spmd_python::Raise;
+using spmd_python::SetNew;
 
 // abi_version() -> int: SPMD_NATIVE_ABI_VERSION this module was compiled with.
 PyObject* AbiVersion(PyObject*, PyObject*) { return PyLong_FromLong(SPMD_NATIVE_ABI_VERSION); }
@@ -26,6 +30,34 @@ PyObject* AbiVersion(PyObject*, PyObject*) { return PyLong_FromLong(SPMD_NATIVE_
 // xla_ffi_api_version() -> (major, minor) of the XLA FFI C API in the headers used at build time.
 PyObject* XlaFfiApiVersion(PyObject*, PyObject*) {
   return Py_BuildValue("(ii)", XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+}
+
+// tables() -> {name: table}: the codes the handlers and this module's functions take, each defined
+// once in native code (spmd/tables.h): reduce_ops, transports, wires, staging and roles
+// ({name: code}), role_shift, error_marker, and dtypes (the names of the dtypes the collectives
+// take, in the order messages list them).
+PyObject* Tables(PyObject*, PyObject*) {
+  PyObject* d = PyDict_New();
+  if (d == nullptr) return nullptr;
+  PyObject* dtypes = PyTuple_New(static_cast<Py_ssize_t>(std::size(spmd::kDtypes)));
+  for (size_t i = 0; dtypes != nullptr && i < std::size(spmd::kDtypes); ++i) {
+    PyObject* name = PyUnicode_FromString(spmd::kDtypes[i].name);
+    if (name == nullptr) Py_CLEAR(dtypes);
+    if (dtypes != nullptr) PyTuple_SET_ITEM(dtypes, static_cast<Py_ssize_t>(i), name);
+  }
+  bool ok = SetNew(d, "reduce_ops", CodeDict(spmd::kReduceOps)) &&
+            SetNew(d, "transports", CodeDict(spmd::kTransportKinds)) &&
+            SetNew(d, "wires", CodeDict(spmd::kWires)) &&
+            SetNew(d, "staging", CodeDict(spmd::ShmGroup::kStagingModes)) &&
+            SetNew(d, "roles", CodeDict(spmd::kRoles)) &&
+            SetNew(d, "role_shift", PyLong_FromLong(spmd::kRoleShift)) &&
+            SetNew(d, "error_marker", PyUnicode_FromString(spmd::kErrorMarker)) &&
+            SetNew(d, "dtypes", dtypes);
+  if (!ok) {
+    Py_DECREF(d);
+    return nullptr;
+  }
+  return d;
 }
 
 // cpu_handlers() -> {target name: PyCapsule of its XLA_FFI_Handler}.
@@ -180,8 +212,9 @@ PyObject* FloatBytes(const std::vector<float>& v) {
 }
 
 bool CodecArg(int code, spmd::codec::Codec* c) {
-  if (code < 1 || code > 3) {
-    PyErr_SetString(PyExc_ValueError, "codec code must be 1 (fp8), 2 (int8) or 3 (int4)");
+  if (!spmd::HasCode(spmd::codec::kCodecs, code)) {
+    PyErr_SetString(PyExc_ValueError,
+                    ("codec code must be " + spmd::CodeList(spmd::codec::kCodecs)).c_str());
     return false;
   }
   *c = static_cast<spmd::codec::Codec>(code);
@@ -234,6 +267,7 @@ PyMethodDef kMethods[] = {
     {"abi_version", AbiVersion, METH_NOARGS, "ABI version of spmd's native layer."},
     {"xla_ffi_api_version", XlaFfiApiVersion, METH_NOARGS,
      "(major, minor) of the XLA FFI C API the module was compiled against."},
+    {"tables", Tables, METH_NOARGS, "The native code tables, by name."},
     {"cpu_handlers", CpuHandlers, METH_NOARGS, "The CPU FFI handlers by target name."},
     {"mpi_load", MpiLoad, METH_VARARGS, "Resolve MPI functions from the library mpi4py loaded."},
     {"group_create", GroupCreate, METH_VARARGS, "Register a group."},
