@@ -8,6 +8,10 @@
 // parity t % 2 and is read in the phase after it; it is overwritten two syncs later, when every
 // reader has provably finished. Every wait has a deadline, so a missing rank is an error naming
 // it, not a hang.
+//
+// shm_segment.cc maps the segment and holds the sync points, the signature check and the
+// staging probe; shm_copy.{h,cc} the copies into and out of the slots; shm_collectives.cc the
+// collectives.
 #ifndef SPMD_CPU_SHM_H_
 #define SPMD_CPU_SHM_H_
 
