@@ -401,7 +401,7 @@ ffi::Error AllreduceRmsNormFfi(cudaStream_t stream, int64_t group, float eps, in
 
 }  // namespace
 
-// All attrs: group (i64) first; see the Python lowering (spmd/ops/_core.py, lower_collective).
+// All attrs: group (i64) first; see the Python lowering (lower_collective in spmd.ops).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllreduce, AllreduceFfi,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
