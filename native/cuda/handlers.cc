@@ -12,8 +12,8 @@
 
 #include "custom_ar.h"
 #include "groups.h"
-#include "spmd/common.h"
 #include "spmd/call.h"
+#include "spmd/common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
