@@ -1,25 +1,50 @@
 #include "groups.h"
 
-#include <map>
+#include "messages.h"
+#include "spmd/registry.h"
+#include "spmd/tables.h"
 
 namespace spmd {
 namespace {
 
-std::mutex registry_mu;
-// Shared: a handler holds its group for the whole call, so spmd.finalize destroying the group
-// meanwhile only drops the registry's reference.
-std::map<int64_t, std::shared_ptr<Group>>& Registry() {
-  static auto* r = new std::map<int64_t, std::shared_ptr<Group>>();
-  return *r;
+// The transport `kind` on what is attached to `g`; an error naming what is missing.
+Status MakeTransport(const Group& g, TransportKind kind, std::unique_ptr<Transport>* out) {
+  auto missing = [&](const std::string& what) {
+    const char* name = NameOf(kTransportKinds, static_cast<int64_t>(kind));
+    return Status::Error("the transport '" + std::string(name) + "' is not attached to the group " +
+                         RankList(g.world_ranks) + ": it needs " + what);
+  };
+  switch (kind) {
+    case TransportKind::kShm:
+      if (!g.shm) return missing("a shared-memory segment (every rank of the group on one node)");
+      *out = std::make_unique<ShmTransport>(*g.shm, g.one_shot_max);
+      return Status::Ok();
+    case TransportKind::kMpi:
+      if (!g.has_mpi) return missing("an MPI communicator (an MPI launcher)");
+      *out = std::make_unique<MpiTransport>(g.mpi);
+      return Status::Ok();
+    case TransportKind::kHier:
+      if (!g.local || !g.has_mpi) {
+        return missing("node-local shared memory and an MPI communicator (a group spanning "
+                       "nodes, under an MPI launcher)");
+      }
+      *out = std::make_unique<HierTransport>(*g.local, g.is_leader ? &g.leaders : nullptr, g.mpi,
+                                             g.one_shot_max);
+      return Status::Ok();
+  }
+  return Status::Error("unknown transport code " + std::to_string(static_cast<int>(kind)) +
+                       "; expected " + CodeList(kTransportKinds));
+}
+
+// A transport holds the parts it was built on: rebuild it when a part is replaced.
+Status Rebuild(Group& g) {
+  if (g.transport == nullptr) return Status::Ok();
+  return MakeTransport(g, g.transport_kind, &g.transport);
 }
 
 }  // namespace
 
-std::shared_ptr<Group> GroupFind(int64_t id) {
-  std::lock_guard<std::mutex> lock(registry_mu);
-  auto it = Registry().find(id);
-  return it == Registry().end() ? nullptr : it->second;
-}
+std::shared_ptr<Group> GroupFind(int64_t id) { return RegistryOf<Group>().Find(id); }
 
 Status GroupCreate(int64_t id, int rank, int size, std::vector<int> world_ranks, double timeout_s,
                    size_t one_shot_max) {
@@ -30,9 +55,9 @@ Status GroupCreate(int64_t id, int rank, int size, std::vector<int> world_ranks,
   g->world_ranks = std::move(world_ranks);
   g->timeout_s = timeout_s;
   g->one_shot_max = one_shot_max;
-  std::lock_guard<std::mutex> lock(registry_mu);
-  if (Registry().count(id)) return Status::Error("group id " + std::to_string(id) + " exists");
-  Registry()[id] = std::move(g);
+  if (!RegistryOf<Group>().Add(id, std::move(g))) {
+    return Status::Error("group id " + std::to_string(id) + " exists");
+  }
   return Status::Ok();
 }
 
@@ -45,8 +70,9 @@ Status GroupAttachShm(int64_t id, int which, const std::string& name, bool creat
   SPMD_RETURN_IF_ERROR(
       ShmGroup::Open(name, create, rank, size, chunk, staging, g->timeout_s,
                      std::move(world_ranks), &shm));
+  std::lock_guard<std::mutex> lock(g->mu);
   (which == 0 ? g->shm : g->local).reset(shm);
-  return Status::Ok();
+  return Rebuild(*g);
 }
 
 Status GroupAttachMpi(int64_t id, int which, MpiHandle comm, int rank, int size,
@@ -54,6 +80,7 @@ Status GroupAttachMpi(int64_t id, int which, MpiHandle comm, int rank, int size,
   std::shared_ptr<Group> g = GroupFind(id);
   if (g == nullptr) return Status::Error("no group " + std::to_string(id));
   if (!MpiLoaded()) return Status::Error("MPI is not loaded");
+  std::lock_guard<std::mutex> lock(g->mu);
   MpiComm& m = which == 0 ? g->mpi : g->leaders;
   m.comm = comm;
   m.rank = rank;
@@ -65,7 +92,7 @@ Status GroupAttachMpi(int64_t id, int which, MpiHandle comm, int rank, int size,
   } else {
     g->is_leader = true;
   }
-  return Status::Ok();
+  return Rebuild(*g);
 }
 
 Status GroupShmHop(int64_t id, double* hop_ns) {
@@ -78,23 +105,20 @@ Status GroupShmHop(int64_t id, double* hop_ns) {
                      hop_ns);
 }
 
-Status GroupSetBackend(int64_t id, Backend backend) {
+Status GroupSetTransport(int64_t id, TransportKind kind) {
   std::shared_ptr<Group> g = GroupFind(id);
   if (g == nullptr) return Status::Error("no group " + std::to_string(id));
   std::lock_guard<std::mutex> lock(g->mu);
-  g->backend = backend;
+  std::unique_ptr<Transport> t;
+  SPMD_RETURN_IF_ERROR(MakeTransport(*g, kind, &t));
+  g->transport = std::move(t);
+  g->transport_kind = kind;
   return Status::Ok();
 }
 
 void GroupDestroy(int64_t id) {
-  std::shared_ptr<Group> g;
-  {
-    std::lock_guard<std::mutex> lock(registry_mu);
-    auto it = Registry().find(id);
-    if (it == Registry().end()) return;
-    g = std::move(it->second);
-    Registry().erase(it);
-  }
+  std::shared_ptr<Group> g = RegistryOf<Group>().Remove(id);
+  if (g == nullptr) return;
   std::lock_guard<std::mutex> lock(g->mu);  // wait for a collective still running
 }
 

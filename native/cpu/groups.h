@@ -1,6 +1,8 @@
-// The registry of groups the collectives run on. Python registers a group once (its ranks, its
-// shared-memory segment, its MPI communicator) under an integer id; compiled programs carry the
-// id as an FFI attribute and look the group up on every call.
+// The groups the CPU collectives run on. The Python group layer (spmd.runtime) registers a group
+// once under an integer id (spmd/registry.h), attaches what it can use (its shared-memory
+// segment, its MPI communicator, and for a group spanning nodes the node-local segments and the
+// node leaders' communicator), then chooses its transport; compiled programs carry the id as an
+// FFI attribute and look the group up on every call.
 #ifndef SPMD_CPU_GROUPS_H_
 #define SPMD_CPU_GROUPS_H_
 
@@ -13,11 +15,9 @@
 #include "mpi.h"
 #include "shm.h"
 #include "spmd/status.h"
+#include "transport.h"
 
 namespace spmd {
-
-// How a group moves data; codes shared with Python (spmd/ops/_groups.py, BACKENDS).
-enum class Backend : int32_t { kShm = 0, kMpi = 1, kHier = 2 };
 
 struct Group {
   int64_t id = 0;
@@ -25,14 +25,19 @@ struct Group {
   std::vector<int> world_ranks;
   double timeout_s = 300;
   size_t one_shot_max = 64 * 1024;
-  Backend backend = Backend::kShm;
   std::unique_ptr<ShmGroup> shm;    // every rank of the group, when all share one node
   bool has_mpi = false;
   MpiComm mpi;                      // every rank of the group
   std::unique_ptr<ShmGroup> local;  // hierarchical: the group's ranks on this node
   bool is_leader = false;
   MpiComm leaders;                  // hierarchical: local rank 0 of each node
-  std::mutex mu;                    // one collective at a time per group and process
+  // The transport the group's collectives use, built on the parts above (declared after them,
+  // so that it goes first); null until Python chooses one. Point-to-point calls use `mpi`.
+  std::unique_ptr<Transport> transport;
+  TransportKind transport_kind = TransportKind::kShm;
+  std::mutex mu;  // one collective at a time per group and process
+
+  int world_rank() const { return world_ranks[rank]; }
 };
 
 Status GroupCreate(int64_t id, int rank, int size, std::vector<int> world_ranks, double timeout_s,
@@ -45,7 +50,8 @@ Status GroupAttachMpi(int64_t id, int which, MpiHandle comm, int rank, int size,
                       std::vector<int> world_ranks);
 // The group's shared-memory staging probe (ShmGroup::Hop); every rank of the group calls it.
 Status GroupShmHop(int64_t id, double* hop_ns);
-Status GroupSetBackend(int64_t id, Backend backend);
+// Chooses the group's transport; an error if what it needs is not attached to the group.
+Status GroupSetTransport(int64_t id, TransportKind kind);
 void GroupDestroy(int64_t id);
 // nullptr if no group has this id (not registered, or destroyed by spmd.finalize).
 std::shared_ptr<Group> GroupFind(int64_t id);

@@ -1,18 +1,20 @@
-// The XLA FFI handlers of the CPU collectives. Each takes, after the ordering operand, the leaves
-// of one fused call and returns, after the ordering result, their results. The ordering operand
-// is the previous collective's ordering result: that data dependency makes XLA run collectives
-// in program order (see spmd/ops/_core.py).
+// The XLA FFI handlers of the CPU collectives: each decodes its call (spmd/call.h), hashes what
+// the ranks must agree on, and makes one call on its group's transport (transport.h) under the
+// group's lock. Point-to-point calls go straight to the group's MPI communicator.
 #include "handlers.h"
 
-#include <cstring>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "groups.h"
 #include "messages.h"
-#include "spmd/common.h"
-#include "spmd/ffi_util.h"
 #include "reduce.h"
+#include "spmd/call.h"
+#include "spmd/common.h"
+#include "spmd/tables.h"
+#include "transport.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -20,7 +22,7 @@ namespace ffi = xla::ffi;
 namespace spmd {
 namespace {
 
-// Op codes for signatures and messages.
+// Op codes: hashed into the signature, and named in messages.
 enum Code : uint64_t {
   kAllreduce = 1,
   kAllgather,
@@ -30,56 +32,76 @@ enum Code : uint64_t {
   kSendRecv,
   kBarrier
 };
-const char* kNames[] = {"?", "allreduce", "allgather", "reduce_scatter", "broadcast",
-                        "all_to_all", "sendrecv", "barrier"};
-const char* kReduceNames[] = {"sum", "prod", "max", "min"};
+const char* const kNames[] = {"?", "allreduce", "allgather", "reduce_scatter", "broadcast",
+                              "all_to_all", "sendrecv", "barrier"};
 
-const char* DtypeName(ffi::DataType d) {
-  switch (d) {
-    case ffi::DataType::PRED:
-      return "bool";
-    case ffi::DataType::S8:
-      return "int8";
-    case ffi::DataType::U8:
-      return "uint8";
-    case ffi::DataType::S32:
-      return "int32";
-    case ffi::DataType::S64:
-      return "int64";
-    case ffi::DataType::F16:
-      return "float16";
-    case ffi::DataType::BF16:
-      return "bfloat16";
-    case ffi::DataType::F32:
-      return "float32";
-    case ffi::DataType::F64:
-      return "float64";
-    default:
-      return "unsupported";
-  }
-}
+// A CPU call: its group, its leaves, and what every rank must agree on.
+struct Call : CallBase {
+  explicit Call(Code c) : CallBase(kNames[c]), code(c) {}
 
-// A decoded call: the group, the leaves, and what every rank must agree on.
-struct Call {
-  explicit Call(Code c) : code(c) {}
   Code code;
-  std::shared_ptr<Group> group;  // held for the whole call (groups.cc)
-  std::vector<Leaf> in, out;
-  std::vector<std::vector<int64_t>> dims;  // of the inputs
-  std::vector<ffi::DataType> dtypes;       // of the inputs (`in` may be swapped for wire copies)
-  // Static parameters, formatted only when ranks disagree (never on the hot path).
-  int32_t op = -1;
-  int32_t wire = 0;  // allreduce compression: 1 float16, 2 bfloat16 (spmd/ops/_allreduce.py)
-  int64_t div = 1;   // compressed: each rank's values are scaled by 1/div (op avg)
-  int64_t root = -1;
+  std::shared_ptr<Group> group;  // held for the whole call (spmd/registry.h)
   int role = kRoleForward;
+  // Static parameters: hashed as they are set, formatted only when ranks disagree.
+  int32_t op = -1;
+  int32_t wire = 0;
+  int64_t div = 1;  // compressed: each rank's values are scaled by 1/div (op avg)
+  int64_t root = -1;
   ffi::Span<const int64_t> sizes;
   bool has_sizes = false;
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a
+
+  void Mix(uint64_t x) {
+    for (int i = 0; i < 8; ++i) {
+      hash ^= (x >> (8 * i)) & 0xff;
+      hash *= 1099511628211ull;
+    }
+  }
+
+  // Finds the group and decodes the leaves; hashes the op, the role and the inputs' dtypes and
+  // shapes. `vary_rows`: the inputs' first dimension may differ between ranks (allgatherv).
+  ffi::Error Start(int64_t group_attr, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                   bool vary_rows = false) {
+    role = RoleOf(group_attr);
+    group = GroupFind(GroupIdOf(group_attr));
+    if (group == nullptr) return GroupMissing();
+    set_world_rank(group->world_rank());
+    if (ffi::Error e = Decode(args, rets); e.failure()) return e;
+    Mix(code);
+    Mix(static_cast<uint64_t>(role));
+    for (const Leaf& l : in) {
+      Mix(static_cast<uint64_t>(l.dtype));
+      Mix(l.dims.size());
+      for (size_t k = vary_rows ? 1 : 0; k < l.dims.size(); ++k) {
+        Mix(static_cast<uint64_t>(l.dims[k]));
+      }
+    }
+    return ffi::Error::Success();
+  }
+
+  ffi::Error SetOp(int32_t code) {
+    if (!HasCode(kReduceOps, code)) return Fail("unknown reduction code " + std::to_string(code));
+    op = code;
+    Mix(static_cast<uint64_t>(op));
+    return ffi::Error::Success();
+  }
+
+  // Rows per rank, or none.
+  ffi::Error SetSizes(ffi::Span<const int64_t> s) {
+    if (s.size() != 0 && static_cast<int>(s.size()) != group->size) {
+      return Fail("sizes has " + std::to_string(s.size()) + " entries for a group of " +
+                  std::to_string(group->size));
+    }
+    for (int64_t x : s) Mix(static_cast<uint64_t>(x));
+    sizes = s;
+    has_sizes = true;
+    return ffi::Error::Success();
+  }
 
   std::string Params() const {
     std::string p;
-    if (op >= 0) p += std::string("op=") + (div > 1 ? "avg" : kReduceNames[op]);
-    if (wire) p += std::string(", compression=") + (wire == 2 ? "bf16" : "fp16");
+    if (op >= 0) p += std::string("op=") + (div > 1 ? "avg" : NameOf(kReduceOps, op));
+    if (wire) p += std::string(", compression=") + NameOf(kWires, wire);
     if (root >= 0) p += (p.empty() ? "" : ", ") + std::string("root=") + std::to_string(root);
     if (has_sizes) {
       p += (p.empty() ? "" : ", ") + std::string("sizes=[");
@@ -88,21 +110,14 @@ struct Call {
     }
     return p;
   }
-  uint64_t hash = 1469598103934665603ull;
 
-  void Mix(uint64_t x) {
-    for (int i = 0; i < 8; ++i) {
-      hash ^= (x >> (8 * i)) & 0xff;
-      hash *= 1099511628211ull;
-    }
-  }
   std::string Describe() const {
     std::string s = std::string(kNames[code]) + "(" + Params() + ") of ";
-    if (dtypes.empty()) s += "no arrays";
-    for (size_t i = 0; i < dtypes.size(); ++i) {
-      s += (i ? ", " : "") + std::string(DtypeName(dtypes[i])) + "[";
-      for (size_t k = 0; k < dims[i].size(); ++k) {
-        s += (k ? "," : "") + std::to_string(dims[i][k]);
+    if (in.empty()) s += "no arrays";
+    for (size_t i = 0; i < in.size(); ++i) {
+      s += (i ? ", " : "") + std::string(DtypeName(in[i].dtype)) + "[";
+      for (size_t k = 0; k < in[i].dims.size(); ++k) {
+        s += (k ? "," : "") + std::to_string(in[i].dims[k]);
       }
       s += "]";
     }
@@ -110,441 +125,125 @@ struct Call {
     if (role == kRoleBackward) s += kBackwardTag;
     return s;
   }
-  ShmGroup::Signature Sig() const {
+
+  Signature Sig() const {
     return {hash, [](const void* c) { return static_cast<const Call*>(c)->Describe(); }, this};
+  }
+
+  // `fn(transport)` under the group's lock.
+  template <typename F>
+  ffi::Error Run(F&& fn) const {
+    std::lock_guard<std::mutex> lock(group->mu);
+    if (group->transport == nullptr) {
+      return Fail("this group has no transport: the Python group layer (spmd.runtime) chooses "
+                  "one at the group's first collective, which has not happened in this process");
+    }
+    return FromStatus(fn(*group->transport));
   }
 };
 
-ffi::Error Fail(const Call& call, const std::string& message) {
-  int rank = call.group ? call.group->world_ranks[call.group->rank] : -1;
-  return ffi::Error(ffi::ErrorCode::kInternal, "spmd.SpmdError: [rank " + std::to_string(rank) +
-                                                   "] " + kNames[call.code] + ": " + message);
-}
-
-// Decodes the ordering operand/result and the leaves; checks dtypes.
-// `vary_rows`: the inputs' first dimension may differ between ranks (allgatherv).
-ffi::Error Decode(Call& call, int64_t group_id, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                  bool vary_rows) {
-  call.role = RoleOf(group_id);
-  call.group = GroupFind(GroupIdOf(group_id));
-  if (call.group == nullptr) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      std::string("spmd.SpmdError: ") + kNames[call.code] +
-                          ": its group is not initialized (spmd.finalize() was called, or the "
-                          "program was compiled in another process); call spmd.init() first");
-  }
-  call.Mix(call.code);
-  call.Mix(static_cast<uint64_t>(call.role));
-  for (size_t i = 1; i < args.size(); ++i) {
-    auto b = args.get<ffi::AnyBuffer>(i);
-    if (!b.has_value()) return b.error();
-    ffi::DataType dt = b->element_type();
-    size_t w = ElemBytes(dt);
-    if (w == 0) {
-      return Fail(call, "unsupported dtype; spmd's collectives take float16, bfloat16, float32, "
-                        "float64, int8, uint8, int32, int64 and bool arrays");
-    }
-    call.in.push_back({static_cast<char*>(b->untyped_data()), b->size_bytes(), dt, w});
-    auto d = b->dimensions();
-    call.dims.emplace_back(d.begin(), d.end());
-    call.dtypes.push_back(dt);
-    call.Mix(static_cast<uint64_t>(dt));
-    call.Mix(d.size());
-    for (size_t k = vary_rows ? 1 : 0; k < d.size(); ++k) call.Mix(static_cast<uint64_t>(d[k]));
-  }
-  for (size_t i = 1; i < rets.size(); ++i) {
-    auto b = rets.get<ffi::AnyBuffer>(i);
-    if (!b.has_value()) return b.error();
-    ffi::DataType dt = (*b)->element_type();
-    call.out.push_back(
-        {static_cast<char*>((*b)->untyped_data()), (*b)->size_bytes(), dt, ElemBytes(dt)});
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error FromStatus(const Call& call, const Status& s) {
-  return s.ok() ? ffi::Error::Success() : Fail(call, s.message());
-}
-
-// The MPI path checks that every rank made the same call before it moves data, as shared memory
-// does in its first sync: MPI does not compare shapes, and an allreduce of 4 elements meeting one
-// of 6 would return garbage in the 2 extra elements. One allgather of 8 bytes per call (once per
-// fused call, not per leaf); the descriptions are exchanged only when the hashes differ.
-Status MpiCheck(const Call& call, const MpiComm& comm) {
-  return comm.CheckSame(call.hash, call.Describe());
-}
-
-// Whether the group moves this call's data over its MPI communicator (the fall-back order of
-// the per-leaf ops below: shared memory when chosen, else MPI, else shared memory).
-bool OverMpi(const Group& g) { return !(g.backend == Backend::kShm && g.shm) && g.has_mpi; }
-
-Status NoBackend(const Call&) {
-  return Status::Error("this group has no transport for the operation (send/recv/sendrecv need "
-                       "MPI; the file-store communicator has only shared memory)");
-}
-
-// -- allreduce --------------------------------------------------------------------------------
-
-Status AllreduceMpi(const Call& call, const MpiComm& comm, ReduceOp op,
-                    const std::vector<Leaf>& in, const std::vector<Leaf>& out) {
-  for (size_t i = 0; i < in.size(); ++i) {
-    SPMD_RETURN_IF_ERROR(comm.Allreduce(in[i].data, out[i].data, in[i].bytes / in[i].elem,
-                                        in[i].dtype, op));
-  }
-  (void)call;
-  return Status::Ok();
-}
-
-thread_local std::vector<char> hier_scratch;
-thread_local std::vector<float> hier_wide_in, hier_wide_out;
-
-// Hierarchical: reduce inside the node, across node leaders over MPI, then broadcast inside the
-// node, leaf by leaf.
-Status AllreduceHier(const Call& call, Group& g, ReduceOp op, const std::vector<Leaf>& in,
-                     const std::vector<Leaf>& out) {
-  SPMD_RETURN_IF_ERROR(g.local->Allreduce(call.Sig(), op, in, out, g.one_shot_max));
-  for (size_t i = 0; i < out.size(); ++i) {
-    const Leaf& o = out[i];
-    if (!g.is_leader) {  // only the leader's value is read; no scratch here
-      SPMD_RETURN_IF_ERROR(g.local->Broadcast(call.Sig(), 0, o, o));
-      continue;
-    }
-    if (hier_scratch.size() < o.bytes) hier_scratch.resize(o.bytes);
-    Leaf tmp{hier_scratch.data(), o.bytes, o.dtype, o.elem};
-    SPMD_RETURN_IF_ERROR(g.leaders.Allreduce(o.data, tmp.data, o.bytes / o.elem, o.dtype, op));
-    SPMD_RETURN_IF_ERROR(g.local->Broadcast(call.Sig(), 0, tmp, o));
-  }
-  return Status::Ok();
-}
-
-bool IsHalf(ffi::DataType d) { return d == ffi::DataType::F16 || d == ffi::DataType::BF16; }
-
-// Hierarchical sums and products of float16/bfloat16 run in float32 from end to end, the leaves
-// widened into one buffer and rounded once at the end, as the flat paths round once (rounding
-// each node's partial result first would round twice). Max and min are exact: they stay narrow.
-Status AllreduceHierWide(const Call& call, Group& g, ReduceOp op, const std::vector<Leaf>& in,
-                         const std::vector<Leaf>& out) {
-  size_t count = 0;
-  for (const Leaf& l : in) count += l.bytes / l.elem;
-  if (hier_wide_in.size() < count) {
-    hier_wide_in.resize(count);
-    hier_wide_out.resize(count);
-  }
-  size_t at = 0;
-  for (const Leaf& l : in) {
-    size_t n = l.bytes / l.elem;
-    HalfToFloats(l.dtype == ffi::DataType::BF16, reinterpret_cast<const uint16_t*>(l.data),
-                 hier_wide_in.data() + at, n);
-    at += n;
-  }
-  const size_t bytes = count * sizeof(float);
-  std::vector<Leaf> win{{reinterpret_cast<char*>(hier_wide_in.data()), bytes,
-                         ffi::DataType::F32, sizeof(float)}};
-  std::vector<Leaf> wout{{reinterpret_cast<char*>(hier_wide_out.data()), bytes,
-                          ffi::DataType::F32, sizeof(float)}};
-  SPMD_RETURN_IF_ERROR(AllreduceHier(call, g, op, win, wout));
-  at = 0;
-  for (const Leaf& l : out) {
-    size_t n = l.bytes / l.elem;
-    FloatsToHalf(l.dtype == ffi::DataType::BF16, hier_wide_out.data() + at,
-                 reinterpret_cast<uint16_t*>(l.data), n);
-    at += n;
-  }
-  return Status::Ok();
-}
-
-Status AllreduceImpl(Call& call, ReduceOp op) {
-  Group& g = *call.group;
-  Backend b = g.backend;
-  if (b == Backend::kShm && g.shm) {
-    return g.shm->Allreduce(call.Sig(), op, call.in, call.out, g.one_shot_max);
-  }
-  if (b == Backend::kHier && g.local) {
-    // Shared memory compares the calls inside each node; this compares them across nodes, on
-    // every rank of the group, so that every rank raises (not only the node leaders).
-    if (g.has_mpi) SPMD_RETURN_IF_ERROR(MpiCheck(call, g.mpi));
-    bool half = false;
-    for (const Leaf& l : call.in) half = half || IsHalf(l.dtype);
-    if (!half || (op != ReduceOp::kSum && op != ReduceOp::kProd)) {
-      return AllreduceHier(call, g, op, call.in, call.out);
-    }
-    // The half-precision leaves go widened; the others as they are (every rank splits alike).
-    std::vector<Leaf> half_in, half_out, rest_in, rest_out;
-    for (size_t i = 0; i < call.in.size(); ++i) {
-      (IsHalf(call.in[i].dtype) ? half_in : rest_in).push_back(call.in[i]);
-      (IsHalf(call.in[i].dtype) ? half_out : rest_out).push_back(call.out[i]);
-    }
-    if (!half_in.empty()) SPMD_RETURN_IF_ERROR(AllreduceHierWide(call, g, op, half_in, half_out));
-    if (!rest_in.empty()) SPMD_RETURN_IF_ERROR(AllreduceHier(call, g, op, rest_in, rest_out));
-    return Status::Ok();
-  }
-  if (g.has_mpi) {
-    SPMD_RETURN_IF_ERROR(MpiCheck(call, g.mpi));
-    return AllreduceMpi(call, g.mpi, op, call.in, call.out);
-  }
-  if (g.shm) return g.shm->Allreduce(call.Sig(), op, call.in, call.out, g.one_shot_max);
-  return NoBackend(call);
-}
-
-// Compressed (every leaf float32; spmd/ops/_allreduce.py sends the others exactly): on shared
-// memory the conversions happen in the algorithm's own copies; elsewhere the leaves are narrowed
-// into scratch buffers, reduced as float16/bfloat16 (float32 accumulation, one rounding), and
-// widened into the outputs.
-thread_local std::vector<uint16_t> wire_in, wire_out;
-
-Status AllreduceCompressed(Call& call) {
-  Group& g = *call.group;
-  const bool bf16 = call.wire == 2;
-  const float div = static_cast<float>(call.div);
-  for (const Leaf& l : call.in) {
-    if (l.dtype != ffi::DataType::F32) {
-      return Status::Error(std::string("compression needs float32 leaves, got ") +
-                           DtypeName(l.dtype));
-    }
-  }
-  if (g.backend == Backend::kShm && g.shm) {
-    return g.shm->AllreduceNarrowed(call.Sig(), bf16, div, call.in, call.out, g.one_shot_max);
-  }
-  size_t count = 0;
-  for (const Leaf& l : call.in) count += l.bytes / l.elem;
-  if (wire_in.size() < count) {
-    wire_in.resize(count);
-    wire_out.resize(count);
-  }
-  const ffi::DataType dt = bf16 ? ffi::DataType::BF16 : ffi::DataType::F16;
-  std::vector<Leaf> in, out;
-  size_t at = 0;
-  for (const Leaf& l : call.in) {
-    size_t n = l.bytes / l.elem;
-    NarrowFloats(bf16, reinterpret_cast<const float*>(l.data), div, wire_in.data() + at, n);
-    in.push_back({reinterpret_cast<char*>(wire_in.data() + at), n * 2, dt, 2});
-    out.push_back({reinterpret_cast<char*>(wire_out.data() + at), n * 2, dt, 2});
-    at += n;
-  }
-  std::swap(call.in, in);
-  std::swap(call.out, out);
-  Status s = AllreduceImpl(call, ReduceOp::kSum);
-  std::swap(call.in, in);
-  std::swap(call.out, out);
-  SPMD_RETURN_IF_ERROR(s);
-  at = 0;
-  for (const Leaf& l : call.out) {
-    size_t n = l.bytes / l.elem;
-    WidenHalves(bf16, wire_out.data() + at, reinterpret_cast<float*>(l.data), n);
-    at += n;
-  }
-  return Status::Ok();
-}
+// -- collectives ------------------------------------------------------------------------------
 
 ffi::Error AllreduceFfi(int64_t group, int32_t op, int32_t wire, int64_t div,
                         ffi::RemainingArgs args, ffi::RemainingRets rets) {
   Call call(kAllreduce);
-  if (ffi::Error e = Decode(call, group, args, rets, false); e.failure()) return e;
-  if (op < 0 || op > 3) return Fail(call, "unknown reduction code " + std::to_string(op));
-  if (wire < 0 || wire > 2 || div < 1 || (wire == 0 && div != 1) ||
+  if (ffi::Error e = call.Start(group, args, rets); e.failure()) return e;
+  if (ffi::Error e = call.SetOp(op); e.failure()) return e;
+  if ((wire != 0 && !HasCode(kWires, wire)) || div < 1 || (wire == 0 && div != 1) ||
       (wire != 0 && op != static_cast<int32_t>(ReduceOp::kSum))) {
-    return Fail(call, "bad compression attributes wire=" + std::to_string(wire) +
-                          ", div=" + std::to_string(div));
+    return call.Fail("bad compression attributes wire=" + std::to_string(wire) +
+                     ", div=" + std::to_string(div));
   }
-  call.op = op;
   call.wire = wire;
   call.div = div;
-  call.Mix(static_cast<uint64_t>(op));
   call.Mix(static_cast<uint64_t>(wire));
   call.Mix(static_cast<uint64_t>(div));
-  std::lock_guard<std::mutex> lock(call.group->mu);
-  if (wire != 0) return FromStatus(call, AllreduceCompressed(call));
-  return FromStatus(call, AllreduceImpl(call, static_cast<ReduceOp>(op)));
-}
-
-// -- allgather(v) / reduce_scatter(v) ---------------------------------------------------------
-
-// Per leaf, the bytes of each rank's rows: `sizes` rows per rank, `row` bytes per row.
-std::vector<size_t> RowBytes(ffi::Span<const int64_t> sizes, size_t row) {
-  std::vector<size_t> b;
-  for (int64_t s : sizes) b.push_back(static_cast<size_t>(s) * row);
-  return b;
+  // Compressed calls take float32 leaves only: the Python side sends the others exactly.
+  for (const Leaf& l : call.in) {
+    if (wire != 0 && l.dtype != ffi::DataType::F32) {
+      return call.Fail(std::string("compression needs float32 leaves, got ") +
+                       DtypeName(l.dtype));
+    }
+  }
+  const Signature sig = call.Sig();
+  return call.Run([&](Transport& t) {
+    if (wire == 0) return t.Allreduce(sig, static_cast<ReduceOp>(op), call.in, call.out);
+    return t.AllreduceNarrowed(sig, wire == static_cast<int32_t>(Wire::kBf16),
+                               static_cast<float>(div), call.in, call.out);
+  });
 }
 
 ffi::Error AllgatherFfi(int64_t group, ffi::Span<const int64_t> sizes, ffi::RemainingArgs args,
                         ffi::RemainingRets rets) {
   Call call(kAllgather);
-  if (ffi::Error e = Decode(call, group, args, rets, sizes.size() != 0); e.failure()) return e;
-  Group& g = *call.group;
-  // No sizes: every rank contributes its whole input (allgather).
-  if (!(sizes.size() == 0) && static_cast<int>(sizes.size()) != g.size) {
-    return Fail(call, "sizes has " + std::to_string(sizes.size()) + " entries for a group of " +
-                          std::to_string(g.size));
-  }
-  int64_t total = 0;
-  for (int64_t s : sizes) {
-    total += s;
-    call.Mix(static_cast<uint64_t>(s));
-  }
-  call.sizes = sizes;
-  call.has_sizes = true;
-  std::lock_guard<std::mutex> lock(g.mu);
-  if (OverMpi(g)) {
-    if (Status s = MpiCheck(call, g.mpi); !s.ok()) return FromStatus(call, s);
-  }
-  for (size_t i = 0; i < call.in.size(); ++i) {
-    std::vector<size_t> bytes(g.size, call.in[i].bytes);
-    if (!(sizes.size() == 0)) {
-      bytes = RowBytes(sizes, total ? call.out[i].bytes / static_cast<size_t>(total) : 0);
-    }
-    Status s;
-    if (g.backend == Backend::kShm && g.shm) {
-      s = g.shm->Allgatherv(call.Sig(), call.in[i], call.out[i], bytes);
-    } else if (g.has_mpi) {
-      s = g.mpi.Allgatherv(call.in[i].data, call.out[i].data, bytes);
-    } else if (g.shm) {
-      s = g.shm->Allgatherv(call.Sig(), call.in[i], call.out[i], bytes);
-    } else {
-      s = NoBackend(call);
-    }
-    if (!s.ok()) return FromStatus(call, s);
-  }
-  return ffi::Error::Success();
+  if (ffi::Error e = call.Start(group, args, rets, sizes.size() != 0); e.failure()) return e;
+  if (ffi::Error e = call.SetSizes(sizes); e.failure()) return e;
+  const Signature sig = call.Sig();
+  return call.Run([&](Transport& t) { return t.Allgatherv(sig, sizes, call.in, call.out); });
 }
 
 ffi::Error ReduceScatterFfi(int64_t group, int32_t op, ffi::Span<const int64_t> sizes,
                             ffi::RemainingArgs args, ffi::RemainingRets rets) {
   Call call(kReduceScatter);
-  if (ffi::Error e = Decode(call, group, args, rets, false); e.failure()) return e;
-  Group& g = *call.group;
-  if (op < 0 || op > 3) return Fail(call, "unknown reduction code " + std::to_string(op));
-  // No sizes: the input splits into equal blocks (reduce_scatter).
-  if (!(sizes.size() == 0) && static_cast<int>(sizes.size()) != g.size) {
-    return Fail(call, "sizes has " + std::to_string(sizes.size()) + " entries for a group of " +
-                          std::to_string(g.size));
-  }
-  int64_t total = 0;
-  call.Mix(static_cast<uint64_t>(op));
-  for (int64_t s : sizes) {
-    total += s;
-    call.Mix(static_cast<uint64_t>(s));
-  }
-  call.op = op;
-  call.sizes = sizes;
-  call.has_sizes = true;
-  std::lock_guard<std::mutex> lock(g.mu);
-  if (OverMpi(g)) {
-    if (Status s = MpiCheck(call, g.mpi); !s.ok()) return FromStatus(call, s);
-  }
-  for (size_t i = 0; i < call.in.size(); ++i) {
-    std::vector<size_t> bytes(g.size, call.out[i].bytes);
-    if (!(sizes.size() == 0)) {
-      bytes = RowBytes(sizes, total ? call.in[i].bytes / static_cast<size_t>(total) : 0);
-    }
-    Status s;
-    if (g.backend == Backend::kShm && g.shm) {
-      s = g.shm->ReduceScatterv(call.Sig(), static_cast<ReduceOp>(op), call.in[i], call.out[i],
-                                bytes);
-    } else if (g.has_mpi) {
-      std::vector<size_t> counts;
-      for (size_t b : bytes) counts.push_back(b / call.in[i].elem);
-      s = g.mpi.ReduceScatterv(call.in[i].data, call.out[i].data, counts, call.in[i].dtype,
-                               static_cast<ReduceOp>(op));
-    } else if (g.shm) {
-      s = g.shm->ReduceScatterv(call.Sig(), static_cast<ReduceOp>(op), call.in[i], call.out[i],
-                                bytes);
-    } else {
-      s = NoBackend(call);
-    }
-    if (!s.ok()) return FromStatus(call, s);
-  }
-  return ffi::Error::Success();
+  if (ffi::Error e = call.Start(group, args, rets); e.failure()) return e;
+  if (ffi::Error e = call.SetOp(op); e.failure()) return e;
+  if (ffi::Error e = call.SetSizes(sizes); e.failure()) return e;
+  const Signature sig = call.Sig();
+  return call.Run([&](Transport& t) {
+    return t.ReduceScatterv(sig, static_cast<ReduceOp>(op), sizes, call.in, call.out);
+  });
 }
-
-// -- broadcast, all_to_all --------------------------------------------------------------------
 
 ffi::Error BroadcastFfi(int64_t group, int64_t root, ffi::RemainingArgs args,
                         ffi::RemainingRets rets) {
   Call call(kBroadcast);
-  if (ffi::Error e = Decode(call, group, args, rets, false); e.failure()) return e;
-  Group& g = *call.group;
+  if (ffi::Error e = call.Start(group, args, rets); e.failure()) return e;
   call.root = root;
   call.Mix(static_cast<uint64_t>(root));
-  std::lock_guard<std::mutex> lock(g.mu);
-  if (OverMpi(g)) {
-    if (Status s = MpiCheck(call, g.mpi); !s.ok()) return FromStatus(call, s);
-  }
-  for (size_t i = 0; i < call.in.size(); ++i) {
-    Status s;
-    if (g.backend == Backend::kShm && g.shm) {
-      s = g.shm->Broadcast(call.Sig(), static_cast<int>(root), call.in[i], call.out[i]);
-    } else if (g.has_mpi) {
-      if (g.rank == root) std::memcpy(call.out[i].data, call.in[i].data, call.in[i].bytes);
-      s = g.mpi.Broadcast(call.out[i].data, call.out[i].bytes, static_cast<int>(root));
-    } else if (g.shm) {
-      s = g.shm->Broadcast(call.Sig(), static_cast<int>(root), call.in[i], call.out[i]);
-    } else {
-      s = NoBackend(call);
-    }
-    if (!s.ok()) return FromStatus(call, s);
-  }
-  return ffi::Error::Success();
+  const Signature sig = call.Sig();
+  return call.Run([&](Transport& t) {
+    return t.Broadcast(sig, static_cast<int>(root), call.in, call.out);
+  });
 }
 
 ffi::Error AllToAllFfi(int64_t group, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   Call call(kAllToAll);
-  if (ffi::Error e = Decode(call, group, args, rets, false); e.failure()) return e;
-  Group& g = *call.group;
-  std::lock_guard<std::mutex> lock(g.mu);
-  if (OverMpi(g)) {
-    if (Status s = MpiCheck(call, g.mpi); !s.ok()) return FromStatus(call, s);
-  }
-  for (size_t i = 0; i < call.in.size(); ++i) {
-    size_t block = call.in[i].bytes / static_cast<size_t>(g.size);
-    Status s;
-    if (g.backend == Backend::kShm && g.shm) {
-      s = g.shm->AllToAll(call.Sig(), call.in[i], call.out[i], block);
-    } else if (g.has_mpi) {
-      s = g.mpi.AllToAll(call.in[i].data, call.out[i].data, block);
-    } else if (g.shm) {
-      s = g.shm->AllToAll(call.Sig(), call.in[i], call.out[i], block);
-    } else {
-      s = NoBackend(call);
-    }
-    if (!s.ok()) return FromStatus(call, s);
-  }
-  return ffi::Error::Success();
-}
-
-// -- point to point, barrier ------------------------------------------------------------------
-
-// send: src < 0 and no result; recv: dst < 0 and no operand.
-ffi::Error SendRecvFfi(int64_t group, int64_t src, int64_t dst, ffi::RemainingArgs args,
-                       ffi::RemainingRets rets) {
-  Call call(kSendRecv);
-  if (ffi::Error e = Decode(call, group, args, rets, false); e.failure()) return e;
-  Group& g = *call.group;
-  if (!g.has_mpi) return FromStatus(call, NoBackend(call));
-  std::lock_guard<std::mutex> lock(g.mu);
-  const Leaf* in = call.in.empty() ? nullptr : &call.in[0];
-  const Leaf* out = call.out.empty() ? nullptr : &call.out[0];
-  return FromStatus(call, g.mpi.SendRecv(in ? in->data : nullptr, in ? in->bytes : 0,
-                                         static_cast<int>(dst), out ? out->data : nullptr,
-                                         out ? out->bytes : 0, static_cast<int>(src)));
+  if (ffi::Error e = call.Start(group, args, rets); e.failure()) return e;
+  const Signature sig = call.Sig();
+  return call.Run([&](Transport& t) { return t.AllToAll(sig, call.in, call.out); });
 }
 
 ffi::Error BarrierFfi(int64_t group, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   Call call(kBarrier);
-  if (ffi::Error e = Decode(call, group, args, rets, false); e.failure()) return e;
+  if (ffi::Error e = call.Start(group, args, rets); e.failure()) return e;
+  const Signature sig = call.Sig();
+  return call.Run([&](Transport& t) { return t.Barrier(sig); });
+}
+
+// -- point to point ---------------------------------------------------------------------------
+
+// send: src < 0 and no result; recv: dst < 0 and no operand. Always over MPI, whatever the
+// group's transport; only the two ranks of a transfer take part.
+ffi::Error SendRecvFfi(int64_t group, int64_t src, int64_t dst, ffi::RemainingArgs args,
+                       ffi::RemainingRets rets) {
+  Call call(kSendRecv);
+  if (ffi::Error e = call.Start(group, args, rets); e.failure()) return e;
   Group& g = *call.group;
-  std::lock_guard<std::mutex> lock(g.mu);
-  if (g.backend != Backend::kMpi && g.shm) return FromStatus(call, g.shm->Barrier(call.Sig()));
-  if (g.has_mpi) {
-    if (Status s = MpiCheck(call, g.mpi); !s.ok()) return FromStatus(call, s);
-    return FromStatus(call, g.mpi.Barrier());
+  if (!g.has_mpi) {
+    return call.Fail("this group has no transport for the operation (send/recv/sendrecv need "
+                     "MPI; the file-store communicator has only shared memory)");
   }
-  if (g.shm) return FromStatus(call, g.shm->Barrier(call.Sig()));
-  return FromStatus(call, NoBackend(call));
+  std::lock_guard<std::mutex> lock(g.mu);
+  const Leaf* in = call.in.empty() ? nullptr : &call.in[0];
+  const Leaf* out = call.out.empty() ? nullptr : &call.out[0];
+  return call.FromStatus(g.mpi.SendRecv(in ? in->data : nullptr, in ? in->bytes : 0,
+                                        static_cast<int>(dst), out ? out->data : nullptr,
+                                        out ? out->bytes : 0, static_cast<int>(src)));
 }
 
 }  // namespace
 
-// spmd_allreduce: attrs group (i64), op (i32), wire (i32: 0 exact, 1 float16, 2 bfloat16),
+// spmd_allreduce: attrs group (i64), op (i32), wire (i32: 0 exact, else a Wire code),
 // div (i64: compressed values are multiplied by 1.0f / div before rounding).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduce_, AllreduceFfi,
                               ffi::Ffi::Bind()

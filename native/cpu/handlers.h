@@ -2,7 +2,7 @@
 #ifndef SPMD_CPU_HANDLERS_H_
 #define SPMD_CPU_HANDLERS_H_
 
-#include "spmd/ffi_util.h"
+#include "spmd/call.h"
 
 namespace spmd {
 

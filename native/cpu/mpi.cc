@@ -366,8 +366,9 @@ Status MpiComm::Barrier() const {
   return Wait(&request, 1, "barrier");
 }
 
-Status MpiComm::CheckSame(uint64_t hash, const std::string& mine) const {
+Status MpiComm::CheckSame(const Signature& sig) const {
   SPMD_RETURN_IF_ERROR(Usable());
+  const uint64_t hash = sig.hash;
   std::vector<uint64_t> all(size);
   SPMD_RETURN_IF_ERROR(Allgatherv(&hash, all.data(), std::vector<size_t>(size, 8)));
   bool same = true;
@@ -375,7 +376,7 @@ Status MpiComm::CheckSame(uint64_t hash, const std::string& mine) const {
   if (same) return Status::Ok();
   constexpr size_t kDesc = 512;
   std::vector<char> text(kDesc * size, 0), own(kDesc, 0);
-  std::strncpy(own.data(), mine.c_str(), kDesc - 1);
+  std::strncpy(own.data(), sig.Describe().c_str(), kDesc - 1);
   SPMD_RETURN_IF_ERROR(Allgatherv(own.data(), text.data(), std::vector<size_t>(size, kDesc)));
   std::vector<std::string> descs;
   for (int r = 0; r < size; ++r) descs.emplace_back(&text[r * kDesc]);

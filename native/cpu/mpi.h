@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "reduce.h"
+#include "signature.h"
 #include "spmd/status.h"
 
 namespace spmd {
@@ -51,7 +52,7 @@ struct MpiComm {
   Status Barrier() const;
   // Signature check before each collective (an allgather of a hash; the descriptions follow
   // only when the hashes differ): a clear error on every rank instead of mixed data.
-  Status CheckSame(uint64_t hash, const std::string& mine) const;
+  Status CheckSame(const Signature& sig) const;
 
   // Set when a call timed out. MPI cannot cancel a collective, so the abandoned call may still
   // complete once the late ranks arrive: the communicator is not used again (every later call

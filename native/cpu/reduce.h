@@ -16,12 +16,10 @@
 #include <immintrin.h>
 #endif
 
+#include "spmd/common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace spmd {
-
-// Reduction codes, shared with Python (spmd/ops/_core.py, _REDUCE_OPS).
-enum class ReduceOp : int32_t { kSum = 0, kProd = 1, kMax = 2, kMin = 3 };
 
 // float16 <-> float32, as x86's F16C instructions do it (the fast path below uses them, and
 // every rank must get the same bits whichever path it takes): widening is exact and quiets a

@@ -8,6 +8,10 @@
 // parity t % 2 and is read in the phase after it; it is overwritten two syncs later, when every
 // reader has provably finished. Every wait has a deadline, so a missing rank is an error naming
 // it, not a hang.
+//
+// shm_segment.cc maps the segment and holds the sync points, the signature check and the
+// staging probe; shm_copy.{h,cc} the copies into and out of the slots; shm_collectives.cc the
+// collectives.
 #ifndef SPMD_CPU_SHM_H_
 #define SPMD_CPU_SHM_H_
 
@@ -19,12 +23,14 @@
 #include <vector>
 
 #include "reduce.h"
-#include "spmd/ffi_util.h"
+#include "signature.h"
+#include "spmd/call.h"
 #include "spmd/status.h"
+#include "spmd/tables.h"
 
 namespace spmd {
 
-// One operand or result of a collective: a host buffer and its element type.
+// The shared-memory collectives of one group's ranks on one node (see above).
 class ShmGroup {
  public:
   // How a rank writes what it stages for the others in calls of kProbeMin bytes or more
@@ -35,6 +41,7 @@ class ShmGroup {
   // so). kAuto: each such call times a token passed round the ranks and streams when a hop takes
   // longer than a shared cache's; a broadcast streams without probing.
   enum class Staging { kAuto = 0, kCached = 1, kStreamed = 2 };
+  static constexpr NamedCode kStagingModes[] = {{"auto", 0}, {"cached", 1}, {"streamed", 2}};
 
   // Creates (`create`) or attaches to the named POSIX shared-memory segment.
   static Status Open(const std::string& name, bool create, int rank, int size, size_t chunk,
@@ -47,15 +54,8 @@ class ShmGroup {
   int size() const { return size_; }
   size_t chunk() const { return chunk_; }
 
-  // Each collective first publishes a signature of its arguments (`sig`, with `describe`
-  // producing the human-readable form only when ranks disagree) and fails on every rank alike
-  // when they differ.
-  struct Signature {
-    uint64_t hash;
-    std::string (*describe)(const void* ctx);
-    const void* ctx;
-  };
-
+  // Each collective first publishes its call's signature and fails on every rank alike when
+  // the ranks' signatures differ.
   Status Barrier(const Signature& sig);
   // Inputs and outputs are lists of leaves with equal byte sizes (outputs may alias inputs).
   Status Allreduce(const Signature& sig, ReduceOp op, const std::vector<Leaf>& in,

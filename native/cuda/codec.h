@@ -25,6 +25,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "spmd/tables.h"
+
 #if defined(__CUDACC__)
 #include <cuda_fp8.h>
 #define SPMD_HD __host__ __device__ __forceinline__
@@ -35,8 +37,9 @@
 namespace spmd {
 namespace codec {
 
-// Codes shared with Python (spmd/ops/_cuda.py, CODECS).
+// The quantized all-reduce's codecs (kNone: not quantized).
 enum class Codec : int32_t { kNone = 0, kFp8 = 1, kInt8 = 2, kInt4 = 3 };
+inline constexpr NamedCode kCodecs[] = {{"fp8", 1}, {"int8", 2}, {"int4", 3}};
 
 constexpr int kBlock = 32;
 constexpr float kFlush = 7.88860905e-31f;  // 2^-100

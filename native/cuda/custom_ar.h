@@ -29,6 +29,7 @@
 
 #include "codec.h"
 #include "spmd/status.h"
+#include "spmd/tables.h"
 
 namespace spmd {
 namespace car {
@@ -45,12 +46,15 @@ struct alignas(256) Signal {
   uint32_t check[4];                     // peer-access check pattern
 };
 
-// Element types, codes shared with Python (spmd/ops/_cuda.py, CUSTOM_DTYPES).
+// The element types the custom kernels take, by dtype name.
 enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+inline constexpr NamedCode kCustomDtypes[] = {{"float32", 0}, {"float16", 1}, {"bfloat16", 2}};
 size_t DTypeBytes(DType t);
 
-// Algorithm codes, shared with Python (spmd/ops/_cuda.py, ALGOS).
+// The all-reduce algorithms, as the allreduce's "algos" attribute chooses them per leaf.
 enum class Algo : int32_t { kNccl = 0, kOneShot = 1, kTwoShot = 2, kQuantized = 3 };
+inline constexpr NamedCode kAlgos[] = {
+    {"nccl", 0}, {"one_shot", 1}, {"two_shot", 2}, {"quantized", 3}};
 
 // The ranks' buffers as a kernel sees them: data[r] and sig[r] are rank r's (mapped by IPC for
 // peers, or all local in simulation mode). `cap` bytes of data per half; a buffer holds the

@@ -5,24 +5,19 @@
 
 #include <cstdint>
 #include <cstring>
-#include <map>
 #include <memory>
+
+#include "spmd/registry.h"
 
 namespace spmd {
 namespace {
-
-std::mutex registry_mu;
-std::map<int64_t, std::unique_ptr<CudaGroup>>& Registry() {
-  static auto* r = new std::map<int64_t, std::unique_ptr<CudaGroup>>();
-  return *r;
-}
 
 Status CudaCheck(cudaError_t e, const std::string& what) {
   if (e == cudaSuccess) return Status::Ok();
   return Status::Error(what + " failed: " + cudaGetErrorString(e));
 }
 
-Status Find(int64_t id, CudaGroup** g) {
+Status Find(int64_t id, std::shared_ptr<CudaGroup>* g) {
   *g = CudaGroupFind(id);
   if (*g == nullptr) return Status::Error("GPU group " + std::to_string(id) + " is not registered");
   return CudaCheck(cudaSetDevice((*g)->device), "cudaSetDevice");
@@ -47,7 +42,7 @@ uint32_t CheckPattern(uint32_t seed, int rank) {
 
 Status CudaGroupCreate(int64_t id, int rank, int size, std::vector<int> world_ranks, int device,
                        double timeout_s) {
-  auto g = std::make_unique<CudaGroup>();
+  auto g = std::make_shared<CudaGroup>();
   g->id = id;
   g->rank = rank;
   g->size = size;
@@ -60,15 +55,14 @@ Status CudaGroupCreate(int64_t id, int rank, int size, std::vector<int> world_ra
                                                             std::to_string(device) + ")"));
   SPMD_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&g->scratch, 16), "cudaMalloc"));
   SPMD_RETURN_IF_ERROR(CudaCheck(cudaMemset(g->scratch, 0, 16), "cudaMemset"));
-  std::lock_guard<std::mutex> lock(registry_mu);
-  auto& slot = Registry()[id];
-  if (slot) return Status::Error("GPU group " + std::to_string(id) + " registered twice");
-  slot = std::move(g);
+  if (!RegistryOf<CudaGroup>().Add(id, std::move(g))) {
+    return Status::Error("GPU group " + std::to_string(id) + " registered twice");
+  }
   return Status::Ok();
 }
 
 Status CudaGroupNcclInit(int64_t id, const NcclUniqueId& uid) {
-  CudaGroup* g;
+  std::shared_ptr<CudaGroup> g;
   SPMD_RETURN_IF_ERROR(Find(id, &g));
   int size, rank;
   {
@@ -78,18 +72,16 @@ Status CudaGroupNcclInit(int64_t id, const NcclUniqueId& uid) {
     rank = g->rank;
   }
   // Without the group's lock: this blocks until every rank has joined, and a caller that gave
-  // up waiting (spmd/ops/_cuda.py bounds the wait) must still be able to use and destroy the
-  // group meanwhile. The group may be gone when NCCL returns: look it up again.
+  // up waiting (the Python group layer bounds the wait) must still be able to use and destroy
+  // the group meanwhile. The group may be destroyed when NCCL returns.
   NcclComm comm = nullptr;
   SPMD_RETURN_IF_ERROR(NcclCommInitRank(&comm, size, uid, rank));
-  std::lock_guard<std::mutex> reg(registry_mu);
-  auto it = Registry().find(id);
-  if (it == Registry().end() || it->second.get() != g) {
+  std::lock_guard<std::mutex> lock(g->mu);
+  if (g->destroyed) {
     NcclCommDestroy(comm);
     return Status::Error("GPU group " + std::to_string(id) +
                          " was destroyed while its NCCL communicator was being created");
   }
-  std::lock_guard<std::mutex> lock(g->mu);
   if (g->nccl != nullptr) {
     NcclCommDestroy(comm);
   } else {
@@ -99,7 +91,7 @@ Status CudaGroupNcclInit(int64_t id, const NcclUniqueId& uid) {
 }
 
 Status CudaGroupCarAlloc(int64_t id, size_t cap, std::string* handle) {
-  CudaGroup* g;
+  std::shared_ptr<CudaGroup> g;
   SPMD_RETURN_IF_ERROR(Find(id, &g));
   std::lock_guard<std::mutex> lock(g->mu);
   ReleaseCar(*g);
@@ -118,7 +110,7 @@ Status CudaGroupCarAlloc(int64_t id, size_t cap, std::string* handle) {
 }
 
 Status CudaGroupCarOpen(int64_t id, const std::vector<std::string>& handles) {
-  CudaGroup* g;
+  std::shared_ptr<CudaGroup> g;
   SPMD_RETURN_IF_ERROR(Find(id, &g));
   std::lock_guard<std::mutex> lock(g->mu);
   if (g->own == nullptr) return Status::Error("custom all-reduce buffer not allocated");
@@ -153,7 +145,7 @@ Status CudaGroupCarOpen(int64_t id, const std::vector<std::string>& handles) {
 }
 
 Status CudaGroupCarWriteCheck(int64_t id, uint32_t seed) {
-  CudaGroup* g;
+  std::shared_ptr<CudaGroup> g;
   SPMD_RETURN_IF_ERROR(Find(id, &g));
   std::lock_guard<std::mutex> lock(g->mu);
   if (g->own == nullptr) return Status::Error("custom all-reduce buffer not allocated");
@@ -161,7 +153,7 @@ Status CudaGroupCarWriteCheck(int64_t id, uint32_t seed) {
 }
 
 Status CudaGroupCarReadCheck(int64_t id, uint32_t seed, std::vector<int>* bad) {
-  CudaGroup* g;
+  std::shared_ptr<CudaGroup> g;
   SPMD_RETURN_IF_ERROR(Find(id, &g));
   std::lock_guard<std::mutex> lock(g->mu);
   uint32_t got[car::kMaxRanks] = {0};
@@ -175,26 +167,21 @@ Status CudaGroupCarReadCheck(int64_t id, uint32_t seed, std::vector<int>* bad) {
 }
 
 void CudaGroupDestroy(int64_t id) {
-  std::unique_ptr<CudaGroup> g;
-  {
-    std::lock_guard<std::mutex> lock(registry_mu);
-    auto it = Registry().find(id);
-    if (it == Registry().end()) return;
-    g = std::move(it->second);
-    Registry().erase(it);
-  }
+  std::shared_ptr<CudaGroup> g = RegistryOf<CudaGroup>().Remove(id);
+  if (g == nullptr) return;
+  // A handler that found the group before it was removed may still hold it: it waits for this
+  // lock and then finds no NCCL communicator and no custom all-reduce.
   std::lock_guard<std::mutex> lock(g->mu);
   cudaSetDevice(g->device);
   cudaDeviceSynchronize();  // spmd.finalize(): work still queued must not touch freed buffers
   ReleaseCar(*g);
   NcclCommDestroy(g->nccl);
+  g->nccl = nullptr;
   if (g->scratch != nullptr) cudaFree(g->scratch);
+  g->scratch = nullptr;
+  g->destroyed = true;
 }
 
-CudaGroup* CudaGroupFind(int64_t id) {
-  std::lock_guard<std::mutex> lock(registry_mu);
-  auto it = Registry().find(id);
-  return it == Registry().end() ? nullptr : it->second.get();
-}
+std::shared_ptr<CudaGroup> CudaGroupFind(int64_t id) { return RegistryOf<CudaGroup>().Find(id); }
 
 }  // namespace spmd

@@ -1,10 +1,12 @@
-// GPU groups: what the CUDA handlers run on. Python registers each group once (spmd/ops/_cuda.py):
-// an NCCL communicator made from a unique id that travelled through spmd's bootstrap, and, for a
-// group on one node, the custom all-reduce's IPC buffers. Compiled programs carry the group id.
+// GPU groups: what the CUDA handlers run on. The Python group layer (spmd.runtime) registers each
+// group once: an NCCL communicator made from a unique id that travelled through spmd's bootstrap,
+// and, for a group on one node, the custom all-reduce's IPC buffers. Compiled programs carry the
+// group id.
 #ifndef SPMD_CUDA_GROUPS_H_
 #define SPMD_CUDA_GROUPS_H_
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -29,6 +31,7 @@ struct CudaGroup {
   std::vector<char*> opened;  // by rank; nullptr for this rank
   car::Peers peers{};
   bool car_ready = false;
+  bool destroyed = false;  // by CudaGroupDestroy; its resources are released
   std::mutex mu;
   int world_rank() const { return world_ranks[rank]; }
 };
@@ -49,7 +52,8 @@ Status CudaGroupCarOpen(int64_t id, const std::vector<std::string>& handles);
 Status CudaGroupCarWriteCheck(int64_t id, uint32_t seed);
 Status CudaGroupCarReadCheck(int64_t id, uint32_t seed, std::vector<int>* bad);
 void CudaGroupDestroy(int64_t id);
-CudaGroup* CudaGroupFind(int64_t id);
+// nullptr if no group has this id (not registered, or destroyed by spmd.finalize).
+std::shared_ptr<CudaGroup> CudaGroupFind(int64_t id);
 
 uint32_t CheckPattern(uint32_t seed, int rank);
 

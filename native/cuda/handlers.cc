@@ -5,13 +5,15 @@
 
 #include <cuda_runtime.h>
 
+#include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "custom_ar.h"
 #include "groups.h"
+#include "spmd/call.h"
 #include "spmd/common.h"
-#include "spmd/ffi_util.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -41,84 +43,55 @@ NcclType NcclTypeOf(ffi::DataType d) {
   }
 }
 
-// Reduction codes as in Python (sum, prod, max, min); on bool, sum/max are logical or (max of
-// 0/1 bytes) and prod/min logical and (min).
+// NCCL's reduction codes are spmd's (ReduceOp); on bool, sum/max are logical or (max of 0/1
+// bytes) and prod/min logical and (min).
 NcclOp NcclOpOf(int32_t op, ffi::DataType d) {
-  if (d == ffi::DataType::PRED) return (op == 0 || op == 2) ? kNcclMax : kNcclMin;
+  static_assert(static_cast<int>(ReduceOp::kSum) == kNcclSum &&
+                    static_cast<int>(ReduceOp::kProd) == kNcclProd &&
+                    static_cast<int>(ReduceOp::kMax) == kNcclMax &&
+                    static_cast<int>(ReduceOp::kMin) == kNcclMin,
+                "ReduceOp codes are NCCL's");
+  const auto o = static_cast<ReduceOp>(op);
+  if (d == ffi::DataType::PRED) {
+    return (o == ReduceOp::kSum || o == ReduceOp::kMax) ? kNcclMax : kNcclMin;
+  }
   return static_cast<NcclOp>(op);
 }
 
+// The custom kernels' element type for `d`, matched by dtype name (car::kCustomDtypes).
 bool CustomDType(ffi::DataType d, car::DType* t) {
-  switch (d) {
-    case ffi::DataType::F32:
-      *t = car::DType::kF32;
+  const char* name = DtypeName(d);
+  for (const NamedCode& c : car::kCustomDtypes) {
+    if (std::strcmp(c.name, name) == 0) {
+      *t = static_cast<car::DType>(c.code);
       return true;
-    case ffi::DataType::F16:
-      *t = car::DType::kF16;
-      return true;
-    case ffi::DataType::BF16:
-      *t = car::DType::kBF16;
-      return true;
-    default:
-      return false;
-  }
-}
-
-const char* const kReduceNames[] = {"sum", "prod", "max", "min"};
-
-struct Call {
-  explicit Call(const char* name) : op(name) {}
-  const char* op;
-  cudaStream_t stream = nullptr;
-  CudaGroup* group = nullptr;
-  std::vector<Leaf> in, out;
-};
-
-ffi::Error Fail(const Call& call, const std::string& message) {
-  int rank = call.group ? call.group->world_rank() : -1;
-  return ffi::Error(ffi::ErrorCode::kInternal, "spmd.SpmdError: [rank " + std::to_string(rank) +
-                                                   "] " + call.op + " (GPU): " + message);
-}
-
-ffi::Error FromStatus(const Call& call, const Status& s) {
-  return s.ok() ? ffi::Error::Success() : Fail(call, s.message());
-}
-
-ffi::Error Decode(Call& call, cudaStream_t stream, int64_t group_id, ffi::RemainingArgs args,
-                  ffi::RemainingRets rets) {
-  call.stream = stream;
-  // NCCL compares no signatures, so the role bits only need masking off here.
-  call.group = CudaGroupFind(GroupIdOf(group_id));
-  if (call.group == nullptr) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      std::string("spmd.SpmdError: ") + call.op +
-                          " (GPU): its group is not initialized (spmd.finalize() was called, or "
-                          "the program was compiled in another process); call spmd.init() first");
-  }
-  for (size_t i = 1; i < args.size(); ++i) {
-    auto b = args.get<ffi::AnyBuffer>(i);
-    if (!b.has_value()) return b.error();
-    size_t w = ElemBytes(b->element_type());
-    if (w == 0) {
-      return Fail(call, "unsupported dtype; spmd's collectives take float16, bfloat16, float32, "
-                        "float64, int8, uint8, int32, int64 and bool arrays");
     }
-    call.in.push_back({static_cast<char*>(b->untyped_data()), b->size_bytes(), b->element_type(),
-                       w});
   }
-  for (size_t i = 1; i < rets.size(); ++i) {
-    auto b = rets.get<ffi::AnyBuffer>(i);
-    if (!b.has_value()) return b.error();
-    call.out.push_back({static_cast<char*>((*b)->untyped_data()), (*b)->size_bytes(),
-                        (*b)->element_type(), ElemBytes((*b)->element_type())});
-  }
-  return ffi::Error::Success();
+  return false;
 }
+
+// Errors name the op as "<op> (GPU)".
+struct Call : CallBase {
+  using CallBase::CallBase;
+  cudaStream_t stream = nullptr;
+  std::shared_ptr<CudaGroup> group;  // held for the whole call (spmd/registry.h)
+
+  // Finds the group and decodes the leaves. NCCL compares no signatures, so the role bits of
+  // the group attribute only need masking off here.
+  ffi::Error Start(cudaStream_t s, int64_t group_attr, ffi::RemainingArgs args,
+                   ffi::RemainingRets rets) {
+    stream = s;
+    group = CudaGroupFind(GroupIdOf(group_attr));
+    if (group == nullptr) return GroupMissing();
+    set_world_rank(group->world_rank());
+    return Decode(args, rets);
+  }
+};
 
 // Every NCCL path goes through here first.
 ffi::Error NeedNccl(const Call& call) {
   if (call.group->nccl != nullptr) return ffi::Error::Success();
-  return Fail(call, "this group has no NCCL communicator (NCCL failed to start for it)");
+  return call.Fail("this group has no NCCL communicator (NCCL failed to start for it)");
 }
 
 car::Call CarCall(const Call& call) {
@@ -140,13 +113,16 @@ Status CopyAsync(void* dst, const void* src, size_t bytes, cudaStream_t stream) 
 ffi::Error AllreduceFfi(cudaStream_t stream, int64_t group, int32_t op,
                         ffi::Span<const int64_t> algos, int32_t codec_code,
                         ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  Call call("allreduce");
-  if (ffi::Error e = Decode(call, stream, group, args, rets); e.failure()) return e;
+  Call call("allreduce (GPU)");
+  if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
   CudaGroup& g = *call.group;
-  if (op < 0 || op > 3) return Fail(call, "unknown reduction code " + std::to_string(op));
+  if (!HasCode(kReduceOps, op)) return call.Fail("unknown reduction code " + std::to_string(op));
   if (algos.size() != call.in.size()) {
-    return Fail(call, "got " + std::to_string(algos.size()) + " algorithm codes for " +
-                          std::to_string(call.in.size()) + " arrays");
+    return call.Fail("got " + std::to_string(algos.size()) + " algorithm codes for " +
+                     std::to_string(call.in.size()) + " arrays");
+  }
+  for (int64_t a : algos) {
+    if (!HasCode(car::kAlgos, a)) return call.Fail("unknown algorithm code " + std::to_string(a));
   }
   std::lock_guard<std::mutex> lock(g.mu);
   // The custom paths first, each leaf one launch; then every NCCL leaf in one NCCL group.
@@ -154,10 +130,11 @@ ffi::Error AllreduceFfi(cudaStream_t stream, int64_t group, int32_t op,
     auto algo = static_cast<car::Algo>(algos[i]);
     if (algo == car::Algo::kNccl) continue;
     car::DType t;
-    if (!g.car_ready || op != 0 || !CustomDType(call.in[i].dtype, &t)) {
-      return Fail(call, std::string("the custom all-reduce was chosen for a leaf it cannot take (") +
-                            (g.car_ready ? "" : "not registered for this group, ") + "op=" +
-                            kReduceNames[op] + ")");
+    const bool sum = op == static_cast<int32_t>(ReduceOp::kSum);
+    if (!g.car_ready || !sum || !CustomDType(call.in[i].dtype, &t)) {
+      return call.Fail(std::string("the custom all-reduce was chosen for a leaf it cannot take (") +
+                       (g.car_ready ? "" : "not registered for this group, ") + "op=" +
+                       NameOf(kReduceOps, op) + ")");
     }
     const void* in = call.in[i].data;
     void* out = call.out[i].data;
@@ -166,7 +143,7 @@ ffi::Error AllreduceFfi(cudaStream_t stream, int64_t group, int32_t op,
                    ? car::QuantizedAllReduce(CarCall(call), static_cast<codec::Codec>(codec_code),
                                              t, &in, &out, count)
                    : car::AllReduce(CarCall(call), algo, t, &in, &out, count);
-    if (!s.ok()) return FromStatus(call, s);
+    if (!s.ok()) return call.FromStatus(s);
   }
   bool any_nccl = false;
   for (size_t i = 0; i < call.in.size(); ++i) {
@@ -175,15 +152,15 @@ ffi::Error AllreduceFfi(cudaStream_t stream, int64_t group, int32_t op,
   if (!any_nccl) return ffi::Error::Success();
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   NcclGroup group_call;
-  if (!group_call.status().ok()) return FromStatus(call, group_call.status());
+  if (!group_call.status().ok()) return call.FromStatus(group_call.status());
   for (size_t i = 0; i < call.in.size(); ++i) {
     if (static_cast<car::Algo>(algos[i]) != car::Algo::kNccl || call.in[i].bytes == 0) continue;
     Status s = NcclAllReduce(call.in[i].data, call.out[i].data, call.in[i].bytes / call.in[i].elem,
                              NcclTypeOf(call.in[i].dtype), NcclOpOf(op, call.in[i].dtype), g.nccl,
                              stream);
-    if (!s.ok()) return FromStatus(call, s);
+    if (!s.ok()) return call.FromStatus(s);
   }
-  return FromStatus(call, group_call.End());
+  return call.FromStatus(group_call.End());
 }
 
 // -- allgather(v) / reduce_scatter(v) ---------------------------------------------------------
@@ -192,13 +169,13 @@ ffi::Error AllreduceFfi(cudaStream_t stream, int64_t group, int32_t op,
 // rank into its place, fused in one NCCL group (NCCL has no allgatherv).
 ffi::Error AllgatherFfi(cudaStream_t stream, int64_t group, ffi::Span<const int64_t> sizes,
                         ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  Call call(sizes.size() ? "allgatherv" : "allgather");
-  if (ffi::Error e = Decode(call, stream, group, args, rets); e.failure()) return e;
+  Call call(sizes.size() ? "allgatherv (GPU)" : "allgather (GPU)");
+  if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
   if (sizes.size() != 0 && static_cast<int>(sizes.size()) != g.size) {
-    return Fail(call, "sizes has " + std::to_string(sizes.size()) + " entries for a group of " +
-                          std::to_string(g.size));
+    return call.Fail("sizes has " + std::to_string(sizes.size()) + " entries for a group of " +
+                     std::to_string(g.size));
   }
   int64_t total = 0;
   for (int64_t s : sizes) total += s;
@@ -209,20 +186,20 @@ ffi::Error AllgatherFfi(cudaStream_t stream, int64_t group, ffi::Span<const int6
     size_t row = total ? call.out[i].bytes / static_cast<size_t>(total) : 0;
     size_t bytes = static_cast<size_t>(sizes[g.rank]) * row;
     if (bytes != in.bytes) {
-      return Fail(call, "this rank passed " + std::to_string(in.bytes / in.elem) +
-                            " elements, sizes says " + std::to_string(bytes / in.elem));
+      return call.Fail("this rank passed " + std::to_string(in.bytes / in.elem) +
+                       " elements, sizes says " + std::to_string(bytes / in.elem));
     }
   }
   std::lock_guard<std::mutex> lock(g.mu);
   NcclGroup group_call;
-  if (!group_call.status().ok()) return FromStatus(call, group_call.status());
+  if (!group_call.status().ok()) return call.FromStatus(group_call.status());
   for (size_t i = 0; i < call.in.size(); ++i) {
     const Leaf& in = call.in[i];
     const Leaf& out = call.out[i];
     if (sizes.size() == 0) {
       if (in.bytes == 0) continue;
       Status s = NcclAllGather(in.data, out.data, in.bytes, kNcclUint8, g.nccl, stream);
-      if (!s.ok()) return FromStatus(call, s);
+      if (!s.ok()) return call.FromStatus(s);
       continue;
     }
     size_t row = total ? out.bytes / static_cast<size_t>(total) : 0;
@@ -231,32 +208,32 @@ ffi::Error AllgatherFfi(cudaStream_t stream, int64_t group, ffi::Span<const int6
       size_t bytes = static_cast<size_t>(sizes[r]) * row;
       if (bytes != 0) {
         Status s = NcclBroadcast(in.data, out.data + offset, bytes, kNcclUint8, r, g.nccl, stream);
-        if (!s.ok()) return FromStatus(call, s);
+        if (!s.ok()) return call.FromStatus(s);
       }
       offset += bytes;
     }
   }
-  return FromStatus(call, group_call.End());
+  return call.FromStatus(group_call.End());
 }
 
 // Without sizes: NCCL's reduce-scatter. With sizes: one reduce per rank onto that rank.
 ffi::Error ReduceScatterFfi(cudaStream_t stream, int64_t group, int32_t op,
                             ffi::Span<const int64_t> sizes, ffi::RemainingArgs args,
                             ffi::RemainingRets rets) {
-  Call call(sizes.size() ? "reduce_scatterv" : "reduce_scatter");
-  if (ffi::Error e = Decode(call, stream, group, args, rets); e.failure()) return e;
+  Call call(sizes.size() ? "reduce_scatterv (GPU)" : "reduce_scatter (GPU)");
+  if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
-  if (op < 0 || op > 3) return Fail(call, "unknown reduction code " + std::to_string(op));
+  if (!HasCode(kReduceOps, op)) return call.Fail("unknown reduction code " + std::to_string(op));
   if (sizes.size() != 0 && static_cast<int>(sizes.size()) != g.size) {
-    return Fail(call, "sizes has " + std::to_string(sizes.size()) + " entries for a group of " +
-                          std::to_string(g.size));
+    return call.Fail("sizes has " + std::to_string(sizes.size()) + " entries for a group of " +
+                     std::to_string(g.size));
   }
   int64_t total = 0;
   for (int64_t s : sizes) total += s;
   std::lock_guard<std::mutex> lock(g.mu);
   NcclGroup group_call;
-  if (!group_call.status().ok()) return FromStatus(call, group_call.status());
+  if (!group_call.status().ok()) return call.FromStatus(group_call.status());
   for (size_t i = 0; i < call.in.size(); ++i) {
     const Leaf& in = call.in[i];
     const Leaf& out = call.out[i];
@@ -265,7 +242,7 @@ ffi::Error ReduceScatterFfi(cudaStream_t stream, int64_t group, int32_t op,
     if (sizes.size() == 0) {
       if (out.bytes == 0) continue;
       Status s = NcclReduceScatter(in.data, out.data, out.bytes / out.elem, t, o, g.nccl, stream);
-      if (!s.ok()) return FromStatus(call, s);
+      if (!s.ok()) return call.FromStatus(s);
       continue;
     }
     size_t row = total ? in.bytes / static_cast<size_t>(total) : 0;
@@ -277,39 +254,39 @@ ffi::Error ReduceScatterFfi(cudaStream_t stream, int64_t group, int32_t op,
         // pointer NCCL never writes.
         void* dst = r == g.rank ? static_cast<void*>(out.data) : static_cast<void*>(in.data);
         Status s = NcclReduce(in.data + offset, dst, bytes / in.elem, t, o, r, g.nccl, stream);
-        if (!s.ok()) return FromStatus(call, s);
+        if (!s.ok()) return call.FromStatus(s);
       }
       offset += bytes;
     }
   }
-  return FromStatus(call, group_call.End());
+  return call.FromStatus(group_call.End());
 }
 
 // -- broadcast, all_to_all --------------------------------------------------------------------
 
 ffi::Error BroadcastFfi(cudaStream_t stream, int64_t group, int64_t root, ffi::RemainingArgs args,
                         ffi::RemainingRets rets) {
-  Call call("broadcast");
-  if (ffi::Error e = Decode(call, stream, group, args, rets); e.failure()) return e;
+  Call call("broadcast (GPU)");
+  if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
   std::lock_guard<std::mutex> lock(g.mu);
   NcclGroup group_call;
-  if (!group_call.status().ok()) return FromStatus(call, group_call.status());
+  if (!group_call.status().ok()) return call.FromStatus(group_call.status());
   for (size_t i = 0; i < call.in.size(); ++i) {
     if (call.out[i].bytes == 0) continue;
     Status s = NcclBroadcast(call.in[i].data, call.out[i].data, call.out[i].bytes, kNcclUint8,
                              static_cast<int>(root), g.nccl, stream);
-    if (!s.ok()) return FromStatus(call, s);
+    if (!s.ok()) return call.FromStatus(s);
   }
-  return FromStatus(call, group_call.End());
+  return call.FromStatus(group_call.End());
 }
 
 // Block p of the input goes to rank p; block p of the output comes from rank p.
 ffi::Error AllToAllFfi(cudaStream_t stream, int64_t group, ffi::RemainingArgs args,
                        ffi::RemainingRets rets) {
-  Call call("all_to_all");
-  if (ffi::Error e = Decode(call, stream, group, args, rets); e.failure()) return e;
+  Call call("all_to_all (GPU)");
+  if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
   std::lock_guard<std::mutex> lock(g.mu);
@@ -317,10 +294,10 @@ ffi::Error AllToAllFfi(cudaStream_t stream, int64_t group, ffi::RemainingArgs ar
     size_t block = call.in[i].bytes / static_cast<size_t>(g.size);
     Status s = CopyAsync(call.out[i].data + g.rank * block, call.in[i].data + g.rank * block,
                          block, stream);
-    if (!s.ok()) return FromStatus(call, s);
+    if (!s.ok()) return call.FromStatus(s);
   }
   NcclGroup group_call;
-  if (!group_call.status().ok()) return FromStatus(call, group_call.status());
+  if (!group_call.status().ok()) return call.FromStatus(group_call.status());
   for (size_t i = 0; i < call.in.size(); ++i) {
     size_t block = call.in[i].bytes / static_cast<size_t>(g.size);
     if (block == 0) continue;
@@ -328,10 +305,10 @@ ffi::Error AllToAllFfi(cudaStream_t stream, int64_t group, ffi::RemainingArgs ar
       if (p == g.rank) continue;
       Status s = NcclSend(call.in[i].data + p * block, block, kNcclUint8, p, g.nccl, stream);
       if (s.ok()) s = NcclRecv(call.out[i].data + p * block, block, kNcclUint8, p, g.nccl, stream);
-      if (!s.ok()) return FromStatus(call, s);
+      if (!s.ok()) return call.FromStatus(s);
     }
   }
-  return FromStatus(call, group_call.End());
+  return call.FromStatus(group_call.End());
 }
 
 // -- point to point, barrier ------------------------------------------------------------------
@@ -339,35 +316,35 @@ ffi::Error AllToAllFfi(cudaStream_t stream, int64_t group, ffi::RemainingArgs ar
 // send: src < 0 and no result; recv: dst < 0 and no operand.
 ffi::Error SendRecvFfi(cudaStream_t stream, int64_t group, int64_t src, int64_t dst,
                        ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  Call call("sendrecv");
-  if (ffi::Error e = Decode(call, stream, group, args, rets); e.failure()) return e;
+  Call call("sendrecv (GPU)");
+  if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
   std::lock_guard<std::mutex> lock(g.mu);
   NcclGroup group_call;
-  if (!group_call.status().ok()) return FromStatus(call, group_call.status());
+  if (!group_call.status().ok()) return call.FromStatus(group_call.status());
   if (dst >= 0 && !call.in.empty() && call.in[0].bytes != 0) {
     Status s = NcclSend(call.in[0].data, call.in[0].bytes, kNcclUint8, static_cast<int>(dst),
                         g.nccl, stream);
-    if (!s.ok()) return FromStatus(call, s);
+    if (!s.ok()) return call.FromStatus(s);
   }
   if (src >= 0 && !call.out.empty() && call.out[0].bytes != 0) {
     Status s = NcclRecv(call.out[0].data, call.out[0].bytes, kNcclUint8, static_cast<int>(src),
                         g.nccl, stream);
-    if (!s.ok()) return FromStatus(call, s);
+    if (!s.ok()) return call.FromStatus(s);
   }
-  return FromStatus(call, group_call.End());
+  return call.FromStatus(group_call.End());
 }
 
 // A one-byte allreduce: every rank's later work on this stream waits for every rank.
 ffi::Error BarrierFfi(cudaStream_t stream, int64_t group, ffi::RemainingArgs args,
                       ffi::RemainingRets rets) {
-  Call call("barrier");
-  if (ffi::Error e = Decode(call, stream, group, args, rets); e.failure()) return e;
+  Call call("barrier (GPU)");
+  if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
   std::lock_guard<std::mutex> lock(g.mu);
-  return FromStatus(call, NcclAllReduce(g.scratch, g.scratch, 1, kNcclUint8, kNcclMax, g.nccl,
+  return call.FromStatus(NcclAllReduce(g.scratch, g.scratch, 1, kNcclUint8, kNcclMax, g.nccl,
                                         stream));
 }
 
@@ -377,26 +354,28 @@ ffi::Error BarrierFfi(cudaStream_t stream, int64_t group, ffi::RemainingArgs arg
 // (one-shot or two-shot by rows), 0 = NCCL all-reduce into residual_out, then the norm kernel.
 ffi::Error AllreduceRmsNormFfi(cudaStream_t stream, int64_t group, float eps, int32_t algo,
                                ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  Call call("allreduce_rmsnorm");
-  if (ffi::Error e = Decode(call, stream, group, args, rets); e.failure()) return e;
+  Call call("allreduce_rmsnorm (GPU)");
+  if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
   CudaGroup& g = *call.group;
   if (call.in.size() != 3 || call.out.size() != 2) {
-    return Fail(call, "expected operands x, residual, weight and results normed, residual_out");
+    return call.Fail("expected operands x, residual, weight and results normed, residual_out");
   }
   car::DType t;
-  if (!CustomDType(call.in[0].dtype, &t)) return Fail(call, "x must be float32, float16 or bfloat16");
+  if (!CustomDType(call.in[0].dtype, &t)) {
+    return call.Fail("x must be float32, float16 or bfloat16");
+  }
   if (call.in[0].bytes == 0 && call.out[0].bytes == 0 && call.out[1].bytes == 0) {
     return ffi::Error::Success();  // no rows or no columns: nothing to do on any rank
   }
-  auto wdims = args.get<ffi::AnyBuffer>(3)->dimensions();
+  auto wdims = call.in[2].dims;
   size_t hidden = wdims.size() == 1 ? static_cast<size_t>(wdims[0]) : 0;
   size_t rows = hidden ? call.in[0].bytes / call.in[0].elem / hidden : 0;
   size_t plane = rows * hidden * call.in[0].elem;
   if (hidden == 0 || plane != call.in[0].bytes || call.in[1].bytes != plane ||
       call.in[2].bytes != hidden * call.in[0].elem || call.out[0].bytes != plane ||
       call.out[1].bytes != plane) {
-    return Fail(call, "x, residual, normed and residual_out must be [rows, hidden] and weight "
-                      "[hidden], all of x's dtype");
+    return call.Fail("x, residual, normed and residual_out must be [rows, hidden] and weight "
+                     "[hidden], all of x's dtype");
   }
   std::lock_guard<std::mutex> lock(g.mu);
   const void* x = call.in[0].data;
@@ -405,22 +384,24 @@ ffi::Error AllreduceRmsNormFfi(cudaStream_t stream, int64_t group, float eps, in
   void* normed = call.out[0].data;
   void* res_out = call.out[1].data;
   if (algo != 0) {
-    if (!g.car_ready) return Fail(call, "the fused kernel was chosen but the custom all-reduce is "
-                                        "not registered for this group");
-    return FromStatus(call, car::AllReduceRmsNorm(CarCall(call), static_cast<car::Algo>(algo), t,
-                                                  &x, &residual, &weight, eps, rows, hidden,
-                                                  &normed, &res_out));
+    if (!g.car_ready) {
+      return call.Fail("the fused kernel was chosen but the custom all-reduce is not registered "
+                       "for this group");
+    }
+    return call.FromStatus(car::AllReduceRmsNorm(CarCall(call), static_cast<car::Algo>(algo), t,
+                                                 &x, &residual, &weight, eps, rows, hidden,
+                                                 &normed, &res_out));
   }
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   Status s = NcclAllReduce(x, res_out, call.in[0].bytes / call.in[0].elem,
                            NcclTypeOf(call.in[0].dtype), kNcclSum, g.nccl, stream);
   if (s.ok()) s = car::RmsNorm(stream, t, res_out, residual, weight, eps, rows, hidden, normed, res_out);
-  return FromStatus(call, s);
+  return call.FromStatus(s);
 }
 
 }  // namespace
 
-// All attrs: group (i64) first; see the Python lowering (spmd/ops/_core.py, lower_collective).
+// All attrs: group (i64) first; see the Python lowering (lower_collective in spmd.ops).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllreduce, AllreduceFfi,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()

@@ -5,9 +5,11 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <cstddef>
 #include <vector>
 
 #include "spmd/status.h"
+#include "spmd/tables.h"
 
 namespace spmd_python {
 
@@ -32,6 +34,31 @@ inline bool IntList(PyObject* seq, std::vector<int>* out) {
   }
   Py_DECREF(fast);
   return true;
+}
+
+// {name: code} of a native table; nullptr with a Python error set on failure.
+template <size_t N>
+PyObject* CodeDict(const spmd::NamedCode (&table)[N]) {
+  PyObject* d = PyDict_New();
+  if (d == nullptr) return nullptr;
+  for (const spmd::NamedCode& e : table) {
+    PyObject* v = PyLong_FromLongLong(e.code);
+    if (v == nullptr || PyDict_SetItemString(d, e.name, v) != 0) {
+      Py_XDECREF(v);
+      Py_DECREF(d);
+      return nullptr;
+    }
+    Py_DECREF(v);
+  }
+  return d;
+}
+
+// d[key] = value, taking the reference to `value` (which may be nullptr: an error already set).
+inline bool SetNew(PyObject* d, const char* key, PyObject* value) {
+  if (value == nullptr) return false;
+  int rc = PyDict_SetItemString(d, key, value);
+  Py_DECREF(value);
+  return rc == 0;
 }
 
 }  // namespace spmd_python

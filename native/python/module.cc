@@ -1,10 +1,12 @@
-// spmd._native: the one Python extension module of spmd. It hands the XLA FFI handlers to JAX as
-// PyCapsules and lets spmd/ops register the groups the handlers run on.
+// spmd._native: the CPU half of spmd's native layer. It hands the XLA FFI handlers to JAX as
+// PyCapsules, lets the Python group layer (spmd.runtime) register the groups the handlers run on,
+// and exports the tables of codes the two sides share.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -12,13 +14,16 @@
 #include "../cpu/handlers.h"
 #include "../cpu/mpi.h"
 #include "../cuda/codec.h"
+#include "../cuda/custom_ar.h"
 #include "args.h"
 #include "spmd/common.h"
 
 namespace {
 
+using spmd_python::CodeDict;
 using spmd_python::IntList;
 using spmd_python::Raise;
+using spmd_python::SetNew;
 
 // abi_version() -> int: SPMD_NATIVE_ABI_VERSION this module was compiled with.
 PyObject* AbiVersion(PyObject*, PyObject*) { return PyLong_FromLong(SPMD_NATIVE_ABI_VERSION); }
@@ -26,6 +31,39 @@ PyObject* AbiVersion(PyObject*, PyObject*) { return PyLong_FromLong(SPMD_NATIVE_
 // xla_ffi_api_version() -> (major, minor) of the XLA FFI C API in the headers used at build time.
 PyObject* XlaFfiApiVersion(PyObject*, PyObject*) {
   return Py_BuildValue("(ii)", XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+}
+
+// tables() -> {name: table}: the codes the handlers and this module's functions take, each defined
+// once in native code (spmd/tables.h): reduce_ops, transports, wires, staging and roles
+// ({name: code}), role_shift, error_marker, dtypes (the names of the dtypes the collectives
+// take, in the order messages list them), and the GPU chain's algos, codecs and custom_dtypes.
+PyObject* Tables(PyObject*, PyObject*) {
+  PyObject* d = PyDict_New();
+  if (d == nullptr) return nullptr;
+  PyObject* dtypes = PyTuple_New(static_cast<Py_ssize_t>(std::size(spmd::kDtypes)));
+  for (size_t i = 0; dtypes != nullptr && i < std::size(spmd::kDtypes); ++i) {
+    PyObject* name = PyUnicode_FromString(spmd::kDtypes[i].name);
+    if (name == nullptr) Py_CLEAR(dtypes);
+    if (dtypes != nullptr) PyTuple_SET_ITEM(dtypes, static_cast<Py_ssize_t>(i), name);
+  }
+  bool ok = SetNew(d, "reduce_ops", CodeDict(spmd::kReduceOps)) &&
+            SetNew(d, "transports", CodeDict(spmd::kTransportKinds)) &&
+            SetNew(d, "wires", CodeDict(spmd::kWires)) &&
+            SetNew(d, "staging", CodeDict(spmd::ShmGroup::kStagingModes)) &&
+            SetNew(d, "roles", CodeDict(spmd::kRoles)) &&
+            SetNew(d, "role_shift", PyLong_FromLong(spmd::kRoleShift)) &&
+            SetNew(d, "error_marker", PyUnicode_FromString(spmd::kErrorMarker)) &&
+            SetNew(d, "dtypes", dtypes) &&
+            // The GPU all-reduce chain's codes, here too: Python chooses algorithms without a
+            // GPU (and checks quantize= on CPU) where the GPU module is not built.
+            SetNew(d, "algos", CodeDict(spmd::car::kAlgos)) &&
+            SetNew(d, "codecs", CodeDict(spmd::codec::kCodecs)) &&
+            SetNew(d, "custom_dtypes", CodeDict(spmd::car::kCustomDtypes));
+  if (!ok) {
+    Py_DECREF(d);
+    return nullptr;
+  }
+  return d;
 }
 
 // cpu_handlers() -> {target name: PyCapsule of its XLA_FFI_Handler}.
@@ -80,7 +118,7 @@ PyObject* GroupCreate(PyObject*, PyObject* args) {
 }
 
 // group_attach_shm(id, which, name, create, rank, size, world_ranks, chunk, staging) -> None
-// staging: 0 auto, 1 cached, 2 streamed (ShmGroup::Staging).
+// staging: a ShmGroup::Staging code.
 PyObject* GroupAttachShm(PyObject*, PyObject* args) {
   long long id, chunk;
   int which, create, rank, size, staging;
@@ -90,8 +128,9 @@ PyObject* GroupAttachShm(PyObject*, PyObject* args) {
                         &chunk, &staging)) {
     return nullptr;
   }
-  if (staging < 0 || staging > 2) {
-    PyErr_SetString(PyExc_ValueError, "staging must be 0 (auto), 1 (cached) or 2 (streamed)");
+  if (!spmd::HasCode(spmd::ShmGroup::kStagingModes, staging)) {
+    PyErr_SetString(PyExc_ValueError,
+                    ("staging must be " + spmd::CodeList(spmd::ShmGroup::kStagingModes)).c_str());
     return nullptr;
   }
   std::vector<int> r;
@@ -123,12 +162,18 @@ PyObject* GroupAttachMpi(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// group_set_backend(id, code) -> None
-PyObject* GroupSetBackend(PyObject*, PyObject* args) {
+// group_set_transport(id, code) -> None: the group's transport (TransportKind); an error if what
+// it needs is not attached to the group.
+PyObject* GroupSetTransport(PyObject*, PyObject* args) {
   long long id;
   int code;
   if (!PyArg_ParseTuple(args, "Li", &id, &code)) return nullptr;
-  spmd::Status s = spmd::GroupSetBackend(id, static_cast<spmd::Backend>(code));
+  if (!spmd::HasCode(spmd::kTransportKinds, code)) {
+    PyErr_SetString(PyExc_ValueError,
+                    ("transport must be " + spmd::CodeList(spmd::kTransportKinds)).c_str());
+    return nullptr;
+  }
+  spmd::Status s = spmd::GroupSetTransport(id, static_cast<spmd::TransportKind>(code));
   if (!s.ok()) return Raise(s);
   Py_RETURN_NONE;
 }
@@ -173,8 +218,9 @@ PyObject* FloatBytes(const std::vector<float>& v) {
 }
 
 bool CodecArg(int code, spmd::codec::Codec* c) {
-  if (code < 1 || code > 3) {
-    PyErr_SetString(PyExc_ValueError, "codec code must be 1 (fp8), 2 (int8) or 3 (int4)");
+  if (!spmd::HasCode(spmd::codec::kCodecs, code)) {
+    PyErr_SetString(PyExc_ValueError,
+                    ("codec code must be " + spmd::CodeList(spmd::codec::kCodecs)).c_str());
     return false;
   }
   *c = static_cast<spmd::codec::Codec>(code);
@@ -227,12 +273,13 @@ PyMethodDef kMethods[] = {
     {"abi_version", AbiVersion, METH_NOARGS, "ABI version of spmd's native layer."},
     {"xla_ffi_api_version", XlaFfiApiVersion, METH_NOARGS,
      "(major, minor) of the XLA FFI C API the module was compiled against."},
+    {"tables", Tables, METH_NOARGS, "The native code tables, by name."},
     {"cpu_handlers", CpuHandlers, METH_NOARGS, "The CPU FFI handlers by target name."},
     {"mpi_load", MpiLoad, METH_VARARGS, "Resolve MPI functions from the library mpi4py loaded."},
     {"group_create", GroupCreate, METH_VARARGS, "Register a group."},
     {"group_attach_shm", GroupAttachShm, METH_VARARGS, "Map a group's shared-memory segment."},
     {"group_attach_mpi", GroupAttachMpi, METH_VARARGS, "Give a group an MPI communicator."},
-    {"group_set_backend", GroupSetBackend, METH_VARARGS, "Choose how a group moves data."},
+    {"group_set_transport", GroupSetTransport, METH_VARARGS, "Choose how a group moves data."},
     {"group_shm_hop_ns", GroupShmHopNs, METH_VARARGS, "Time the shared-memory staging probe."},
     {"group_destroy", GroupDestroy, METH_VARARGS, "Unregister a group."},
     {"quant_roundtrip", QuantRoundtrip, METH_VARARGS, "Encode and decode with a GPU codec."},

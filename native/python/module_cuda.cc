@@ -1,6 +1,7 @@
 // spmd._native_cuda: the GPU half of spmd's native layer, built only where nvcc is found. It
-// hands the CUDA FFI handlers to JAX, lets spmd/ops/_cuda.py register GPU groups (NCCL and the
-// custom all-reduce's IPC buffers), and runs the simulation mode for tests and benchmarks.
+// hands the CUDA FFI handlers to JAX, lets the Python group layer (spmd.runtime) register GPU
+// groups (NCCL and the custom all-reduce's IPC buffers), exports the GPU code tables, and runs
+// the simulation mode for tests and benchmarks.
 // Importing it touches no GPU: CUDA and NCCL are first used when a group is registered.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -18,8 +19,10 @@
 
 namespace {
 
+using spmd_python::CodeDict;
 using spmd_python::IntList;
 using spmd_python::Raise;
+using spmd_python::SetNew;
 
 bool BytesList(PyObject* seq, std::vector<std::string>* out) {
   PyObject* fast = PySequence_Fast(seq, "expected a sequence of bytes");
@@ -53,6 +56,36 @@ PyObject* ToBytesList(const std::vector<std::string>& v) {
 }
 
 PyObject* AbiVersion(PyObject*, PyObject*) { return PyLong_FromLong(SPMD_NATIVE_ABI_VERSION); }
+
+// tables() -> {name: {name: code}}: the GPU codes, each defined once in native code: algos (the
+// allreduce's per-leaf algorithms), codecs (the quantized all-reduce's), custom_dtypes (the
+// custom kernels' element types).
+PyObject* Tables(PyObject*, PyObject*) {
+  PyObject* d = PyDict_New();
+  if (d == nullptr) return nullptr;
+  if (!SetNew(d, "algos", CodeDict(spmd::car::kAlgos)) ||
+      !SetNew(d, "codecs", CodeDict(spmd::codec::kCodecs)) ||
+      !SetNew(d, "custom_dtypes", CodeDict(spmd::car::kCustomDtypes))) {
+    Py_DECREF(d);
+    return nullptr;
+  }
+  return d;
+}
+
+// The simulation's dtype, algorithm and codec codes; false with a ValueError set otherwise.
+bool SimCodes(int dtype, int algo, int codec_code) {
+  std::string bad;
+  if (!spmd::HasCode(spmd::car::kCustomDtypes, dtype)) {
+    bad = "dtype must be " + spmd::CodeList(spmd::car::kCustomDtypes);
+  } else if (algo != -1 && !spmd::HasCode(spmd::car::kAlgos, algo)) {
+    bad = "algo must be " + spmd::CodeList(spmd::car::kAlgos);
+  } else if (codec_code != 0 && !spmd::HasCode(spmd::codec::kCodecs, codec_code)) {
+    bad = "codec must be 0 (none) or " + spmd::CodeList(spmd::codec::kCodecs);
+  }
+  if (bad.empty()) return true;
+  PyErr_SetString(PyExc_ValueError, bad.c_str());
+  return false;
+}
 
 // cuda_handlers() -> {target name: PyCapsule of its XLA_FFI_Handler}.
 PyObject* CudaHandlers(PyObject*, PyObject*) {
@@ -198,6 +231,7 @@ PyObject* SimAllreduce(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "iiiiOi", &world, &dtype, &algo, &codec_code, &inputs, &iters)) {
     return nullptr;
   }
+  if (!SimCodes(dtype, algo, codec_code)) return nullptr;
   std::vector<std::string> in, out;
   if (!BytesList(inputs, &in)) return nullptr;
   double ms = 0;
@@ -226,6 +260,7 @@ PyObject* SimAllreduceRmsNorm(PyObject*, PyObject* args) {
                         &residuals, &weight, &weight_len, &eps, &iters)) {
     return nullptr;
   }
+  if (!SimCodes(dtype, -1, 0)) return nullptr;
   std::vector<std::string> x, r, normed, res_out;
   if (!BytesList(xs, &x) || !BytesList(residuals, &r)) return nullptr;
   std::string w(weight, static_cast<size_t>(weight_len));
@@ -261,6 +296,7 @@ PyObject* CopyTime(PyObject*, PyObject* args) {
 
 PyMethodDef kMethods[] = {
     {"abi_version", AbiVersion, METH_NOARGS, "ABI version of spmd's native layer."},
+    {"tables", Tables, METH_NOARGS, "The GPU code tables, by name."},
     {"cuda_handlers", CudaHandlers, METH_NOARGS, "The CUDA FFI handlers by target name."},
     {"nccl_load", NcclLoad, METH_VARARGS, "Load NCCL from a library path."},
     {"nccl_version", NcclVersion, METH_NOARGS, "Version of the loaded NCCL."},

@@ -16,7 +16,7 @@ from typing import Any
 from ._errors import SpmdError
 
 # Must equal SPMD_NATIVE_ABI_VERSION in native/include/spmd/common.h.
-NATIVE_ABI_VERSION = 7
+NATIVE_ABI_VERSION = 8
 
 
 def _load(name: str) -> ModuleType:
@@ -66,28 +66,15 @@ def require_native_cuda(op: str | None = None) -> ModuleType:
     return mod
 
 
-# The shared codes. TODO(native ABI 8): read from native().tables() / native_cuda().tables().
-_TABLES: dict[str, Any] = {
-    "reduce_ops": {"sum": 0, "prod": 1, "max": 2, "min": 3},
-    "transports": {"shm": 0, "mpi": 1, "hier": 2},
-    "wires": {"fp16": 1, "bf16": 2},
-    "staging": {"auto": 0, "cached": 1, "streamed": 2},
-    "roles": {"forward": 0, "jvp": 1, "backward": 2},
-    "role_shift": 56,
-    "error_marker": "spmd.SpmdError: ",
-}
-_CUDA_TABLES: dict[str, Any] = {
-    "algos": {"nccl": 0, "one_shot": 1, "two_shot": 2, "quantized": 3},
-    "codecs": {"fp8": 1, "int8": 2, "int4": 3},
-    "custom_dtypes": {"float32": 0, "float16": 1, "bfloat16": 2},
-}
-
-
+@functools.cache
 def tables() -> dict[str, Any]:
-    """The codes ``spmd._native`` shares with Python."""
-    return _TABLES
+    """The codes the native layer shares with Python (``spmd._native.tables()``): reduce_ops,
+    transports, wires, staging, roles, role_shift, error_marker, dtypes, and the GPU chain's
+    algos, codecs and custom_dtypes."""
+    return dict(native().tables())
 
 
 def cuda_tables() -> dict[str, Any]:
-    """The codes ``spmd._native_cuda`` shares with Python (available without a GPU build)."""
-    return _CUDA_TABLES
+    """The GPU chain's codes (algos, codecs, custom_dtypes), available without the GPU module:
+    the CPU module exports the same tables."""
+    return {k: tables()[k] for k in ("algos", "codecs", "custom_dtypes")}

@@ -16,11 +16,10 @@ import numpy as np
 from .._errors import SpmdError, SpmdTypeError
 from .._native_lib import tables
 
+# The dtypes the native handlers take, in the order messages list them.
 SUPPORTED_DTYPES = tuple(
-    np.dtype(d)
-    for d in ("float16", jnp.bfloat16, "float32", "float64", "int8", "uint8", "int32", "int64",
-              "bool")
-)  # fmt: skip
+    np.dtype(jnp.bfloat16 if name == "bfloat16" else name) for name in tables()["dtypes"]
+)
 REDUCE_OPS: dict[str, int] = tables()["reduce_ops"]
 REDUCE_NAMES = (*REDUCE_OPS, "avg")
 # What a collective takes as a leaf: arrays and scalars (then checked for their dtype).

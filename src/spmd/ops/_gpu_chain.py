@@ -35,7 +35,7 @@ CUSTOM_DTYPES = tuple(cuda_tables()["custom_dtypes"])
 GPU_TRANSPORTS = ("auto", "custom", "nccl")
 FUSED_MAX_HIDDEN = 16384
 
-# Defaults by world size (docs/gpu.md, "Thresholds").
+# Defaults by world size, to be tuned on hardware (docs/gpu.md, "The all-reduce chain").
 _ONE_SHOT_MAX = {2: 1 << 20, 4: 512 << 10}
 _ONE_SHOT_MAX_OTHER = 256 << 10
 _QUANTIZE_MIN = {2: 1 << 20, 4: 2 << 20, 6: 4 << 20, 8: 4 << 20}

@@ -1,11 +1,9 @@
 """Pin each rank ``spmd-run`` starts to its own share of the cores.
 
 Unpinned, N ranks on N cores each run a thread pool as wide as the machine (XLA's, the BLAS's),
-and the scheduler moves them across cores: on the 2-core machine of
-``benchmarks/data_parallel.py`` a 2-rank data-parallel step took 7.3-7.8 ms unpinned and
-6.7-6.9 ms pinned over two 7-round runs (benchmarks/results/data_parallel-cpu2-n2.md). Open
-MPI's launcher pins by default for the same reason; MPICH's does not, so the per-rank wrapper
-does it, before the user's program starts its threads:
+and the scheduler moves them across cores, which slows a data-parallel step (measured in
+docs/performance.md, "Pinning"). Open MPI's launcher pins by default for the same reason;
+MPICH's does not, so the per-rank wrapper does it, before the user's program starts its threads:
 
 - ``spmd-run`` records the cores it may use (``SPMD_BIND_CPUS``); a rank whose own set is still
   that set (the launcher did not pin it) and whose node holds at most that many ranks takes the

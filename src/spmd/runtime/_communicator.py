@@ -75,7 +75,7 @@ def resolve_rank_list(rank_list: Any, world_size: int, rank: int) -> Groups:
 class Communicator:
     """This process's view of one group of processes.
 
-    Attributes (read-only):
+    Attributes (read-only; the names and meanings of RAF's Distribution Mechanism):
         rank, size: this process's rank in the group and the group's size.
         local_rank, local_size: rank and count among the group's ranks on this node.
         world_rank, world_size: rank and size in the world communicator.
@@ -83,7 +83,9 @@ class Communicator:
             groups (0 and 1 for the world communicator).
         root_rank: world rank of the group's rank 0.
         ranks: the world ranks of the group, in group-rank order.
-        backend: "mpi" or "void" (the file-store communicator; also a world of one).
+        backend: the kind of communicator: "mpi" (started by an MPI launcher) or "void" (RAF's
+            VoidCommunicator: bootstrap data through a file store; also a world of one). How
+            the group's collectives move data is its transport (:meth:`native_group`).
         groups: every group of the rank_list this communicator was made from, completed with
             the unlisted ranks as groups of their own.
 

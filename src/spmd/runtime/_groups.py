@@ -280,7 +280,7 @@ def _choose(ng: NativeGroup) -> None:
     if name not in ng.available:
         available = ", ".join(ng.available)
         raise SpmdError(UNAVAILABLE.format(name=name, ranks=ranks, available=available))
-    native().group_set_backend(ng.gid, tables()["transports"][name])
+    native().group_set_transport(ng.gid, tables()["transports"][name])
     ng.transport = name
 
 

@@ -2,31 +2,21 @@
 
 glibc serves allocations above 32 MB (the ceiling of its dynamic mmap threshold) with a fresh
 mmap and returns them to the kernel on free. XLA:CPU allocates each call's output buffers with
-malloc, so a jitted step producing a 64 MB array pays ~16k page faults (zeroing included) per
-call: measured, a 64 MB allreduce took 38 ms that way and 7-10 ms with the buffers reused.
-:func:`tune` raises the mmap and trim thresholds (to 2 GiB) so freed buffers stay in the heap and
-are reused; the price is that the process keeps that memory until it exits.
+malloc, so a jitted step producing a large array would pay a page fault per page, zeroing
+included, on every call. :func:`tune` raises the mmap and trim thresholds (to 2 GiB) so freed
+buffers stay in the heap and are reused; the price is that the process keeps that memory until
+it exits.
 
 A thread that is not the main thread allocates from an arena of its own, made of heaps of at
-most 64 MB. When a block does not fit in the arena's current heap, glibc maps a new heap for it,
-and when that heap is empty again, on the block's free, glibc unmaps it, whatever the thresholds
-say, unless the top pad (``M_TOP_PAD``, 128 KiB by default) is larger than what the previous
-heap could take. So :func:`tune` also sets the top pad to a whole heap (64 MB), which keeps such
-heaps mapped and their blocks reused: a jitted ``allreduce(v) / 2`` on 16 MB on 2 ranks took
-13.5-15.8 ms with 4,097 page faults per call where XLA's threads placed its buffers so, and 2.8-3.2
-ms without faults with the pad; which placement a run gets depends on the threads (one run in six
-of a one-process ``(v * 2) / 3 + v`` on 16 MB faulted without the pad). The price is the same:
-memory once used stays with the process. The data-parallel benchmark's 2-rank step did not
-change (medians of 6 alternating runs, 11.0 ms without the pad and 11.2 ms with it).
-
-A block that does not fit in any heap, 64 MB or more, is mapped afresh whatever the settings
-say. XLA:CPU allocates from its worker threads, so a jitted ``v * 2`` on 64 MB still pays 16,385
-page faults per call (21 ms against 3.7 ms with the buffer reused, one process, 2 cores).
+most 64 MB; glibc unmaps such a heap when it empties, whatever the thresholds say, unless the top
+pad (``M_TOP_PAD``) is larger than what the previous heap could take. So :func:`tune` also sets
+the top pad to a whole heap (64 MB), which keeps such heaps mapped and their blocks reused. A
+block of 64 MB or more fits in no heap and is mapped afresh whatever the settings say;
 ``SPMD_MALLOC_TUNING=arena`` therefore also caps glibc at one arena, which every thread then
-shares. It is not the default: on the data-parallel benchmark's one-core step (buffers of a few
-MB) it cost about 3% (5.01 against 4.86 ms, medians of 6 runs each). The cap only applies to
+shares (not the default: it slows steps whose buffers are a few MB). The cap only applies to
 threads that have not allocated yet, so it must come before JAX starts its CPU client:
-``spmd.init`` and the rank wrapper of ``spmd-run`` call :func:`tune`.
+``spmd.init`` and the rank wrapper of ``spmd-run`` call :func:`tune`. The measurements behind
+these choices: docs/performance.md, "Memory".
 
 ``SPMD_MALLOC_TUNING=0`` turns all of it off; other allocators (jemalloc, tcmalloc via
 LD_PRELOAD) are left alone.

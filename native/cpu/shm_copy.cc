@@ -1,0 +1,80 @@
+// The copies of the shared-memory collectives; see shm_copy.h.
+#include "shm_copy.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "shm.h"
+
+namespace spmd {
+namespace shm {
+
+template <Also kAlso>
+void StreamCopy(char* dst, const char* src, size_t len, char* also) {
+#if defined(__x86_64__)
+  // Head: up to dst's 16-byte boundary (the other destination takes the same bytes normally).
+  size_t head = std::min(len, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
+  std::memcpy(dst, src, head);
+  if (kAlso != kNoAlso) std::memcpy(also, src, head);
+  dst += head;
+  src += head;
+  also += kAlso != kNoAlso ? head : 0;
+  len -= head;
+  size_t body = len / 64 * 64;
+  for (size_t i = 0; i < body; i += 64) {
+    __m128i v[4];
+    for (int k = 0; k < 4; ++k) {
+      v[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16 * k));
+    }
+    for (int k = 0; k < 4; ++k) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16 * k), v[k]);
+    }
+    for (int k = 0; k < 4 && kAlso == kCachedAlso; ++k) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(also + i + 16 * k), v[k]);
+    }
+    for (int k = 0; k < 4 && kAlso == kStreamedAlso; ++k) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(also + i + 16 * k), v[k]);
+    }
+  }
+  std::memcpy(dst + body, src + body, len - body);
+  if (kAlso != kNoAlso) std::memcpy(also + body, src + body, len - body);
+#else
+  std::memcpy(dst, src, len);
+  if (kAlso != kNoAlso) std::memcpy(also, src, len);
+#endif
+}
+
+template void StreamCopy<kNoAlso>(char*, const char*, size_t, char*);
+template void StreamCopy<kCachedAlso>(char*, const char*, size_t, char*);
+template void StreamCopy<kStreamedAlso>(char*, const char*, size_t, char*);
+
+void OutCopy::Publish(char* slot, char* dst, const char* src, size_t len, bool far) const {
+  if (stream_) {
+    if (far && (reinterpret_cast<uintptr_t>(dst) - reinterpret_cast<uintptr_t>(slot)) % 16) {
+      StreamCopy<kNoAlso>(slot, src, len, nullptr);  // 16-byte stores cannot align on both
+      StreamCopy<kNoAlso>(dst, src, len, nullptr);
+    } else if (far) {
+      StreamCopy<kStreamedAlso>(dst, src, len, slot);
+    } else {
+      StreamCopy<kCachedAlso>(dst, src, len, slot);
+    }
+  } else if (far) {
+    StreamCopy<kNoAlso>(slot, src, len, nullptr);
+    std::memcpy(dst, src, len);
+  } else {
+    std::memcpy(slot, src, len);
+    std::memcpy(dst, slot, len);
+  }
+}
+
+}  // namespace shm
+
+void ShmGroup::Stage(char* slot, const char* src, size_t len) const {
+  if (far_) {
+    shm::StreamCopy<shm::kNoAlso>(slot, src, len, nullptr);
+  } else {
+    std::memcpy(slot, src, len);
+  }
+}
+
+}  // namespace spmd

@@ -1,0 +1,241 @@
+// The shared-memory segment of a group (shm.h): mapping it, the sync points and their
+// deadlines, the signature check, and the staging probe.
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <limits>
+#include <thread>
+
+#include "messages.h"
+#include "shm.h"
+#include "shm_copy.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define SPMD_PAUSE() _mm_pause()
+#elif defined(__aarch64__)
+#define SPMD_PAUSE() asm volatile("yield")
+#else
+#define SPMD_PAUSE() ((void)0)
+#endif
+
+namespace spmd {
+
+using shm::RoundUp;
+
+size_t ShmGroup::SegmentBytes(int size, size_t chunk) {
+  return RoundUp(size * sizeof(Ctrl), 4096) + static_cast<size_t>(size) * 4 * chunk;
+}
+
+Status ShmGroup::Open(const std::string& name, bool create, int rank, int size, size_t chunk,
+                      Staging staging, double timeout_s, std::vector<int> world_ranks,
+                      ShmGroup** out) {
+  size_t bytes = SegmentBytes(size, chunk);
+  int fd = shm_open(name.c_str(), create ? (O_RDWR | O_CREAT | O_EXCL) : O_RDWR, 0600);
+  if (fd < 0) {
+    return Status::Error("cannot " + std::string(create ? "create" : "open") +
+                         " the shared-memory segment " + name + ": " + std::strerror(errno));
+  }
+  if (create && ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    int err = errno;
+    close(fd);
+    shm_unlink(name.c_str());
+    return Status::Error("cannot size the shared-memory segment " + name + " to " +
+                         std::to_string(bytes) + " bytes: " + std::strerror(err) +
+                         " (is /dev/shm large enough?)");
+  }
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int err = errno;
+  close(fd);
+  if (base == MAP_FAILED) {
+    if (create) shm_unlink(name.c_str());
+    return Status::Error("cannot map the shared-memory segment " + name + ": " +
+                         std::strerror(err));
+  }
+  auto* g = new ShmGroup();
+  g->name_ = name;
+  g->rank_ = rank;
+  g->size_ = size;
+  g->chunk_ = chunk;
+  g->bytes_ = bytes;
+  g->base_ = static_cast<char*>(base);
+  g->data_ = g->base_ + RoundUp(size * sizeof(Ctrl), 4096);
+  g->timeout_s_ = timeout_s;
+  g->staging_ = staging;
+  g->world_ranks_ = std::move(world_ranks);
+  *out = g;
+  return Status::Ok();
+}
+
+ShmGroup::~ShmGroup() {
+  if (base_ != nullptr) munmap(base_, bytes_);
+}
+
+bool ShmGroup::Oversubscribed() const {
+  static const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  return static_cast<unsigned>(size_) > cores;
+}
+
+bool ShmGroup::WaitFor(const std::atomic<uint64_t>& a, uint64_t v,
+                       std::chrono::steady_clock::time_point* deadline) const {
+  // Oversubscribed (more ranks than cores): yield early so that the ranks we wait for can run.
+  const int spin_limit = Oversubscribed() ? 16 : 4096;
+  int spins = 0;
+  while (a.load(std::memory_order_acquire) < v) {
+    if (++spins < spin_limit) {
+      SPMD_PAUSE();
+      continue;
+    }
+    sched_yield();
+    if ((spins & 1023) != 0) continue;
+    auto now = std::chrono::steady_clock::now();
+    if (*deadline == std::chrono::steady_clock::time_point{}) {
+      *deadline = now + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(timeout_s_));
+    } else if (now > *deadline) {
+      return false;
+    }
+  }
+  return true;
+}
+
+Status ShmGroup::TimedOut(uint64_t t, const std::vector<int>& missing) {
+  broken_ = true;
+  broken_reason_ = "the shared-memory group of ranks " + RankList(world_ranks_) +
+                   " is unusable: an earlier collective timed out";
+  return Status::Error("timed out after " + std::to_string(static_cast<int>(timeout_s_)) +
+                       " s waiting for ranks " + RankList(missing) + " of the group " +
+                       RankList(world_ranks_) + " (collective #" + std::to_string(t) +
+                       "): they never made the matching call. Every rank of a group must "
+                       "make the same collective calls in the same order; raise "
+                       "SPMD_TIMEOUT if they are just slow");
+}
+
+Status ShmGroup::Sync() {
+  if (broken_) return Status::Error(broken_reason_);
+#if defined(__x86_64__)
+  _mm_sfence();  // streamed (non-temporal) stores of the phase are visible before we arrive
+#endif
+  uint64_t t = ++epoch_;
+  ctrl(rank_)->arrive.store(t, std::memory_order_release);
+  // One deadline for the whole barrier (set once the wait gets long), not one per peer.
+  std::chrono::steady_clock::time_point deadline{};
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_ || WaitFor(ctrl(r)->arrive, t, &deadline)) continue;
+    std::vector<int> missing;
+    for (int q = 0; q < size_; ++q) {
+      if (q != rank_ && ctrl(q)->arrive.load(std::memory_order_acquire) < t) {
+        missing.push_back(world_ranks_[q]);
+      }
+    }
+    return TimedOut(t, missing);
+  }
+  return Status::Ok();
+}
+
+namespace {
+// Calls from this size decide how they stage (ShmGroup::Staging); smaller ones stage cached.
+constexpr size_t kProbeMin = size_t{1} << 20;
+// Laps of the probe's token, and the hop time above which the ranks are taken not to share a
+// cache: a hop well under it goes with fast cached staging, well over it with cached staging
+// several times slower than streamed (measured in docs/performance.md, "Shared memory").
+constexpr int kProbeLaps = 8;
+constexpr double kFarHopNs = 100;
+}  // namespace
+
+Status ShmGroup::Place(const Signature& sig, size_t bytes, bool* first, bool always_far) {
+  far_ = staging_ == Staging::kStreamed;
+  // Oversubscribed ranks take turns on a core, where staged lines are still cached.
+  if (bytes < kProbeMin || size_ == 1 || Oversubscribed()) {
+    return Status::Ok();
+  }
+  if (always_far) {
+    if (staging_ == Staging::kAuto) far_ = true;
+    return Status::Ok();
+  }
+  SPMD_RETURN_IF_ERROR(Begin(sig));
+  *first = false;
+  // Every rank probes, whatever its staging: the ranks agree on what they wait for even where
+  // SPMD_SHM_STAGING differs between them.
+  bool far = false;
+  double hop_ns = 0;
+  SPMD_RETURN_IF_ERROR(Ring(&far, &hop_ns));
+  if (staging_ == Staging::kAuto) far_ = far;
+  return Status::Ok();
+}
+
+Status ShmGroup::Hop(const Signature& sig, double* hop_ns) {
+  SPMD_RETURN_IF_ERROR(Begin(sig));
+  bool far = false;
+  return Ring(&far, hop_ns);
+}
+
+Status ShmGroup::Ring(bool* far, double* hop_ns) {
+  // Rank 0 passes the token round the ranks kProbeLaps times, timing it, then publishes its
+  // verdict in the low bit of one last token.
+  *hop_ns = std::numeric_limits<double>::quiet_NaN();
+  const uint64_t base = ++probes_ * 2 * (kProbeLaps + 2);
+  const int prev = (rank_ + size_ - 1) % size_;
+  std::chrono::steady_clock::time_point deadline{};
+  auto lap = [&](int k) { return base + 2 * static_cast<uint64_t>(k); };
+  if (rank_ == 0) {
+    auto start = std::chrono::steady_clock::now();
+    for (int k = 1; k <= kProbeLaps; ++k) {
+      ctrl(0)->token.store(lap(k), std::memory_order_release);
+      if (!WaitFor(ctrl(prev)->token, lap(k), &deadline)) {
+        return TimedOut(epoch_, {world_ranks_[prev]});
+      }
+    }
+    std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - start;
+    *hop_ns = took.count() / (kProbeLaps * size_);
+    *far = *hop_ns > kFarHopNs;
+    ctrl(0)->token.store(lap(kProbeLaps + 1) + (*far ? 1 : 0), std::memory_order_release);
+    return Status::Ok();
+  }
+  for (int k = 1; k <= kProbeLaps; ++k) {
+    if (!WaitFor(ctrl(prev)->token, lap(k), &deadline)) {
+      return TimedOut(epoch_, {world_ranks_[prev]});
+    }
+    ctrl(rank_)->token.store(lap(k), std::memory_order_release);
+  }
+  // Rank 0 cannot move the token on before this rank reaches the call's next sync.
+  if (!WaitFor(ctrl(0)->token, lap(kProbeLaps + 1), &deadline)) {
+    return TimedOut(epoch_, {world_ranks_[0]});
+  }
+  *far = (ctrl(0)->token.load(std::memory_order_acquire) & 1) != 0;
+  return Status::Ok();
+}
+
+Status ShmGroup::Mismatch(const Signature& sig) {
+  // Every rank saw the same signatures, so every rank is here: exchange the descriptions.
+  std::string mine = sig.Describe();
+  std::strncpy(ctrl(rank_)->desc, mine.c_str(), sizeof(Ctrl::desc) - 1);
+  ctrl(rank_)->desc[sizeof(Ctrl::desc) - 1] = 0;
+  SPMD_RETURN_IF_ERROR(Sync());
+  std::vector<std::string> descs;
+  for (int r = 0; r < size_; ++r) descs.emplace_back(ctrl(r)->desc);
+  std::string msg = MismatchMessage(world_ranks_, descs);
+  SPMD_RETURN_IF_ERROR(Sync());  // nobody rewrites a description before all have read them
+  return Status::Error(msg);
+}
+
+Status ShmGroup::Begin(const Signature& sig) {
+  uint64_t t = next();
+  ctrl(rank_)->sig[t & 1] = sig.hash;
+  SPMD_RETURN_IF_ERROR(Sync());
+  for (int r = 0; r < size_; ++r) {
+    if (ctrl(r)->sig[t & 1] != sig.hash) return Mismatch(sig);
+  }
+  return Status::Ok();
+}
+
+Status ShmGroup::Barrier(const Signature& sig) { return Begin(sig); }
+
+}  // namespace spmd

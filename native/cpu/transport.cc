@@ -1,0 +1,261 @@
+// The CPU transports; see transport.h.
+#include "transport.h"
+
+#include <cstring>
+
+namespace spmd {
+namespace {
+
+bool IsHalf(xla::ffi::DataType d) {
+  return d == xla::ffi::DataType::F16 || d == xla::ffi::DataType::BF16;
+}
+
+// Scratch kept between calls (grows, never shrinks), so the hot path allocates nothing once
+// warm: the compressed allreduce's wire copies, and the hierarchical allreduce's leader buffer
+// and float32 copies.
+thread_local std::vector<uint16_t> wire_in, wire_out;
+thread_local Leaves wire_in_leaves, wire_out_leaves;
+thread_local std::vector<char> hier_scratch;
+thread_local std::vector<float> hier_wide_in, hier_wide_out;
+
+size_t Elements(const Leaves& leaves) {
+  size_t count = 0;
+  for (const Leaf& l : leaves) count += l.bytes / l.elem;
+  return count;
+}
+
+}  // namespace
+
+// -- the interface ----------------------------------------------------------------------------
+
+const std::vector<size_t>& Transport::Blocks(xla::ffi::Span<const int64_t> sizes, size_t row,
+                                             size_t equal) {
+  blocks_.assign(static_cast<size_t>(size_), equal);
+  for (size_t r = 0; r < sizes.size(); ++r) blocks_[r] = static_cast<size_t>(sizes[r]) * row;
+  return blocks_;
+}
+
+Status Transport::Allreduce(const Signature& sig, ReduceOp op, const Leaves& in,
+                            const Leaves& out) {
+  SPMD_RETURN_IF_ERROR(Check(sig));
+  return AllreduceLeaves(sig, op, in, out);
+}
+
+Status Transport::AllreduceNarrowed(const Signature& sig, bool bf16, float div, const Leaves& in,
+                                    const Leaves& out) {
+  SPMD_RETURN_IF_ERROR(Check(sig));
+  return AllreduceNarrowedLeaves(sig, bf16, div, in, out);
+}
+
+Status Transport::Allgatherv(const Signature& sig, xla::ffi::Span<const int64_t> sizes,
+                             const Leaves& in, const Leaves& out) {
+  SPMD_RETURN_IF_ERROR(Check(sig));
+  int64_t total = 0;
+  for (int64_t s : sizes) total += s;
+  for (size_t i = 0; i < in.size(); ++i) {
+    size_t row = total ? out[i].bytes / static_cast<size_t>(total) : 0;
+    SPMD_RETURN_IF_ERROR(AllgathervLeaf(sig, in[i], out[i], Blocks(sizes, row, in[i].bytes)));
+  }
+  return Status::Ok();
+}
+
+Status Transport::ReduceScatterv(const Signature& sig, ReduceOp op,
+                                 xla::ffi::Span<const int64_t> sizes, const Leaves& in,
+                                 const Leaves& out) {
+  SPMD_RETURN_IF_ERROR(Check(sig));
+  int64_t total = 0;
+  for (int64_t s : sizes) total += s;
+  for (size_t i = 0; i < in.size(); ++i) {
+    size_t row = total ? in[i].bytes / static_cast<size_t>(total) : 0;
+    SPMD_RETURN_IF_ERROR(
+        ReduceScattervLeaf(sig, op, in[i], out[i], Blocks(sizes, row, out[i].bytes)));
+  }
+  return Status::Ok();
+}
+
+Status Transport::Broadcast(const Signature& sig, int root, const Leaves& in, const Leaves& out) {
+  SPMD_RETURN_IF_ERROR(Check(sig));
+  for (size_t i = 0; i < in.size(); ++i) {
+    SPMD_RETURN_IF_ERROR(BroadcastLeaf(sig, root, in[i], out[i]));
+  }
+  return Status::Ok();
+}
+
+Status Transport::AllToAll(const Signature& sig, const Leaves& in, const Leaves& out) {
+  SPMD_RETURN_IF_ERROR(Check(sig));
+  for (size_t i = 0; i < in.size(); ++i) {
+    size_t block = in[i].bytes / static_cast<size_t>(size_);
+    SPMD_RETURN_IF_ERROR(AllToAllLeaf(sig, in[i], out[i], block));
+  }
+  return Status::Ok();
+}
+
+Status Transport::Barrier(const Signature& sig) {
+  SPMD_RETURN_IF_ERROR(Check(sig));
+  return BarrierNow(sig);
+}
+
+// -- shared memory ----------------------------------------------------------------------------
+
+Status ShmTransport::AllreduceLeaves(const Signature& sig, ReduceOp op, const Leaves& in,
+                                     const Leaves& out) {
+  return shm_.Allreduce(sig, op, in, out, one_shot_max_);
+}
+
+// The conversions happen in the copies the algorithm makes anyway (shm.h).
+Status ShmTransport::AllreduceNarrowedLeaves(const Signature& sig, bool bf16, float div,
+                                             const Leaves& in, const Leaves& out) {
+  return shm_.AllreduceNarrowed(sig, bf16, div, in, out, one_shot_max_);
+}
+
+Status ShmTransport::AllgathervLeaf(const Signature& sig, const Leaf& in, const Leaf& out,
+                                    const std::vector<size_t>& bytes) {
+  return shm_.Allgatherv(sig, in, out, bytes);
+}
+
+Status ShmTransport::ReduceScattervLeaf(const Signature& sig, ReduceOp op, const Leaf& in,
+                                        const Leaf& out, const std::vector<size_t>& bytes) {
+  return shm_.ReduceScatterv(sig, op, in, out, bytes);
+}
+
+Status ShmTransport::BroadcastLeaf(const Signature& sig, int root, const Leaf& in,
+                                   const Leaf& out) {
+  return shm_.Broadcast(sig, root, in, out);
+}
+
+Status ShmTransport::AllToAllLeaf(const Signature& sig, const Leaf& in, const Leaf& out,
+                                  size_t block) {
+  return shm_.AllToAll(sig, in, out, block);
+}
+
+Status ShmTransport::BarrierNow(const Signature& sig) { return shm_.Barrier(sig); }
+
+// -- MPI --------------------------------------------------------------------------------------
+
+Status MpiTransport::AllreduceLeaves(const Signature&, ReduceOp op, const Leaves& in,
+                                     const Leaves& out) {
+  for (size_t i = 0; i < in.size(); ++i) {
+    SPMD_RETURN_IF_ERROR(
+        comm_.Allreduce(in[i].data, out[i].data, in[i].bytes / in[i].elem, in[i].dtype, op));
+  }
+  return Status::Ok();
+}
+
+Status MpiTransport::AllreduceNarrowedLeaves(const Signature& sig, bool bf16, float div,
+                                             const Leaves& in, const Leaves& out) {
+  const size_t count = Elements(in);
+  if (wire_in.size() < count) {
+    wire_in.resize(count);
+    wire_out.resize(count);
+  }
+  const xla::ffi::DataType dt = bf16 ? xla::ffi::DataType::BF16 : xla::ffi::DataType::F16;
+  wire_in_leaves.clear();
+  wire_out_leaves.clear();
+  size_t at = 0;
+  for (const Leaf& l : in) {
+    size_t n = l.bytes / l.elem;
+    NarrowFloats(bf16, reinterpret_cast<const float*>(l.data), div, wire_in.data() + at, n);
+    wire_in_leaves.push_back(ScratchLeaf(wire_in.data() + at, n * 2, dt, 2));
+    wire_out_leaves.push_back(ScratchLeaf(wire_out.data() + at, n * 2, dt, 2));
+    at += n;
+  }
+  SPMD_RETURN_IF_ERROR(AllreduceLeaves(sig, ReduceOp::kSum, wire_in_leaves, wire_out_leaves));
+  at = 0;
+  for (const Leaf& l : out) {
+    size_t n = l.bytes / l.elem;
+    WidenHalves(bf16, wire_out.data() + at, reinterpret_cast<float*>(l.data), n);
+    at += n;
+  }
+  return Status::Ok();
+}
+
+Status MpiTransport::AllgathervLeaf(const Signature&, const Leaf& in, const Leaf& out,
+                                    const std::vector<size_t>& bytes) {
+  return comm_.Allgatherv(in.data, out.data, bytes);
+}
+
+Status MpiTransport::ReduceScattervLeaf(const Signature&, ReduceOp op, const Leaf& in,
+                                        const Leaf& out, const std::vector<size_t>& bytes) {
+  std::vector<size_t> counts;
+  for (size_t b : bytes) counts.push_back(b / in.elem);
+  return comm_.ReduceScatterv(in.data, out.data, counts, in.dtype, op);
+}
+
+Status MpiTransport::BroadcastLeaf(const Signature&, int root, const Leaf& in, const Leaf& out) {
+  if (comm_.rank == root) std::memcpy(out.data, in.data, in.bytes);
+  return comm_.Broadcast(out.data, out.bytes, root);
+}
+
+Status MpiTransport::AllToAllLeaf(const Signature&, const Leaf& in, const Leaf& out,
+                                  size_t block) {
+  return comm_.AllToAll(in.data, out.data, block);
+}
+
+Status MpiTransport::BarrierNow(const Signature&) { return comm_.Barrier(); }
+
+// -- hierarchical -----------------------------------------------------------------------------
+
+Status HierTransport::AllreduceLeaves(const Signature& sig, ReduceOp op, const Leaves& in,
+                                      const Leaves& out) {
+  bool half = false;
+  for (const Leaf& l : in) half = half || IsHalf(l.dtype);
+  if (!half || (op != ReduceOp::kSum && op != ReduceOp::kProd)) return Steps(sig, op, in, out);
+  // Max and min are exact: only sums and products widen. The half-precision leaves go widened,
+  // the others as they are (every rank splits alike).
+  Leaves half_in, half_out, rest_in, rest_out;
+  for (size_t i = 0; i < in.size(); ++i) {
+    (IsHalf(in[i].dtype) ? half_in : rest_in).push_back(in[i]);
+    (IsHalf(in[i].dtype) ? half_out : rest_out).push_back(out[i]);
+  }
+  if (!half_in.empty()) SPMD_RETURN_IF_ERROR(Widened(sig, op, half_in, half_out));
+  if (!rest_in.empty()) SPMD_RETURN_IF_ERROR(Steps(sig, op, rest_in, rest_out));
+  return Status::Ok();
+}
+
+Status HierTransport::Steps(const Signature& sig, ReduceOp op, const Leaves& in,
+                            const Leaves& out) {
+  SPMD_RETURN_IF_ERROR(local_.Allreduce(sig, op, in, out, one_shot_max_));
+  for (const Leaf& o : out) {
+    if (leaders_ == nullptr) {  // only the leader's value is read; no scratch here
+      SPMD_RETURN_IF_ERROR(local_.Broadcast(sig, 0, o, o));
+      continue;
+    }
+    if (hier_scratch.size() < o.bytes) hier_scratch.resize(o.bytes);
+    Leaf tmp = ScratchLeaf(hier_scratch.data(), o.bytes, o.dtype, o.elem);
+    SPMD_RETURN_IF_ERROR(leaders_->Allreduce(o.data, tmp.data, o.bytes / o.elem, o.dtype, op));
+    SPMD_RETURN_IF_ERROR(local_.Broadcast(sig, 0, tmp, o));
+  }
+  return Status::Ok();
+}
+
+Status HierTransport::Widened(const Signature& sig, ReduceOp op, const Leaves& in,
+                              const Leaves& out) {
+  const size_t count = Elements(in);
+  if (hier_wide_in.size() < count) {
+    hier_wide_in.resize(count);
+    hier_wide_out.resize(count);
+  }
+  size_t at = 0;
+  for (const Leaf& l : in) {
+    size_t n = l.bytes / l.elem;
+    HalfToFloats(l.dtype == xla::ffi::DataType::BF16, reinterpret_cast<const uint16_t*>(l.data),
+                 hier_wide_in.data() + at, n);
+    at += n;
+  }
+  const size_t bytes = count * sizeof(float);
+  Leaves win{
+      ScratchLeaf(hier_wide_in.data(), bytes, xla::ffi::DataType::F32, sizeof(float))};
+  Leaves wout{
+      ScratchLeaf(hier_wide_out.data(), bytes, xla::ffi::DataType::F32, sizeof(float))};
+  SPMD_RETURN_IF_ERROR(Steps(sig, op, win, wout));
+  at = 0;
+  for (const Leaf& l : out) {
+    size_t n = l.bytes / l.elem;
+    FloatsToHalf(l.dtype == xla::ffi::DataType::BF16, hier_wide_out.data() + at,
+                 reinterpret_cast<uint16_t*>(l.data), n);
+    at += n;
+  }
+  return Status::Ok();
+}
+
+}  // namespace spmd
