@@ -201,3 +201,15 @@ def test_the_architecture_page_names_real_paths():
     assert len(paths) > 20, paths  # the page maps the tree
     missing = sorted(p for p in paths if not (ROOT / p.rstrip("/")).exists())
     assert not missing, missing
+
+
+def test_cpu_and_gpu_handlers_share_one_call_layer():
+    """Both handler files decode their calls and build their errors with the shared header,
+    and neither defines the pieces it holds again."""
+    shared = (ROOT / "native" / "include" / "spmd" / "call.h").read_text()
+    assert "class CallBase" in shared or "struct CallBase" in shared
+    for handlers in ("native/cpu/handlers.cc", "native/cuda/handlers.cc"):
+        text = (ROOT / handlers).read_text()
+        assert '#include "spmd/call.h"' in text, handlers
+        for copied in ("DtypeName(", "ElemBytes("):
+            assert f"{copied}ffi::DataType" not in text.replace(" ", ""), (handlers, copied)

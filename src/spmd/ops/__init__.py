@@ -7,7 +7,9 @@ name of the active mesh), and arrays or pytrees of arrays (one fused call). The 
 convention and the ordering guarantees are described in ``docs/collectives.md``.
 
 ``set_transport``/``get_transport`` choose and report how collectives move data (shared memory,
-MPI or both on CPU; the custom all-reduce or NCCL on GPU).
+MPI or both on CPU; the custom all-reduce or NCCL on GPU). ``ARRAY_LIKE``, ``SUPPORTED_DTYPES``,
+``chain_config`` and ``holds_collective`` serve the layers above (spmd.parallel, spmd.cli) and
+are not in ``__all__``.
 """
 
 from typing import Any
@@ -47,9 +49,6 @@ __all__ = [
     "sendrecv",
     "set_transport",
 ]
-
-# Used by the layers above (spmd.parallel, spmd.cli), not part of the public API.
-_INTERNAL = ("ARRAY_LIKE", "SUPPORTED_DTYPES", "chain_config", "holds_collective")
 
 
 def __dir__() -> list[str]:
