@@ -247,3 +247,29 @@ def test_shm_hop_probe_needs_shared_memory(comm):
     from spmd.runtime import shm_hop_ns
 
     assert shm_hop_ns(comm) is None  # one rank per node: MPI only
+
+
+def test_former_names_still_work_with_a_deprecation_warning():
+    """'backend' names the communicator kind; the transport's former names still work."""
+    import subprocess
+    import sys
+
+    from spmd.ops._gpu_chain import ChainConfig
+
+    with pytest.warns(DeprecationWarning, match="spmd.ops.set_transport"):
+        assert spmd.ops.set_backend is spmd.ops.set_transport
+    with pytest.warns(DeprecationWarning, match="spmd.ops.get_transport"):
+        assert spmd.ops.get_backend is spmd.ops.get_transport
+    with pytest.warns(DeprecationWarning, match="SPMD_GPU_TRANSPORT"):
+        assert ChainConfig.from_env({"SPMD_GPU_BACKEND": "nccl"}).transport == "nccl"
+    code = "from spmd.runtime import requested_transport; print(requested_transport())"
+    env = {k: v for k, v in os.environ.items() if k != "SPMD_TRANSPORT"}
+    out = subprocess.run(
+        [sys.executable, "-W", "always", "-c", code],
+        env={**env, "SPMD_BACKEND": "mpi"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "mpi"
+    assert "DeprecationWarning: SPMD_BACKEND is now SPMD_TRANSPORT" in out.stderr
