@@ -237,6 +237,8 @@ class Communicator:
     def _outcomes(
         self, step: Callable[[], T], setup: bool
     ) -> tuple[list[Any], str | None, Exception | None]:
+        """``step()`` here and every rank's outcome: (every rank's result, the first failure's
+        message naming its rank or None, this rank's own exception or None)."""
         exchange = self._setup_allgather if setup else self.allgather_object
         result: T | None = None
         own: Exception | None = None
@@ -267,11 +269,12 @@ class Communicator:
             raise SpmdError(f"failed because another rank did: {first}")
         return results
 
-    def outcomes(self, step: Callable[[], T], *, setup: bool = False) -> tuple[list[T] | None, str]:
-        """As :meth:`agree`, without raising: ``(every rank's result, "")`` when ``step``
-        succeeded on every rank, else ``(None, the first failure's message)``, the same on
-        every rank (the message names the rank that failed)."""
-        results, first, _ = self._outcomes(step, setup)
+    def _try_agree(self, step: Callable[[], T]) -> tuple[list[T] | None, str]:
+        """As :meth:`agree` over the setup channel, without raising, for set-up steps whose
+        failure disables a path rather than failing (the GPU side): ``(every rank's result,
+        "")`` when ``step`` succeeded on every rank, else ``(None, the first failure's
+        message)``, the same on every rank (the message names the rank that failed)."""
+        results, first, _ = self._outcomes(step, True)
         return (None, first) if first is not None else (results, "")
 
     def native_group(

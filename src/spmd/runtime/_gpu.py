@@ -124,27 +124,24 @@ def set_up(comm: Communicator, gid: int, settings: Callable[[], Any]) -> GpuGrou
     ``settings()`` gives the chain's settings on this rank (their ``custom_max_bytes`` sizes the
     custom all-reduce's buffer)."""
     mod = require_native_cuda()
-    cfgs, error = comm.outcomes(settings, setup=True)
+    cfgs, error = comm._try_agree(settings)
     if cfgs is None:
         raise SpmdError(error, rank=None)
     differ = settings_differ(list(comm.ranks), cfgs)
     if differ:
         raise SpmdError(differ)
 
-    _, nccl_error = comm.outcomes(lambda: mod.nccl_load(nccl_library()), setup=True)
+    _, nccl_error = comm._try_agree(lambda: mod.nccl_load(nccl_library()))
     device = _device_ordinal(comm)
-    _, failed = comm.outcomes(
+    _, failed = comm._try_agree(
         lambda: mod.group_create(
             gid, comm.rank, comm.size, list(comm.ranks), device, timeout_seconds()
-        ),
-        setup=True,
+        )
     )
     if failed:
         raise SpmdError(f"setting up the GPU group of ranks {list(comm.ranks)} failed: {failed}")
     if not nccl_error:
-        uids, nccl_error = comm.outcomes(
-            lambda: mod.nccl_unique_id() if comm.rank == 0 else None, setup=True
-        )
+        uids, nccl_error = comm._try_agree(lambda: mod.nccl_unique_id() if comm.rank == 0 else None)
     if not nccl_error:
         assert uids is not None
         # Blocks until every rank joined, bounded so that a rank whose peer failed inside
@@ -154,8 +151,8 @@ def set_up(comm: Communicator, gid: int, settings: Callable[[], Any]) -> GpuGrou
         # GPU: such a group keeps the custom all-reduce (the test mode of a single-GPU machine).
         what = f"rank {comm.world_rank}: creating the NCCL communicator of {list(comm.ranks)}"
         bound = 0.8 * timeout_seconds()
-        _, nccl_error = comm.outcomes(
-            lambda: bounded(lambda: mod.nccl_init(gid, uids[0]), bound, what), setup=True
+        _, nccl_error = comm._try_agree(
+            lambda: bounded(lambda: mod.nccl_init(gid, uids[0]), bound, what)
         )
     reason = _custom_unavailable(comm)
     cap = cfgs[comm.rank].custom_max_bytes
@@ -189,17 +186,17 @@ def _custom_unavailable(comm: Communicator) -> str:
 def _start_custom(comm: Communicator, gid: int, mod: ModuleType, cap: int) -> GpuGroup:
     """Allocate, exchange and map the IPC buffers, then check that every rank reads every peer
     through the mapping (the driver can claim peer access that does not work)."""
-    handles, error = comm.outcomes(lambda: mod.car_alloc(gid, cap), setup=True)
+    handles, error = comm._try_agree(lambda: mod.car_alloc(gid, cap))
     if handles is None:
         return GpuGroup(comm.size, False, f"allocating the IPC buffer failed: {error}")
-    _, error = comm.outcomes(lambda: mod.car_open(gid, handles), setup=True)
+    _, error = comm._try_agree(lambda: mod.car_open(gid, handles))
     if error:
         return GpuGroup(comm.size, False, f"mapping the peers' buffers failed: {error}")
     seed = comm._setup_allgather(int.from_bytes(os.urandom(4), "little"))[0]
-    _, error = comm.outcomes(lambda: mod.car_write_check(gid, seed), setup=True)
+    _, error = comm._try_agree(lambda: mod.car_write_check(gid, seed))
     if error:
         return GpuGroup(comm.size, False, f"the peer-access check failed: {error}")
-    bad, error = comm.outcomes(lambda: mod.car_read_check(gid, seed), setup=True)
+    bad, error = comm._try_agree(lambda: mod.car_read_check(gid, seed))
     if bad is None:
         return GpuGroup(comm.size, False, f"the peer-access check failed: {error}")
     failures = [
