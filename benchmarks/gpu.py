@@ -23,7 +23,11 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from spmd.ops._cuda import ALGOS, CODECS, CUSTOM_DTYPE_CODES, native_cuda
+from spmd._native_lib import cuda_tables, native_cuda
+
+ALGOS = cuda_tables()["algos"]
+CODECS = cuda_tables()["codecs"]
+CUSTOM_DTYPE_CODES = cuda_tables()["custom_dtypes"]
 
 SIZES = [256 << 10, 1 << 20, 8 << 20, 32 << 20, 64 << 20]
 
@@ -192,7 +196,7 @@ def main(argv: list[str]) -> int:
         "## Packing: small leaves of one fused call in one launch",
         "",
         "`allreduce` of a pytree packs the leaves the chain sends one-shot, by dtype, into one",
-        "buffer (spmd/ops/_cuda.py, `pack_allreduce`): one launch and one barrier instead of one",
+        "buffer (src/spmd/ops/_gpu_chain.py, `pack_allreduce`): one launch and one barrier instead of one",
         "per leaf. Per-leaf calls: the leaf's call time x leaves; packed: one call on their",
         "bytes plus XLA's copies into the buffer and out of it.",
         "",

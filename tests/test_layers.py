@@ -16,8 +16,9 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 SRC = ROOT / "src" / "spmd"
 
-# DESIGN.md, Layout: cli -> launch/parallel/checkpoint -> sharded -> ops -> mesh -> runtime ->
-# errors. A module may import modules of its own layer or of layers below it.
+# From the bottom up (docs/architecture.md, "The layers"): errors and compat, runtime, mesh,
+# ops, sharded, parallel/checkpoint/data, launch, the tools, cli. A module may import modules of
+# its own layer or of layers below it.
 LAYERS = [
     ("spmd._errors", "spmd._version"),
     ("spmd._native_lib", "spmd._jax_compat"),

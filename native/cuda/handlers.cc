@@ -108,7 +108,7 @@ Status CopyAsync(void* dst, const void* src, size_t bytes, cudaStream_t stream) 
 
 // -- allreduce --------------------------------------------------------------------------------
 
-// algos: per leaf, the path Python's backend chain chose (car::Algo codes); codec: the quantized
+// algos: per leaf, the path Python's all-reduce chain chose (car::Algo codes); codec: the quantized
 // path's codec.
 ffi::Error AllreduceFfi(cudaStream_t stream, int64_t group, int32_t op,
                         ffi::Span<const int64_t> algos, int32_t codec_code,

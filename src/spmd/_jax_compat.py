@@ -32,6 +32,7 @@ __all__ = [
     "batching",
     "bind_params",
     "call_primitives",
+    "command_buffer_traits",
     "control_flow_primitives",
     "core",
     "dce_eqn",
@@ -129,6 +130,15 @@ def jit_key_state(name: str, help: str) -> Any:
         )
     except Exception:  # pragma: no cover - a JAX without this internal API
         return None
+
+
+def command_buffer_traits(enabled: bool) -> Any:
+    """The custom-call target traits that let XLA capture a handler in a CUDA graph (command
+    buffer), or the default ones."""
+    from jaxlib import xla_client
+
+    traits = xla_client.CustomCallTargetTraits
+    return traits.COMMAND_BUFFER_COMPATIBLE if enabled else traits.DEFAULT
 
 
 def backends_are_initialized() -> bool:

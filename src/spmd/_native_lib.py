@@ -3,7 +3,9 @@
 ``spmd._native`` holds the CPU handlers and the native groups; ``spmd._native_cuda``, built where
 nvcc was found at install time, the GPU handlers. Both export the codes Python and C++ share
 (reduce ops, transports, roles, codecs, ...) through ``tables()``: Python reads them from there,
-never from a copy of its own.
+never from a copy of its own. ``import spmd`` loads neither; ``spmd.ops`` (and what imports it)
+loads ``spmd._native`` when it is imported, to read its tables, so a missing or stale build is
+an error there, saying how to rebuild.
 """
 
 from __future__ import annotations

@@ -138,7 +138,9 @@ class Mesh:
     def size(self) -> int:
         return self._world.size
 
-    def _axes(self, axis: Axis) -> tuple[str, ...]:
+    def axes(self, axis: Axis) -> tuple[str, ...]:
+        """The mesh axes ``axis`` stands for: itself, each name of a tuple, or for ``"ep"`` (on a
+        mesh without such an axis) its dp and tp axes; an error for a name the mesh lacks."""
         names = (axis,) if isinstance(axis, str) else axis
         if not isinstance(names, tuple) or not names or not all(isinstance(a, str) for a in names):
             raise SpmdTypeError(
@@ -185,7 +187,7 @@ class Mesh:
     def rank_lists(self, axis: Axis) -> list[list[int]]:
         """Every group of ranks along ``axis``: a ``rank_list`` for collectives and
         :func:`spmd.get_communicator`."""
-        return layout_rank_lists(self._shape, self._axes(axis))
+        return layout_rank_lists(self._shape, self.axes(axis))
 
     def group(self, axis: Axis) -> Communicator:
         """This rank's communicator along ``axis`` (created on first use, then cached)."""

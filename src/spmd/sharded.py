@@ -85,7 +85,7 @@ def normalize_spec(spec: Any, ndim: int, where: Where) -> PartitionSpec:
             )
     entries += [None] * (ndim - len(entries))
     # On a mesh, 'ep' stands for its dp and tp axes: each name is counted as the axes it means.
-    used = [a for e in entries if e for a in (where._axes(e) if isinstance(where, Mesh) else e)]
+    used = [a for e in entries if e for a in (where.axes(e) if isinstance(where, Mesh) else e)]
     if len(set(used)) != len(used):
         raise SpmdError(
             f"{spec} uses a mesh axis twice (as {', '.join(used)}); each axis splits one dimension"

@@ -122,7 +122,7 @@ def test_bad_input_names_the_rank(comm):
 
 @multirank(nprocs=(2,))
 def test_quantize_on_cpu_is_exact(comm):
-    """The CPU backend always reduces exactly: quantize= only applies on GPU."""
+    """The CPU transports always reduce exactly: quantize= only applies on GPU."""
     x = np.random.default_rng(comm.rank).standard_normal(4096).astype(np.float32)
     exact = spmd.allreduce(x)
     for codec in ("fp8", "int8", "int4"):

@@ -344,4 +344,4 @@ def _agree(comm: Communicator, op: str, step: Callable[[], T]) -> list[T]:
         quoted = str(e).removeprefix(prefix())
         if e.op is None and quoted.startswith(_OTHERS):
             raise SpmdError(quoted, op=op) from None
-        raise SpmdError(TIMED_OUT.format(error=e), op=op) from None
+        raise SpmdError(TIMED_OUT.format(error=quoted), op=op) from None

@@ -1,4 +1,5 @@
-"""``python -m spmd.info``: versions, MPI, native layer, backends and devices, for bug reports."""
+"""``python -m spmd.info``: versions, MPI, native layer, communicators and transports, devices
+(for bug reports)."""
 
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ def report() -> str:
     except SpmdError as e:
         lines.append(f"  mpiexec: {e}")
     lines.append(f"native layer: {_native_layer()}")
-    lines.append("backends:")
+    lines.append("communicators and transports:")
     try:
         launch = detect(os.environ, requested_communicator(None))  # as spmd.init() would decide
         here = launch.communicator or "none (a world of one)"

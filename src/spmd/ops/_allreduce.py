@@ -56,9 +56,9 @@ def allreduce(
             list; unlisted ranks form groups of their own. Default: all ranks.
         group: a Communicator, or an axis name of the active mesh (instead of rank_list).
         quantize: ``"fp8"``, ``"int8"`` or ``"int4"``: on GPU, send block-scaled codes of
-            float leaves large enough to gain (the quantized all-reduce of the backend chain,
-            error bound in docs/gpu.md); ``SPMD_QUANTIZE`` sets a default. Exact paths are
-            used where it does not apply, and always on CPU.
+            float leaves large enough to gain (the quantized all-reduce of the GPU all-reduce
+            chain, error bound in docs/gpu.md); ``SPMD_QUANTIZE`` sets a default. Exact paths
+            are used where it does not apply, and always on CPU.
         compression: ``"bf16"`` or ``"fp16"`` (op sum or avg): float32 leaves travel rounded to
             bfloat16/float16, PyTorch DDP's compression hooks. Each rank's values are rounded
             once (for avg, after scaling by the float32 reciprocal of the group size, so that a

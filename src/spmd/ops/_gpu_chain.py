@@ -171,7 +171,8 @@ def select_allreduce(
     usable = group.custom and op == "sum" and name in CUSTOM_DTYPES
     if cfg.transport == "custom" and not group.custom:
         raise SpmdError(
-            "SPMD_GPU_TRANSPORT=custom, but the custom all-reduce is not available for this "
+            "the GPU transport is forced to 'custom' (SPMD_GPU_TRANSPORT or "
+            "spmd.ops.set_transport), but the custom all-reduce is not available for this "
             f"group: {group.reason}"
         )
     codec = quantize or cfg.quantize

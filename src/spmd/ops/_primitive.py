@@ -19,14 +19,13 @@ import jax
 import numpy as np
 
 from .._errors import SpmdError
-from .._jax_compat import core, dispatch, ir, mlir
+from .._jax_compat import command_buffer_traits, core, dispatch, ir, mlir
 from .._native_lib import native, require_native_cuda, tables
 from ..mesh import resolve_group
 from ..runtime import find_native_group, gpu_active
 from . import _gpu_chain, _ordering
 
 _ROLES: dict[str, int] = tables()["roles"]
-_ROLE_NAMES = {code: name for name, code in _ROLES.items()}
 _ROLE_SHIFT: int = tables()["role_shift"]
 _MARKER: str = tables()["error_marker"]
 
@@ -185,11 +184,7 @@ def _ensure_targets(platform: str) -> None:
             for name, capsule in native().cpu_handlers().items():
                 jax.ffi.register_ffi_target(name, capsule, platform="cpu")
         else:
-            from jaxlib import xla_client
-
-            traits = xla_client.CustomCallTargetTraits.DEFAULT
-            if os.environ.get("SPMD_CUDA_GRAPHS", "1") != "0":
-                traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+            traits = command_buffer_traits(os.environ.get("SPMD_CUDA_GRAPHS", "1") != "0")
             for name, capsule in require_native_cuda().cuda_handlers().items():
                 jax.ffi.register_ffi_target(name, capsule, platform="CUDA", traits=traits)
         _targets.add(platform)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import runtime
+from .._errors import SpmdError
 from ..mesh import resolve_group
 from . import _gpu_chain
 
@@ -37,10 +38,17 @@ def set_transport(name: str) -> None:
         >>> spmd.ops.get_transport()
         'self'
     """
+    cpu = runtime.transport_names()
+    if name not in (*cpu, "custom", "nccl"):
+        raise SpmdError(
+            f"transport {name!r} is unknown; expected one of {', '.join(cpu)} (CPU) or custom, "
+            "nccl (GPU)",
+            rank=None,
+        )
     if name in ("custom", "nccl"):
         _gpu_chain.set_gpu_transport(name)
         return
-    runtime.set_transport(name)
+    runtime.set_cpu_transport(name)
     if name == "auto":
         _gpu_chain.set_gpu_transport("auto")
 

@@ -40,6 +40,7 @@ __all__ = ["grad", "mark_p", "marking", "value_and_grad"]
 class _Marking:
     calls: int = 0
     accumulate_steps: int = 1
+    transform: str = "data_parallel"  # how errors name the transform tracing the step
     # (spmd.grad call, vmap level) where that vmap left some parameter leaf unbatched: its
     # batched gradients are per-example (or a sweep's), not an ensemble's.
     unbatched_params: set[tuple[int, int]] = field(default_factory=set)
@@ -51,9 +52,9 @@ _MARKING: contextvars.ContextVar[_Marking | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def marking(accumulate_steps: int = 1) -> Iterator[None]:
+def marking(accumulate_steps: int = 1, transform: str = "data_parallel") -> Iterator[None]:
     """While tracing a step: spmd.grad calls mark their parameters and gradients."""
-    token = _MARKING.set(_Marking(accumulate_steps=accumulate_steps))
+    token = _MARKING.set(_Marking(accumulate_steps=accumulate_steps, transform=transform))
     try:
         yield
     finally:
@@ -221,7 +222,7 @@ def _add(a: Any, b: Any) -> Any:
     return a if _is_float0(a) else a + b
 
 
-def _split(x: Any, k: int, where: str) -> Any:
+def _split(x: Any, k: int, where: str, transform: str) -> Any:
     """``x`` as k micro-batches along axis 0; None for what is not split: scalars and leaves
     that are not arrays (a string or a flag passed through to the loss)."""
     if not getattr(x, "shape", ()):
@@ -229,7 +230,7 @@ def _split(x: Any, k: int, where: str) -> Any:
     x = jnp.asarray(x)
     if x.shape[0] % k:
         raise SpmdError(
-            f"data_parallel(accumulate_steps={k}): {where} has {x.shape[0]} "
+            f"{transform}(accumulate_steps={k}): {where} has {x.shape[0]} "
             f"rows, which do not split into {k} micro-batches; pass a batch whose leading "
             f"dimension is a multiple of {k}"
         )
@@ -248,7 +249,8 @@ def _accumulate(
     data = ([a for i, a in enumerate(args) if i not in nums], kwargs)
     with_path, treedef = jax.tree_util.tree_flatten_with_path(data)
     leaves = [x for _, x in with_path]
-    split = [_split(x, k, "argument" + jax.tree_util.keystr(p)) for p, x in with_path]
+    transform = ctx.transform if (ctx := _MARKING.get()) is not None else "data_parallel"
+    split = [_split(x, k, "argument" + jax.tree_util.keystr(p), transform) for p, x in with_path]
 
     def one(i: Any) -> Any:
         micro = [x if s is None else s[i] for x, s in zip(leaves, split, strict=True)]

@@ -1,10 +1,12 @@
 """Passes: functions ``Program -> Program``, how they compose, and what the built-in ones share.
 
-A pass factory takes a transform's options and returns a pass; a transform is a step (:class:`
-spmd.parallel.Step`) with a chain of passes, as optax builds an optimizer from a chain of
-gradient transformations::
+A pass factory takes a transform's options and returns a pass; a transform is a step (a
+subclass of :class:`spmd.parallel.Step`) whose ``passes`` method returns a chain of passes, as
+optax builds an optimizer from a chain of gradient transformations::
 
-    step = Step(fn, passes=chain(reduce_gradients(bucket_mb=0)))
+    class Unbucketed(spmd.parallel.Step):
+        def passes(self, traced, variant):
+            return chain(reduce_gradients(bucket_mb=0))
 
 Most passes re-evaluate a program's ops under a fresh trace (:func:`spmd.parallel.retrace`),
 adding or replacing ops on the way. The gradient marks that ``spmd.grad`` leaves in a traced

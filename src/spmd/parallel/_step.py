@@ -135,7 +135,7 @@ class Step:
 
     def trace(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
         """Trace ``fn`` for these arguments (with ``spmd.grad``'s marks)."""
-        with marking(self.accumulate_steps):
+        with marking(self.accumulate_steps, self.transform):
             program = trace_program(self.fn, args, kwargs)
         return Traced(program, marked_params(program))
 

@@ -187,7 +187,7 @@ class ZeroShard(Step):
                     op=self.name,
                 )
             sharding.append(x.shape)
-        with marking(self.accumulate_steps):
+        with marking(self.accumulate_steps, self.transform):
             program = trace_program(self.fn, a, kw, in_sharding=sharding)
         # The replica check compares the replicated parameters: shards differ by design.
         params = [i for i in marked_params(program) if sharding[i] is None]

@@ -27,9 +27,10 @@ from ._gpu import nccl_library as nccl_library
 from ._groups import NativeGroup as NativeGroup
 from ._groups import find as find_native_group
 from ._groups import requested_transport as requested_transport
-from ._groups import set_transport as set_transport
+from ._groups import set_cpu_transport as set_cpu_transport
 from ._groups import shm_hop_ns as shm_hop_ns
 from ._groups import shm_staging as shm_staging
+from ._groups import transport_names as transport_names
 from ._malloc import tune as tune_malloc
 from ._state import finalize as finalize
 from ._state import get_communicator as get_communicator
@@ -64,11 +65,12 @@ __all__ = [
     "report_status",
     "requested_communicator",
     "requested_transport",
+    "set_cpu_transport",
     "set_default_communicator",
-    "set_transport",
     "shm_hop_ns",
     "shm_staging",
     "this_rank",
     "timeout_seconds",
+    "transport_names",
     "tune_malloc",
 ]

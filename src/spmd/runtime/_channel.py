@@ -114,7 +114,7 @@ _ARRIVAL_TAG = 0x5D0
 # What a timed-out exchange of the setup channel (Communicator._setup_allgather) was doing.
 SETUP_WHAT = (
     "preparing the group for collectives (the world's in spmd.init; another group's at its "
-    "first collective, also when one is only traced or its backend asked for)"
+    "first collective, also when one is only traced or its transport asked for)"
 )
 
 

@@ -206,7 +206,7 @@ class Communicator:
         when it prepares the group for collectives (shared-memory names, NCCL ids).
 
         That preparation can happen on one rank alone, when it traces a collective or asks for
-        the group's backend; on the group's own channel its exchange would pair with the
+        the group's transport; on the group's own channel its exchange would pair with the
         others' next ``barrier`` or ``allgather_object`` and garble both. On this channel it
         waits for the others' preparation, and times out with an error saying so if they never
         get there.
@@ -247,8 +247,9 @@ class Communicator:
         except Exception as e:  # every rank learns of it below
             own = e
         text = None
-        if own is not None:
-            text = str(own) if isinstance(own, SpmdError) else f"{prefix()}{own}"
+        if own is not None:  # the message names the failing rank, whatever raised it
+            named = isinstance(own, SpmdError) and own.rank is not None
+            text = str(own) if named else f"{prefix()}{own}"
         outcomes = exchange((text, result)) if self.size > 1 else [(text, result)]
         first = next((t for t, _ in outcomes if t is not None), None)
         return [r for _, r in outcomes], first, own

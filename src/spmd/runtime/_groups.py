@@ -354,15 +354,15 @@ def release_all() -> None:
         _groups.clear()
 
 
-def set_transport(name: str) -> None:
+def set_cpu_transport(name: str) -> None:
     """Force the CPU transport of every group, those in use included (no recompilation: the
     native group switches); ``"auto"`` forces the automatic choice, whatever ``SPMD_TRANSPORT``
-    says. Raises, changing nothing, if a group in use cannot use it."""
+    says. Raises, changing nothing, if a group in use cannot use it. (The public
+    ``spmd.ops.set_transport`` also takes the GPU's.)"""
     global _forced
     if name not in transport_names():
         raise SpmdError(
-            f"transport {name!r} is unknown; expected one of {', '.join(transport_names())} (CPU) "
-            "or custom, nccl (GPU)",
+            f"CPU transport {name!r} is unknown; expected one of {', '.join(transport_names())}",
             rank=None,
         )
     with _lock:
