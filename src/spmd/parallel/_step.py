@@ -153,15 +153,17 @@ class Step:
 
     # The machinery ---------------------------------------------------------------------------
 
-    def _traced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Traced, list[Any]]:
+    def _traced(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any], tree: Any
+    ) -> Traced:
+        """The signature of a call whose flattened arguments are ``leaves`` and ``tree``."""
         # A ShardedArray flattens to its shard, and its global shape, spec and mesh are part of
         # the structure: the key tells apart arrays whose shards look alike.
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
         key = (tree, tuple(core.typeof(x) for x in leaves), mesh_key())
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = self.trace(args, kwargs)
-        return hit, leaves
+        return hit
 
     def program(self, traced: Traced, variant: Any) -> Program:
         """The transformed program of ``variant`` (built once)."""
@@ -172,14 +174,14 @@ class Step:
 
     def __spmd_trace__(self, *args: Any, **kwargs: Any) -> Program:
         """The step's op list with what its passes inserted (what ``spmd.trace`` shows)."""
-        traced, _ = self._traced(args, kwargs)
-        return self.program(traced, None)
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        return self.program(self._traced(args, kwargs, leaves, tree), None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        leaves = jax.tree_util.tree_leaves((args, kwargs))
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))  # once per call
         if any(isinstance(x, core.Tracer) for x in leaves):
             raise SpmdError(TRACED_CALL, op=self.name)
-        traced, leaves = self._traced(args, kwargs)
+        traced = self._traced(args, kwargs, leaves, tree)
         if self.check_params and not self._checked:
             named = [(traced.program.in_names[i], leaves[i]) for i in traced.param_inputs]
             check_same(self.comm(), named, self.name)

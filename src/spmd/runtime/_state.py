@@ -223,7 +223,6 @@ def init(backend: str | None = None) -> Communicator:
         if runtime.size > 1:
             install_abort_hook(runtime.rank)
         _runtime = runtime
-        set_rank(runtime.rank)
         _groups.prepare_world(runtime.world)
         return runtime.world
 
