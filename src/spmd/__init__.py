@@ -43,7 +43,9 @@ if TYPE_CHECKING:
     from .parallel import broadcast_params as broadcast_params
     from .parallel import data_parallel as data_parallel
     from .parallel import grad as grad
+    from .parallel import moe as moe
     from .parallel import no_sync as no_sync
+    from .parallel import tensor_parallel as tensor_parallel
     from .parallel import trace as trace
     from .parallel import value_and_grad as value_and_grad
     from .parallel import zero_shard as zero_shard
@@ -81,6 +83,7 @@ _PARALLEL = (
 
 _SHARDED = ("PartitionSpec", "ShardedArray", "gather", "shard")
 _CHECKPOINT = ("load", "save")
+_MODEL_PARALLEL = ("moe", "tensor_parallel")
 
 
 def __getattr__(name: str) -> Any:
@@ -88,6 +91,8 @@ def __getattr__(name: str) -> Any:
 
     if name in ("ops", "parallel", "data", "sharded", "checkpoint"):
         return importlib.import_module("." + name, __name__)
+    if name in _MODEL_PARALLEL:
+        return importlib.import_module(".parallel." + name, __name__)
     if name in _OPS:
         return getattr(importlib.import_module(".ops", __name__), name)
     if name in _PARALLEL:
@@ -104,6 +109,7 @@ __all__ = [
     *_PARALLEL,
     *_SHARDED,
     *_CHECKPOINT,
+    *_MODEL_PARALLEL,
     "checkpoint",
     "data",
     "ops",

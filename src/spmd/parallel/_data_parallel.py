@@ -30,7 +30,16 @@ import jax.numpy as jnp
 from .._errors import SpmdError, SpmdTypeError
 from ..mesh import resolve_group
 from ._grad import mark_p
-from ._passes import NO_GRAD, Bucket, GradientLeaf, Pass, chain, gradient_leaves, schedule
+from ._passes import (
+    NO_GRAD,
+    Bucket,
+    GradientLeaf,
+    Pass,
+    chain,
+    gradient_leaves,
+    replica_groups,
+    schedule,
+)
 from ._program import Env, Program, eval_eqn, retrace
 from ._step import Step, Traced, syncing
 
@@ -309,6 +318,23 @@ def _reduce(
         op = "avg" if average else "sum"
         return list(allreduce(values, op, group=comm, compression=compression))
 
+    # Gradients of blocks split over ranks of the group itself (experts over an ep axis inside
+    # the data-parallel ranks) are summed over the ranks holding the same block only, and
+    # divided by the group size: each is already the sum of the gradients of its ranks'
+    # objectives (the collectives' convention), so the result is the gradient of the mean.
+    subgroups: list[Any] = []
+    for leaf in leaves:
+        sub = replica_groups(comm.groups, leaf.shards)
+        same = sorted(map(sorted, sub)) == sorted(map(sorted, comm.groups))
+        subgroups.append(None if same else tuple(tuple(g) for g in sub))
+
+    def reduce_sharded(values: list[Any], sub: tuple[tuple[int, ...], ...]) -> list[Any]:
+        from ..ops import allreduce
+
+        if any(len(g) > 1 for g in sub):
+            values = list(allreduce(values, "sum", rank_list=[list(g) for g in sub]))
+        return [v / comm.size for v in values] if average else values
+
     def flush(env: Env, bucket: Bucket, extra: Sequence[Any]) -> None:
         values = [env.read(x.src) for x in bucket.leaves]
         if pending:
@@ -318,9 +344,14 @@ def _reduce(
             ]
         if sync:
             live = [i for i, x in enumerate(bucket.leaves) if _reducible(x)]
-            reduced = reduce([values[i] for i in live])
-            for i, r in zip(live, reduced, strict=True):
-                values[i] = r
+            by_group: dict[Any, list[int]] = {}
+            for i in live:
+                by_group.setdefault(subgroups[bucket.leaves[i].k], []).append(i)
+            for sub, members in by_group.items():
+                parts = [values[i] for i in members]
+                reduced = reduce(parts) if sub is None else reduce_sharded(parts, sub)
+                for i, r in zip(members, reduced, strict=True):
+                    values[i] = r
         else:
             for v, x in zip(values, bucket.leaves, strict=True):
                 local[x.k] = v

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 
 from .._errors import PerExampleGradientWarning, SpmdError
 from .._jax_compat import ad, batching, core, mlir
-from ..runtime import this_rank
+from ..runtime import Communicator, this_rank
+from ..sharded import is_sharded
 
 __all__ = ["grad", "mark_p", "marking", "value_and_grad"]
 
@@ -127,8 +128,24 @@ def _mark(tree: Any, kind: str, call: int) -> Any:
     if not leaves:
         return tree
     paths = tuple(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
-    out = mark_p.bind(*leaves, kind=kind, call=call, paths=paths)
+    # A ShardedArray flattens to one leaf (its block): the groups that hold its blocks go with it.
+    shards = tuple(shard_groups(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_sharded))
+    out = mark_p.bind(*leaves, kind=kind, call=call, paths=paths, shards=shards)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def shard_groups(x: Any) -> tuple[tuple[int, ...], ...] | None:
+    """For a ShardedArray, the groups of world ranks over which its blocks differ (a rank's
+    position in its group says which block it holds); None for anything else or a replicated
+    ShardedArray."""
+    if not is_sharded(x):
+        return None
+    axes = tuple(a for e in x.spec if e for a in ((e,) if isinstance(e, str) else e))
+    if not axes:
+        return None
+    where = x.mesh
+    groups = where.groups if isinstance(where, Communicator) else where.rank_lists(axes)
+    return tuple(tuple(int(r) for r in g) for g in groups)
 
 
 # -- API ------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ data-parallel and ZeRO passes both reduce them in the same buckets, at the same 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,9 @@ class GradientLeaf:
     dst: Any  # the value the rest of the step reads (the mark's output)
     nbytes: int
     producer: int  # index of the producing op, -1 for an input or constant
+    # For the gradient of a ShardedArray: the groups of world ranks its blocks differ over
+    # (see :func:`replica_groups`); None for a replicated parameter.
+    shards: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass
@@ -82,17 +85,50 @@ def gradient_leaves(program: Program) -> tuple[list[GradientLeaf], dict[int, int
     for i, eqn in enumerate(eqns):
         if eqn.primitive is mark_p and eqn.params["kind"] == "grad":
             marks[eqn.params["call"]] = i
-            for src, dst, path in zip(eqn.invars, eqn.outvars, eqn.params["paths"], strict=True):
+            shards = eqn.params.get("shards") or (None,) * len(eqn.invars)
+            for src, dst, path, held in zip(
+                eqn.invars, eqn.outvars, eqn.params["paths"], shards, strict=True
+            ):
                 aval = src.aval
                 nbytes = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
                 # A constant gradient (of an unused or linear scalar) is a literal: no producer.
                 made = -1 if isinstance(src, core.Literal) else producer.get(src, -1)
                 leaves.append(
-                    GradientLeaf(len(leaves), eqn.params["call"], path, src, dst, nbytes, made)
+                    GradientLeaf(
+                        len(leaves), eqn.params["call"], path, src, dst, nbytes, made, held
+                    )
                 )
         for v in eqn.outvars:
             producer[v] = i
     return leaves, marks
+
+
+def shard_coordinate(shards: tuple[tuple[int, ...], ...] | None, rank: int) -> int | None:
+    """Which block world rank ``rank`` holds of an array sharded over ``shards`` (its position
+    in its group), None if the array is replicated."""
+    if shards is None:
+        return None
+    return next((g.index(rank) for g in shards if rank in g), None)
+
+
+def replica_groups(
+    groups: Sequence[Sequence[int]], shards: tuple[tuple[int, ...], ...] | None
+) -> list[list[int]]:
+    """The ranks of a data-parallel group (``groups``: the partition of the world it belongs
+    to, ``Communicator.groups``) that hold the same block of a parameter sharded over
+    ``shards``: the group itself for a replicated parameter, or for blocks split over axes the
+    group does not span (tensor parallelism over tp, data parallelism over dp); a subgroup
+    where the blocks are split over ranks of the group itself (experts over an ep axis inside
+    the data-parallel ranks). Every rank computes the same partition."""
+    if shards is None:
+        return [list(g) for g in groups]
+    out: list[list[int]] = []
+    for g in groups:
+        by_block: dict[int | None, list[int]] = {}
+        for r in g:
+            by_block.setdefault(shard_coordinate(shards, r), []).append(r)
+        out.extend(by_block.values())
+    return out
 
 
 def marked_params(program: Program) -> list[int]:

@@ -286,7 +286,7 @@ def retrace(
 # -- printing -------------------------------------------------------------------------------------
 
 _HIDDEN_PARAMS = {"out_sharding", "precision", "preferred_element_type", "sharding", "jaxpr",
-                  "accumulation_type", "group", "op"}  # fmt: skip
+                  "accumulation_type", "group", "op", "shards"}  # fmt: skip
 
 
 def _op_name(eqn: core.JaxprEqn) -> str:

@@ -34,8 +34,9 @@ from .._errors import SpmdError
 from .._jax_compat import core
 from ..mesh import mesh_key, resolve_group
 from ..runtime import Communicator
-from ._grad import marking
-from ._passes import Pass, marked_params
+from ..sharded import is_sharded
+from ._grad import marking, shard_groups
+from ._passes import Pass, marked_params, shard_coordinate
 from ._program import Program, trace_program
 
 PARAMS_DIFFER = (
@@ -184,7 +185,10 @@ class Step:
         traced = self._traced(args, kwargs, leaves, tree)
         if self.check_params and not self._checked:
             named = [(traced.program.in_names[i], leaves[i]) for i in traced.param_inputs]
-            check_same(self.comm(), named, self.name)
+            objs = jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_sharded)
+            me = self.comm().world_rank
+            blocks = [shard_coordinate(shard_groups(objs[i]), me) for i in traced.param_inputs]
+            check_same(self.comm(), named, self.name, blocks)
             self._checked = True
         variant = self.variant(traced)
         run = traced.runs.get(variant)
@@ -202,14 +206,24 @@ def _canonical(x: Any) -> np.ndarray:
     return a
 
 
-def check_same(comm: Communicator, named: list[tuple[str, Any]], op: str) -> None:
+def check_same(
+    comm: Communicator,
+    named: list[tuple[str, Any]],
+    op: str,
+    blocks: Sequence[int | None] | None = None,
+) -> None:
     """Raise on every rank if the arrays of ``named`` ((name, array) pairs) differ between the
-    ranks of ``comm``, naming the ranks and the first array that differs."""
+    ranks of ``comm``, naming the ranks and the first array that differs. ``blocks`` gives, per
+    array, which block of a sharded parameter this rank holds (None: replicated): such an array
+    is compared only between the ranks that hold the same block."""
     if comm.size == 1 or not named:
         return
-    sums = [zlib.crc32(_canonical(a).tobytes()) for _, a in named]
+    sums = [
+        (zlib.crc32(_canonical(a).tobytes()), None if blocks is None else blocks[k])
+        for k, (_, a) in enumerate(named)
+    ]
     everyone = comm.allgather_object(sums)
-    differ = [r for r, s in enumerate(everyone) if s != everyone[0]]
+    differ = [r for r, s in enumerate(everyone) if not _agree(s, everyone)]
     if not differ:
         return
     first = differ[0]
@@ -220,7 +234,8 @@ def check_same(comm: Communicator, named: list[tuple[str, Any]], op: str) -> Non
             "every rank must pass the same parameter structure"
         )
     else:
-        bad = [name for (name, _), a, b in zip(named, everyone[0], everyone[first], strict=True)
+        theirs = _reference(everyone[first], everyone)
+        bad = [name for (name, _), a, b in zip(named, theirs, everyone[first], strict=True)
                if a != b]  # fmt: skip
         ranks = [comm.ranks[r] for r in differ]
         detail = (
@@ -229,3 +244,18 @@ def check_same(comm: Communicator, named: list[tuple[str, Any]], op: str) -> Non
             f"on rank {comm.ranks[first]})"
         )
     raise SpmdError(PARAMS_DIFFER.format(detail=detail), op=op)
+
+
+def _reference(mine: list[Any], everyone: list[list[Any]]) -> list[Any]:
+    """Per array, the (checksum, block) of the first rank that holds the same block as
+    ``mine`` does (rank 0's for replicated arrays)."""
+    out = []
+    for k, (_, block) in enumerate(mine):
+        out.append(next(s[k] for s in everyone if len(s) == len(mine) and s[k][1] == block))
+    return out
+
+
+def _agree(mine: list[Any], everyone: list[list[Any]]) -> bool:
+    if len(mine) != len(everyone[0]):
+        return False
+    return _reference(mine, everyone) == mine
