@@ -1,0 +1,390 @@
+"""Expert parallelism: a mixture-of-experts layer on all-to-all (``spmd.moe``).
+
+E experts are split evenly over the ranks of a group (by default the ``"ep"`` axis of the active
+mesh): rank r holds experts ``r * E / ep`` to ``(r + 1) * E / ep - 1``, stacked on axis 0 of
+each leaf of its expert parameters. Every rank routes its own tokens:
+
+1. :func:`route` picks each token's top-k experts from the router's logits, with gates = the
+   softmax over the k selected logits (Mixtral's convention) and Switch Transformer's
+   load-balancing loss;
+2. :func:`dispatch` sends each (token, expert) pair to the rank that holds the expert and
+   returns, per local expert, the tokens it received (from every rank, in rank order);
+3. the experts run on their tokens (``jax.vmap`` of ``expert_fn`` over the local experts);
+4. :func:`combine` sends the results back and sums each token's k results, weighted by its
+   gates.
+
+Without a capacity factor the layer is dropless: the tokens move with ``spmd.all_to_allv`` (only
+the rows routed, counts exchanged first), and each local expert's buffer has room for one row per
+token of every rank (``ep * T`` rows, zero past the tokens received). With
+``capacity_factor=c`` each rank sends at most ``C = ceil(c * T * k / E)`` rows to each expert;
+the rest are dropped (their gates count for nothing), first choices before second choices,
+earlier tokens first; the slots move with a fixed-size ``spmd.all_to_all``.
+
+Gradients follow the collectives' convention: the expert parameters' gradients are those of the
+sum of every rank's objective (each rank's tokens contribute to the experts they reached), the
+router's those of this rank's tokens. Pass expert parameters as ShardedArrays
+(:func:`shard_experts`) so that ``data_parallel`` reduces their gradients only over the ranks
+that hold the same experts (docs/model_parallel.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._errors import SpmdError, SpmdTypeError
+from ..mesh import resolve_group
+from ..runtime import Communicator
+from ..sharded import PartitionSpec, is_sharded, shard
+from .tensor_parallel import local
+
+__all__ = ["Routing", "combine", "dispatch", "moe", "route", "shard_experts"]
+
+
+# -- routing ------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Routing:
+    """Where each of this rank's T tokens goes (what :func:`route` returns).
+
+    Attributes:
+        experts: ``(T, k)`` int32, each token's experts (global ids), best first.
+        gates: ``(T, k)``, the softmax over the k selected logits.
+        keep: ``(T, k)`` bool, False where a capacity factor dropped the assignment.
+        position: ``(T, k)`` int32, the assignment's place in its expert's queue on this rank
+            (first choices first, then by token).
+        aux_loss: Switch Transformer's load-balancing loss over this rank's tokens,
+            ``E * sum_e f_e * p_e`` (``f_e``: the share of the T * k assignments that chose
+            expert e, ``p_e``: the mean router probability of e); 1 when balanced.
+        num_experts: E. capacity: C rows per expert per rank, or None (dropless).
+    """
+
+    experts: Any
+    gates: Any
+    keep: Any
+    position: Any
+    aux_loss: Any
+    num_experts: int = field(metadata={"static": True})
+    capacity: int | None = field(metadata={"static": True})
+
+    @property
+    def k(self) -> int:
+        return int(self.experts.shape[-1])
+
+
+def route(logits: Any, k: int, *, capacity_factor: float | None = None) -> Routing:
+    """Top-k routing of this rank's tokens from the router's ``(T, E)`` logits.
+
+    Gates are the softmax over each token's k selected logits. With ``capacity_factor`` each
+    expert takes at most ``C = ceil(capacity_factor * T * k / E)`` of this rank's assignments
+    (first choices first, then in token order; the others are dropped: ``keep`` is False);
+    None is dropless. See :class:`Routing`.
+
+    Example::
+
+        >>> import jax.numpy as jnp, spmd
+        >>> r = spmd.moe.route(jnp.array([[2.0, 0.0, 1.0]]), k=2)
+        >>> r.experts
+        Array([[0, 2]], dtype=int32)
+        >>> r.gates.round(3)
+        Array([[0.731, 0.269]], dtype=float32)
+    """
+    logits = jnp.asarray(logits)
+    if logits.ndim != 2:
+        raise SpmdError(
+            f"logits have shape {logits.shape}; expected (tokens, experts)", op="moe.route"
+        )
+    t, e = logits.shape
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= e:
+        raise SpmdError(
+            f"k={k!r}, but there are {e} experts; expected an int from 1 to {e}", op="moe.route"
+        )
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise SpmdError(
+            f"capacity_factor={capacity_factor!r}; expected a number > 0, or None (dropless)",
+            op="moe.route",
+        )
+    f32 = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    top, experts = jax.lax.top_k(f32, k)
+    gates = jax.nn.softmax(top, axis=-1).astype(logits.dtype)
+    chosen = jax.nn.one_hot(experts, e, dtype=jnp.int32)  # (T, k, E)
+    share = chosen.sum((0, 1)) / (t * k)
+    aux = e * jnp.sum(share * jax.nn.softmax(f32, axis=-1).mean(0))
+    # Queue positions: first choices of every token, then second choices, ...
+    order = chosen.swapaxes(0, 1).reshape(k * t, e)
+    before = (jnp.cumsum(order, axis=0) - order).reshape(k, t, e).swapaxes(0, 1)
+    position = jnp.sum(before * chosen, axis=-1).astype(jnp.int32)
+    if capacity_factor is None:
+        capacity = None
+        keep = jnp.ones((t, k), bool)
+    else:
+        capacity = max(1, math.ceil(capacity_factor * t * k / e))
+        keep = position < capacity
+    return Routing(experts.astype(jnp.int32), gates, keep, position, aux, e, capacity)
+
+
+# -- dispatch and combine -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How this rank's assignments travel (recomputed by combine from the routing)."""
+
+    comm: Communicator
+    per_rank: int  # experts per rank, E / ep
+    tokens: int  # T
+    slots: int  # rows per local expert's buffer
+
+
+def _plan(routing: Any, group: Any, op: str) -> _Plan:
+    if not isinstance(routing, Routing):
+        raise SpmdTypeError(
+            f"routing is a {type(routing).__name__}; pass what spmd.moe.route returns", op=op
+        )
+    comm = resolve_group(None, group, op=op)
+    e, n = routing.num_experts, comm.size
+    if e % n:
+        raise SpmdError(
+            f"{e} experts do not split evenly over the {n} ranks of the group; use a number of "
+            f"experts divisible by {n}",
+            op=op,
+        )
+    t = routing.experts.shape[0]
+    slots = n * (t if routing.capacity is None else routing.capacity)
+    return _Plan(comm, e // n, t, slots)
+
+
+def _sorted(routing: Routing) -> tuple[Any, Any, Any]:
+    """This rank's assignments sorted by expert (dropped ones last): their order (indices into
+    the T * k flattened assignments), the expert of each, and the kept count per expert."""
+    e = routing.num_experts
+    flat = jnp.where(routing.keep, routing.experts, e).reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    counts = jnp.zeros(e + 1, jnp.int32).at[flat].add(1)[:e]
+    return order, flat[order], counts
+
+
+def _exchange_counts(counts: Any, plan: _Plan) -> Any:
+    """``(ep, E / ep)``: rows each rank sends to each of this rank's experts."""
+    from ..ops import all_to_all
+
+    mine = counts.reshape(plan.comm.size, plan.per_rank)
+    return all_to_all(mine, group=plan.comm) if plan.comm.size > 1 else mine
+
+
+def _received_slots(got: Any, plan: _Plan, rows: int) -> tuple[Any, Any]:
+    """For each row of the all_to_allv's output (source-rank order, by expert within a
+    source): its local expert and its slot in that expert's buffer (out of range: padding)."""
+    flat = got.reshape(-1)  # (source, expert) blocks in arrival order
+    ends = jnp.cumsum(flat)
+    block = jnp.searchsorted(ends, jnp.arange(rows), side="right")
+    valid = block < flat.shape[0]
+    block = jnp.minimum(block, flat.shape[0] - 1)
+    src, expert = block // plan.per_rank, block % plan.per_rank
+    within = jnp.arange(rows) - (ends - flat)[block]
+    before = (jnp.cumsum(got, axis=0) - got)[src, expert]  # rows from earlier sources
+    slot = jnp.where(valid, before + within, plan.slots)
+    return jnp.where(valid, expert, plan.per_rank), slot
+
+
+def dispatch(x: Any, routing: Routing, *, group: Any = "ep") -> Any:
+    """The tokens each of this rank's experts receives: ``(E / ep, slots, D)``.
+
+    ``x``: this rank's ``(T, D)`` tokens, routed by ``routing`` (from :func:`route`). Expert j
+    of this rank gets, in its row block, the tokens that chose it from rank 0, then rank 1, ...;
+    rows past them are zeros. ``slots`` is ``ep * T`` (dropless) or ``ep * C`` (with a
+    capacity). Feed the result, processed row by row, to :func:`combine`.
+    """
+    op = "moe.dispatch"
+    plan = _plan(routing, group, op)
+    x = _tokens(x, plan, op)
+    k = routing.k
+    if routing.capacity is None:
+        order, _, counts = _sorted(routing)
+        send = x[order // k]  # (T * k, D), by expert; nothing is dropped
+        got = _exchange_counts(counts, plan)
+        rows = plan.comm.size * plan.tokens * min(k, plan.per_rank)
+        recv = (
+            _all_to_allv(
+                send,
+                counts.reshape(plan.comm.size, -1).sum(1),
+                got.sum(1),
+                group=plan.comm,
+                out_rows=rows,
+            )
+            if plan.comm.size > 1
+            else send
+        )
+        expert, slot = _received_slots(got, plan, recv.shape[0])
+        out = jnp.zeros((plan.per_rank, plan.slots, x.shape[1]), x.dtype)
+        return out.at[expert, slot].set(recv, mode="drop")
+    # With a capacity: fixed slots (rank, expert, position) sent with one all_to_all.
+    from ..ops import all_to_all
+
+    n, c = plan.comm.size, routing.capacity
+    dest = jnp.where(routing.keep, routing.experts, routing.num_experts).reshape(-1)
+    pos = routing.position.reshape(-1)
+    buf = jnp.zeros((routing.num_experts * c, x.shape[1]), x.dtype)
+    buf = buf.at[dest * c + pos].set(jnp.repeat(x, k, axis=0), mode="drop")
+    if n > 1:
+        buf = all_to_all(buf, group=plan.comm)  # block s: rank s's rows for my experts
+    blocks = buf.reshape(n, plan.per_rank, c, x.shape[1]).swapaxes(0, 1)
+    return blocks.reshape(plan.per_rank, n * c, x.shape[1])
+
+
+def combine(y: Any, routing: Routing, *, group: Any = "ep") -> Any:
+    """One output row per token: the results of its experts (``y``, laid out as
+    :func:`dispatch` returned the tokens) sent back and summed, weighted by the gates.
+    Dropped assignments contribute nothing. Returns ``(T, D_out)``."""
+    op = "moe.combine"
+    plan = _plan(routing, group, op)
+    y = jnp.asarray(y)
+    if y.ndim != 3 or y.shape[:2] != (plan.per_rank, plan.slots):
+        raise SpmdError(
+            f"y has shape {y.shape}; expected ({plan.per_rank}, {plan.slots}, features): "
+            f"{plan.per_rank} local experts (E={routing.num_experts} over the group's "
+            f"{plan.comm.size} ranks) by {plan.slots} slots, as dispatch returns them for this "
+            "routing and group",
+            op=op,
+        )
+    k, d = routing.k, y.shape[2]
+    if routing.capacity is None:
+        order, _, counts = _sorted(routing)
+        got = _exchange_counts(counts, plan)
+        rows = plan.comm.size * plan.tokens * min(k, plan.per_rank)
+        expert, slot = _received_slots(got, plan, rows)
+        back = y.at[expert, slot].get(mode="fill", fill_value=0)
+        if plan.comm.size > 1:
+            back = _all_to_allv(
+                back,
+                got.sum(1),
+                counts.reshape(plan.comm.size, -1).sum(1),
+                group=plan.comm,
+                out_rows=plan.tokens * k,
+            )
+        else:
+            back = back[: plan.tokens * k]
+        results = jnp.zeros((plan.tokens * k, d), y.dtype).at[order].set(back)
+    else:
+        from ..ops import all_to_all
+
+        n, c = plan.comm.size, routing.capacity
+        blocks = y.reshape(plan.per_rank, n, c, d).swapaxes(0, 1).reshape(-1, d)
+        if n > 1:
+            blocks = all_to_all(blocks, group=plan.comm)  # block s: my rows at rank s
+        dest = jnp.where(routing.keep, routing.experts, routing.num_experts).reshape(-1)
+        idx = dest * c + routing.position.reshape(-1)
+        results = blocks.at[idx].get(mode="fill", fill_value=0)
+    weights = jnp.where(routing.keep, routing.gates, 0).astype(y.dtype)
+    return jnp.einsum("tk,tkd->td", weights, results.reshape(plan.tokens, k, d))
+
+
+def _all_to_allv(*args: Any, **kwargs: Any) -> Any:
+    from ..ops import all_to_allv
+
+    return all_to_allv(*args, **kwargs)
+
+
+def _tokens(x: Any, plan: _Plan, op: str) -> Any:
+    x = jnp.asarray(x)
+    if x.ndim != 2 or x.shape[0] != plan.tokens:
+        raise SpmdError(
+            f"x has shape {x.shape}; expected ({plan.tokens}, features): the tokens the "
+            "routing was made for",
+            op=op,
+        )
+    return x
+
+
+# -- the layer ----------------------------------------------------------------------------------
+
+
+def moe(
+    x: Any,
+    router_w: Any,
+    expert_fn: Callable[[Any, Any], Any],
+    expert_params: Any,
+    *,
+    k: int = 2,
+    capacity_factor: float | None = None,
+    group: Any = "ep",
+) -> tuple[Any, Any]:
+    """A mixture-of-experts layer over the group: ``(y, aux_loss)``.
+
+    Args:
+        x: this rank's tokens, ``(..., D)`` (leading axes are flattened into T tokens).
+        router_w: the router's weights, ``(D, E)``, the same on every rank.
+        expert_fn: ``expert_fn(params_of_one_expert, tokens)`` -> ``(rows, D_out)``, any JAX
+            function of ``(rows, D)`` tokens; it also sees padding rows (zeros), whose results
+            are discarded.
+        expert_params: this rank's ``E / ep`` experts, stacked on axis 0 of every leaf (or
+            ShardedArrays from :func:`shard_experts`).
+        k: experts per token. capacity_factor: None (dropless) or a number > 0 (see
+            :func:`route`).
+
+    Returns ``y`` of shape ``(..., D_out)`` and the load-balancing loss of this rank's tokens
+    (add it to the loss with a small coefficient, e.g. 0.01).
+
+    Example (a world of one holds every expert)::
+
+        >>> import jax, jax.numpy as jnp, spmd
+        >>> experts = {"w": jnp.stack([jnp.eye(2), 2 * jnp.eye(2)])}
+        >>> with spmd.Mesh(ep=-1):
+        ...     y, aux = spmd.moe.moe(jnp.ones((3, 2)), jnp.array([[1.0, 0.0], [0.0, 0.0]]),
+        ...                           lambda p, t: t @ p["w"], experts, k=1)
+        >>> y
+        Array([[1., 1.],
+               [1., 1.],
+               [1., 1.]], dtype=float32)
+    """
+    op = "moe"
+    x = jnp.asarray(x)
+    router_w = jnp.asarray(local(router_w))
+    if router_w.ndim != 2 or router_w.shape[0] != x.shape[-1]:
+        raise SpmdError(
+            f"router_w has shape {router_w.shape}; expected ({x.shape[-1]}, experts) for tokens "
+            f"of {x.shape[-1]} features",
+            op=op,
+        )
+    e = router_w.shape[1]
+    comm = resolve_group(None, group, op=op)
+    params = local(expert_params)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if e % comm.size == 0 and (jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != e // comm.size):
+            raise SpmdError(
+                f"expert_params{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}; "
+                f"expected E / ep = {e} / {comm.size} = {e // comm.size} experts stacked on "
+                "axis 0",
+                op=op,
+            )
+    tokens = x.reshape(-1, x.shape[-1])
+    routing = route(tokens @ router_w.astype(tokens.dtype), k, capacity_factor=capacity_factor)
+    received = dispatch(tokens, routing, group=comm)
+    out = jax.vmap(expert_fn)(params, received)
+    y = combine(out, routing, group=comm)
+    return y.reshape(*x.shape[:-1], y.shape[-1]), routing.aux_loss
+
+
+def shard_experts(params: Any, *, group: Any = "ep") -> Any:
+    """This rank's experts of a full expert tree (every leaf stacks E experts on axis 0), as
+    ShardedArrays split over the ``group`` axis of the active mesh (no communication)."""
+    op = "moe.shard_experts"
+    if not isinstance(group, str | tuple):
+        raise SpmdTypeError(f"group={group!r}; expected a mesh axis name", op=op)
+    comm = resolve_group(None, group, op=op)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] % comm.size:
+            raise SpmdError(
+                f"params{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}: its experts "
+                f"(axis 0) do not split evenly over the {comm.size} ranks of {group!r}",
+                op=op,
+            )
+    spec = PartitionSpec(group)
+    return jax.tree_util.tree_map(lambda v: shard(v, spec), params, is_leaf=is_sharded)

@@ -1,0 +1,197 @@
+"""spmd.moe: the expert-parallel layer at ep = 2 and 4 equals a one-process dense reference that
+runs every token through its top-k experts with the same gates (outputs, aux loss, gradients),
+dropless and with a capacity factor (which drops exactly the assignments the routing says); it
+trains inside data_parallel as one process does on the global batch; bad input is a named error
+on every rank."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import spmd
+from spmd.testing import multirank
+
+T, D, F, E = 6, 4, 8, 4  # tokens per rank, features, expert hidden size, experts
+
+
+def expert_fn(p, x):
+    return jax.nn.relu(x @ p["w1"]) @ p["w2"]
+
+
+def _experts(seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {
+        "w1": jax.random.normal(k1, (E, D, F)) * 0.5,
+        "w2": jax.random.normal(k2, (E, F, D)) * 0.5,
+    }
+
+
+def _router(seed=1):
+    return jax.random.normal(jax.random.key(seed), (D, E))
+
+
+def _tokens(world, seed=2):
+    """Every rank's tokens (T, D), different per rank; the same arrays on every process."""
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal((T, D)), jnp.float32) for _ in range(world)]
+
+
+def dense(experts, router, x, k, capacity_factor=None):
+    """One process: every token through its top-k experts, weighted by softmax(top-k logits),
+    minus the assignments a capacity drops (first choices first, then by token); and the
+    Switch load-balancing loss."""
+    logits = x @ router
+    top, chosen = jax.lax.top_k(logits, k)
+    gates = jax.nn.softmax(top, axis=-1)
+    keep = np.ones((x.shape[0], k), bool)
+    if capacity_factor is not None:
+        cap = max(1, math.ceil(capacity_factor * x.shape[0] * k / E))
+        seen = dict.fromkeys(range(E), 0)
+        for j in range(k):
+            for t in range(x.shape[0]):
+                e = int(chosen[t, j])
+                keep[t, j] = seen[e] < cap
+                seen[e] += 1
+    outs = jax.vmap(expert_fn, in_axes=(0, None))(experts, x)  # (E, T, D): every expert
+    picked = jnp.take_along_axis(outs.transpose(1, 0, 2), chosen[..., None], axis=1)
+    y = jnp.einsum("tk,tkd->td", gates * keep, picked)
+    share = jax.nn.one_hot(chosen, E).sum((0, 1)) / (x.shape[0] * k)
+    aux = E * jnp.sum(share * jax.nn.softmax(logits, -1).mean(0))
+    return y, aux, keep
+
+
+@multirank(nprocs=(2, 4))
+def test_layer_matches_dense_reference(comm):
+    n, me = comm.size, comm.rank
+    full, router = _experts(), _router()
+    xs = _tokens(n)
+    cts = _tokens(n, seed=3)  # cotangents that differ between ranks
+    with spmd.Mesh(ep=n):
+        mine = spmd.moe.shard_experts(full)
+        for k, cf in ((2, None), (1, None), (2, 0.5), (1, 1.0)):
+            what = f"ep={n} k={k} capacity_factor={cf}"
+
+            def objective(experts, router, k=k, cf=cf):
+                y, aux = spmd.moe.moe(xs[me], router, expert_fn, experts, k=k, capacity_factor=cf)
+                return jnp.sum(y * cts[me]) + 0.1 * aux, (y, aux)
+
+            (_, (y, aux)), (g_exp, g_router) = jax.jit(
+                jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)
+            )(spmd.tensor_parallel.local(mine), router)
+
+            want_y, want_aux, keep = dense(full, router, xs[me], k, cf)
+            np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-6, err_msg=what)
+            np.testing.assert_allclose(aux, want_aux, rtol=1e-5, err_msg=what)
+            routing = spmd.moe.route(xs[me] @ router, k, capacity_factor=cf)
+            assert np.array_equal(np.asarray(routing.keep), keep), what
+            if cf is not None and k == 2:
+                assert not keep.all(), f"{what}: the capacity drops nothing; the test is weak"
+
+            # Experts: the gradient of every rank's objective; the router: this rank's.
+            def total(experts, router, k=k, cf=cf):
+                return sum(
+                    jnp.sum(dense(experts, router, xs[r], k, cf)[0] * cts[r])
+                    + 0.1 * dense(experts, router, xs[r], k, cf)[1]
+                    for r in range(n)
+                )
+
+            want_exp = jax.grad(total)(full, router)
+            per = E // n
+            for key in full:
+                np.testing.assert_allclose(
+                    g_exp[key], want_exp[key][me * per : (me + 1) * per], rtol=1e-4, atol=1e-5,
+                    err_msg=f"{what} expert grad {key}",
+                )  # fmt: skip
+
+            def own(router, k=k, cf=cf):
+                y, aux, _ = dense(full, router, xs[me], k, cf)
+                return jnp.sum(y * cts[me]) + 0.1 * aux
+
+            np.testing.assert_allclose(
+                g_router, jax.grad(own)(router), rtol=1e-4, atol=1e-5, err_msg=what + " router"
+            )
+
+
+@multirank(nprocs=(4,))
+def test_trains_with_data_parallel(comm):
+    """Mesh(dp=2, ep=2), data parallel over both axes (every rank has its own tokens), and
+    Mesh(ep=4) over the world: the expert blocks are reduced only where they are the same."""
+    batches = [_tokens(4, seed=10 + s) for s in range(3)]
+    targets = [_tokens(4, seed=20 + s) for s in range(3)]
+    tx = optax.sgd(0.1)
+
+    def loss(params, x, t):
+        y, aux = spmd.moe.moe(x, params["router"], expert_fn, params["experts"], k=2)
+        return jnp.mean((y - t) ** 2) + 0.01 * aux
+
+    def dense_loss(params, xs, ts):
+        per_rank = []
+        for x, t in zip(xs, ts, strict=True):
+            y, aux, _ = dense(params["experts"], params["router"], x, 2)
+            per_rank.append(jnp.mean((y - t) ** 2) + 0.01 * aux)
+        return sum(per_rank) / len(per_rank)
+
+    params, want = {"router": _router(), "experts": _experts()}, []
+    state = tx.init(params)
+    for xs, ts in zip(batches, targets, strict=True):
+        u, state = tx.update(jax.grad(dense_loss)(params, xs, ts), state, params)
+        params = optax.apply_updates(params, u)
+        want.append(params)
+
+    for mesh, group in ((spmd.Mesh(dp=2, ep=2), ("dp", "ep")), (spmd.Mesh(ep=4), None)):
+        with mesh:
+
+            @spmd.data_parallel(group=group)
+            def step(params, state, x, t):
+                value, g = spmd.value_and_grad(loss)(params, x, t)
+                u, state = tx.update(g, state, params)
+                return optax.apply_updates(params, u), state, value
+
+            params = {"router": _router(), "experts": spmd.moe.shard_experts(_experts())}
+            state = tx.init(params)
+            for i, (xs, ts) in enumerate(zip(batches, targets, strict=True)):
+                params, state, _ = step(params, state, xs[comm.rank], ts[comm.rank])
+                got = spmd.gather(params)
+                for key in ("w1", "w2"):
+                    np.testing.assert_allclose(
+                        got["experts"][key], want[i]["experts"][key], rtol=1e-4, atol=1e-6,
+                        err_msg=f"{mesh} step {i + 1} experts {key}",
+                    )  # fmt: skip
+                np.testing.assert_allclose(
+                    got["router"], want[i]["router"], rtol=1e-4, atol=1e-6,
+                    err_msg=f"{mesh} step {i + 1} router",
+                )  # fmt: skip
+
+
+@multirank(nprocs=(2,))
+def test_errors(comm):
+    x, router = _tokens(1)[0], _router()
+    with spmd.Mesh(ep=2):
+        experts = spmd.tensor_parallel.local(spmd.moe.shard_experts(_experts()))
+        routing = spmd.moe.route(x @ router, 2)
+        cases = [
+            (lambda: spmd.moe.route(x @ router, 5), "k=5, but there are 4 experts"),
+            (lambda: spmd.moe.moe(x, jnp.ones((D, 3)), expert_fn, experts),
+             "3 experts do not split evenly over the 2 ranks"),
+            (lambda: spmd.moe.moe(x, router, expert_fn, _experts()),
+             "expected E / ep = 4 / 2 = 2 experts"),
+            (lambda: spmd.moe.shard_experts({"w": jnp.ones((3, 2))}), "do not split evenly"),
+            (lambda: spmd.moe.dispatch(x[:3], routing), "expected (6, features)"),
+            (lambda: spmd.moe.combine(jnp.ones((4, 12, D)), routing),
+             "expected (2, 12, features)"),
+            (lambda: spmd.moe.route(x @ router, 2, capacity_factor=0), "capacity_factor=0"),
+        ]  # fmt: skip
+        for make, text in cases:
+            with pytest.raises(spmd.SpmdError) as info:
+                make()
+            assert f"rank {comm.rank}: " in str(info.value), str(info.value)
+            assert text in str(info.value), str(info.value)
+    # A routing record made for one group, used with another: the layout does not fit.
+    with spmd.Mesh(ep=1, dp=2), pytest.raises(spmd.SpmdError, match=r"expected \(4, 6, features\)"):
+        spmd.moe.combine(jnp.ones((2, 12, D)), routing)
