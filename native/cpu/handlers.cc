@@ -11,6 +11,7 @@
 #include "groups.h"
 #include "messages.h"
 #include "reduce.h"
+#include "spmd/alltoallv.h"
 #include "spmd/call.h"
 #include "spmd/common.h"
 #include "spmd/tables.h"
@@ -30,10 +31,11 @@ enum Code : uint64_t {
   kBroadcast,
   kAllToAll,
   kSendRecv,
-  kBarrier
+  kBarrier,
+  kAllToAllv
 };
 const char* const kNames[] = {"?", "allreduce", "allgather", "reduce_scatter", "broadcast",
-                              "all_to_all", "sendrecv", "barrier"};
+                              "all_to_all", "sendrecv", "barrier", "all_to_allv"};
 
 // A CPU call: its group, its leaves, and what every rank must agree on.
 struct Call : CallBase {
@@ -213,6 +215,26 @@ ffi::Error AllToAllFfi(int64_t group, ffi::RemainingArgs args, ffi::RemainingRet
   return call.Run([&](Transport& t) { return t.AllToAll(sig, call.in, call.out); });
 }
 
+// Operands x [rows, ...], send_counts and recv_counts (int32[size]); result [out_rows, ...].
+// The rows of x and of the result may differ between ranks; the rest of their shape may not.
+ffi::Error AllToAllvFfi(int64_t group, bool exact, ffi::RemainingArgs args,
+                        ffi::RemainingRets rets) {
+  Call call(kAllToAllv);
+  if (ffi::Error e = call.Start(group, args, rets, /*vary_rows=*/true); e.failure()) return e;
+  const int n = call.group->size;
+  size_t row = 0;
+  if (ffi::Error e = a2av::CheckShapes(call, n, &row); e.failure()) return e;
+  call.Mix(exact ? 1 : 0);
+  thread_local std::vector<int64_t> record;
+  record.resize(a2av::RecordLen(n));
+  a2av::Fill(record.data(), call.in[0].dims[0], call.out[0].dims[0], exact,
+             reinterpret_cast<const int32_t*>(call.in[1].data),
+             reinterpret_cast<const int32_t*>(call.in[2].data), n);
+  const Signature sig = call.Sig();
+  return call.Run(
+      [&](Transport& t) { return t.AllToAllv(sig, call.in[0], call.out[0], row, record); });
+}
+
 ffi::Error BarrierFfi(int64_t group, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   Call call(kBarrier);
   if (ffi::Error e = call.Start(group, args, rets); e.failure()) return e;
@@ -286,6 +308,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kSendRecv_, SendRecvFfi,
                                   .Attr<int64_t>("dst")
                                   .RemainingArgs()
                                   .RemainingRets());
+// spmd_all_to_allv: attrs group, exact (the send counts add up to x's rows, else at most).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllv_, AllToAllvFfi,
+                              ffi::Ffi::Bind()
+                                  .Attr<int64_t>("group")
+                                  .Attr<bool>("exact")
+                                  .RemainingArgs()
+                                  .RemainingRets());
 // spmd_barrier: attr group.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBarrier_, BarrierFfi,
                               ffi::Ffi::Bind().Attr<int64_t>("group").RemainingArgs().RemainingRets());
@@ -297,6 +326,7 @@ const HandlerEntry* CpuHandlers() {
       {"spmd_reduce_scatter", reinterpret_cast<void*>(kReduceScatter_)},
       {"spmd_broadcast", reinterpret_cast<void*>(kBroadcast_)},
       {"spmd_all_to_all", reinterpret_cast<void*>(kAllToAll_)},
+      {"spmd_all_to_allv", reinterpret_cast<void*>(kAllToAllv_)},
       {"spmd_sendrecv", reinterpret_cast<void*>(kSendRecv_)},
       {"spmd_barrier", reinterpret_cast<void*>(kBarrier_)},
       {nullptr, nullptr},

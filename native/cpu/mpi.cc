@@ -24,6 +24,8 @@ struct Fns {
   int (*Ireduce_scatter_c)(const void*, void*, const Count*, H, H, H, H*);
   int (*Ibcast_c)(void*, Count, H, int, H, H*);
   int (*Ialltoall_c)(const void*, Count, H, void*, Count, H, H, H*);
+  int (*Ialltoallv_c)(const void*, const Count*, const Aint*, H, void*, const Count*, const Aint*,
+                      H, H, H*);
   int (*Isend_c)(const void*, Count, H, int, int, H, H*);
   int (*Irecv_c)(void*, Count, H, int, int, H, H*);
   int (*Ibarrier)(H, H*);
@@ -206,6 +208,7 @@ Status MpiLoad(const std::string& library, const MpiConstants& constants) {
             Resolve(lib, "MPI_Ireduce_scatter_c", &fns.Ireduce_scatter_c) &&
             Resolve(lib, "MPI_Ibcast_c", &fns.Ibcast_c) &&
             Resolve(lib, "MPI_Ialltoall_c", &fns.Ialltoall_c) &&
+            Resolve(lib, "MPI_Ialltoallv_c", &fns.Ialltoallv_c) &&
             Resolve(lib, "MPI_Isend_c", &fns.Isend_c) && Resolve(lib, "MPI_Irecv_c", &fns.Irecv_c) &&
             Resolve(lib, "MPI_Ibarrier", &fns.Ibarrier) && Resolve(lib, "MPI_Test", &fns.Test) &&
             Resolve(lib, "MPI_Get_count_c", &fns.Get_count_c) &&
@@ -328,6 +331,24 @@ Status MpiComm::AllToAll(const void* in, void* out, size_t block_bytes) const {
                                              comm, &request),
                              "all_to_all"));
   return Wait(&request, 1, "all_to_all");
+}
+
+Status MpiComm::AllToAllv(const void* in, const std::vector<size_t>& send_bytes,
+                          const std::vector<size_t>& send_off, void* out,
+                          const std::vector<size_t>& recv_bytes,
+                          const std::vector<size_t>& recv_off) const {
+  SPMD_RETURN_IF_ERROR(Usable());
+  thread_local std::vector<Count> sc, rc;
+  thread_local std::vector<Aint> sd, rd;
+  sc.assign(send_bytes.begin(), send_bytes.end());
+  rc.assign(recv_bytes.begin(), recv_bytes.end());
+  sd.assign(send_off.begin(), send_off.end());
+  rd.assign(recv_off.begin(), recv_off.end());
+  H request = 0;
+  SPMD_RETURN_IF_ERROR(Check(fns.Ialltoallv_c(in, sc.data(), sd.data(), consts.byte, out,
+                                              rc.data(), rd.data(), consts.byte, comm, &request),
+                             "all_to_allv"));
+  return Wait(&request, 1, "all_to_allv");
 }
 
 Status MpiComm::SendRecv(const void* send, size_t send_bytes, int dst, void* recv,

@@ -47,6 +47,11 @@ struct MpiComm {
                         xla::ffi::DataType dtype, ReduceOp op) const;
   Status Broadcast(void* buf, size_t bytes, int root) const;
   Status AllToAll(const void* in, void* out, size_t block_bytes) const;
+  // Bytes to and from each rank, at byte offsets into `in` and `out`.
+  Status AllToAllv(const void* in, const std::vector<size_t>& send_bytes,
+                   const std::vector<size_t>& send_off, void* out,
+                   const std::vector<size_t>& recv_bytes,
+                   const std::vector<size_t>& recv_off) const;
   Status SendRecv(const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
                   int src) const;
   Status Barrier() const;

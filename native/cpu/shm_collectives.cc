@@ -2,10 +2,12 @@
 // the sync points.
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "shm.h"
 #include "shm_copy.h"
+#include "spmd/alltoallv.h"
 
 namespace spmd {
 namespace {
@@ -148,6 +150,9 @@ struct Narrowed {
 };
 
 thread_local std::vector<uint16_t> narrowed_scratch;
+// all_to_allv: every rank's counts, and this rank's offsets.
+thread_local std::vector<int64_t> a2av_records;
+thread_local a2av::Plan a2av_plan;
 
 }  // namespace
 
@@ -331,6 +336,56 @@ Status ShmGroup::AllToAll(const Signature& sig, const Leaf& in, const Leaf& out,
     SPMD_RETURN_IF_ERROR(Step(sig, &first));
     for (int j = 0; j < n; ++j) {
       if (j != me && len) put(out.data + j * block + lo, slot(j, t) + me * cb, len);
+    }
+  }
+  return Status::Ok();
+}
+
+Status ShmGroup::AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out, size_t row,
+                           const std::vector<int64_t>& record) {
+  const int n = size_, me = rank_;
+  const size_t len = record.size() * sizeof(int64_t);
+  if (len > chunk_) {  // the same on every rank: n and the chunk are the group's
+    return Status::Error("a group of " + std::to_string(n) + " ranks needs " +
+                         std::to_string(len) + " bytes per rank for its counts, more than a " +
+                         "shared-memory slot holds; use the MPI transport");
+  }
+  // The counts go in the slots of the first sync; every rank has read them before the slots of
+  // that parity are written again, two syncs later.
+  uint64_t t = next();
+  std::memcpy(slot(me, t), record.data(), len);
+  SPMD_RETURN_IF_ERROR(Begin(sig));
+  if (a2av_records.size() < record.size() * n) a2av_records.resize(record.size() * n);
+  for (int r = 0; r < n; ++r) std::memcpy(&a2av_records[r * record.size()], slot(r, t), len);
+  std::string bad = a2av::Verdict(a2av_records.data(), n, world_ranks_);
+  if (!bad.empty()) return Status::Error(bad);
+  const a2av::Plan& p = a2av_plan;
+  a2av::MakePlan(a2av_records.data(), n, me, row, &a2av_plan);
+  const OutCopy put(out.bytes);
+  if (p.send_bytes[me] != 0) {
+    put(out.data + p.recv_off[me], in.data + p.send_off[me], p.send_bytes[me]);
+  }
+  if (out.bytes > p.received) std::memset(out.data + p.received, 0, out.bytes - p.received);
+  // As AllToAll, with blocks of their own sizes: step by step, each rank stages the next piece
+  // of every block it sends, and copies out the pieces staged for it. Every rank knows every
+  // block, so all take the same number of steps.
+  const size_t cb = chunk_ / n / kAlign * kAlign;
+  bool first = false;
+  SPMD_RETURN_IF_ERROR(Place(sig, p.total, &first));
+  for (size_t lo = 0; lo < p.most; lo += cb) {
+    t = next();
+    for (int j = 0; j < n; ++j) {
+      if (j != me && lo < p.send_bytes[j]) {
+        Stage(slot(me, t) + j * cb, in.data + p.send_off[j] + lo,
+              std::min(cb, p.send_bytes[j] - lo));
+      }
+    }
+    SPMD_RETURN_IF_ERROR(Sync());
+    for (int j = 0; j < n; ++j) {
+      if (j != me && lo < p.recv_bytes[j]) {
+        put(out.data + p.recv_off[j] + lo, slot(j, t) + me * cb,
+            std::min(cb, p.recv_bytes[j] - lo));
+      }
     }
   }
   return Status::Ok();

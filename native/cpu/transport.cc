@@ -2,6 +2,9 @@
 #include "transport.h"
 
 #include <cstring>
+#include <string>
+
+#include "spmd/alltoallv.h"
 
 namespace spmd {
 namespace {
@@ -17,6 +20,9 @@ thread_local std::vector<uint16_t> wire_in, wire_out;
 thread_local Leaves wire_in_leaves, wire_out_leaves;
 thread_local std::vector<char> hier_scratch;
 thread_local std::vector<float> hier_wide_in, hier_wide_out;
+// all_to_allv over MPI: every rank's counts, and this rank's offsets.
+thread_local std::vector<int64_t> a2av_records;
+thread_local a2av::Plan a2av_plan;
 
 size_t Elements(const Leaves& leaves) {
   size_t count = 0;
@@ -90,6 +96,12 @@ Status Transport::AllToAll(const Signature& sig, const Leaves& in, const Leaves&
   return Status::Ok();
 }
 
+Status Transport::AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out, size_t row,
+                            const std::vector<int64_t>& record) {
+  SPMD_RETURN_IF_ERROR(Check(sig));
+  return AllToAllvNow(sig, in, out, row, record);
+}
+
 Status Transport::Barrier(const Signature& sig) {
   SPMD_RETURN_IF_ERROR(Check(sig));
   return BarrierNow(sig);
@@ -126,6 +138,11 @@ Status ShmTransport::BroadcastLeaf(const Signature& sig, int root, const Leaf& i
 Status ShmTransport::AllToAllLeaf(const Signature& sig, const Leaf& in, const Leaf& out,
                                   size_t block) {
   return shm_.AllToAll(sig, in, out, block);
+}
+
+Status ShmTransport::AllToAllvNow(const Signature& sig, const Leaf& in, const Leaf& out,
+                                  size_t row, const std::vector<int64_t>& record) {
+  return shm_.AllToAllv(sig, in, out, row, record);
 }
 
 Status ShmTransport::BarrierNow(const Signature& sig) { return shm_.Barrier(sig); }
@@ -189,6 +206,22 @@ Status MpiTransport::BroadcastLeaf(const Signature&, int root, const Leaf& in, c
 Status MpiTransport::AllToAllLeaf(const Signature&, const Leaf& in, const Leaf& out,
                                   size_t block) {
   return comm_.AllToAll(in.data, out.data, block);
+}
+
+Status MpiTransport::AllToAllvNow(const Signature&, const Leaf& in, const Leaf& out, size_t row,
+                                  const std::vector<int64_t>& record) {
+  const int n = size_;
+  if (a2av_records.size() < record.size() * n) a2av_records.resize(record.size() * n);
+  SPMD_RETURN_IF_ERROR(comm_.Allgatherv(record.data(), a2av_records.data(),
+                                        std::vector<size_t>(n, record.size() * sizeof(int64_t))));
+  std::string bad = a2av::Verdict(a2av_records.data(), n, comm_.world_ranks);
+  if (!bad.empty()) return Status::Error(bad);
+  a2av::MakePlan(a2av_records.data(), n, comm_.rank, row, &a2av_plan);
+  if (out.bytes > a2av_plan.received) {
+    std::memset(out.data + a2av_plan.received, 0, out.bytes - a2av_plan.received);
+  }
+  return comm_.AllToAllv(in.data, a2av_plan.send_bytes, a2av_plan.send_off, out.data,
+                         a2av_plan.recv_bytes, a2av_plan.recv_off);
 }
 
 Status MpiTransport::BarrierNow(const Signature&) { return comm_.Barrier(); }

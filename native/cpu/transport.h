@@ -56,6 +56,11 @@ class Transport {
   // Inputs and outputs hold one block per rank along their first axis: output block j is rank
   // j's input block for this rank.
   Status AllToAll(const Signature& sig, const Leaves& in, const Leaves& out);
+  // Rows of `row` bytes: `in` holds record[kSend + j] rows for rank j, peer after peer; `out`
+  // gets rank j's rows for this rank in rank order, and zeros past them. `record` is this rank's
+  // (spmd/alltoallv.h): the ranks exchange theirs first and fail alike on any bad count.
+  Status AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out, size_t row,
+                   const std::vector<int64_t>& record);
   Status Barrier(const Signature& sig);
 
  protected:
@@ -79,6 +84,8 @@ class Transport {
                                const Leaf& out) = 0;
   virtual Status AllToAllLeaf(const Signature& sig, const Leaf& in, const Leaf& out,
                               size_t block) = 0;
+  virtual Status AllToAllvNow(const Signature& sig, const Leaf& in, const Leaf& out, size_t row,
+                              const std::vector<int64_t>& record) = 0;
   virtual Status BarrierNow(const Signature& sig) = 0;
 
   const int size_;  // ranks in the group
@@ -110,6 +117,9 @@ class ShmTransport final : public Transport {
   Status BroadcastLeaf(const Signature& sig, int root, const Leaf& in, const Leaf& out) override;
   Status AllToAllLeaf(const Signature& sig, const Leaf& in, const Leaf& out,
                       size_t block) override;
+  // The counts travel in the sync that starts the op, next to the signature check.
+  Status AllToAllvNow(const Signature& sig, const Leaf& in, const Leaf& out, size_t row,
+                      const std::vector<int64_t>& record) override;
   Status BarrierNow(const Signature& sig) override;
 
  private:
@@ -140,6 +150,9 @@ class MpiTransport : public Transport {
   Status BroadcastLeaf(const Signature& sig, int root, const Leaf& in, const Leaf& out) final;
   Status AllToAllLeaf(const Signature& sig, const Leaf& in, const Leaf& out,
                       size_t block) final;
+  // An allgather of the counts, then one MPI_Alltoallv.
+  Status AllToAllvNow(const Signature& sig, const Leaf& in, const Leaf& out, size_t row,
+                      const std::vector<int64_t>& record) final;
   Status BarrierNow(const Signature& sig) final;
 
   const MpiComm& comm_;

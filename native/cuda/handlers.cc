@@ -1,6 +1,7 @@
 // The XLA FFI handlers of the GPU collectives: the same operands, results and attributes as the
-// CPU handlers (native/cpu/handlers.cc), enqueued on the stream XLA gives the handler; they never
-// synchronise the host. After the ordering operand come the leaves of one fused call.
+// CPU handlers (native/cpu/handlers.cc), enqueued on the stream XLA gives the handler; all but
+// all_to_allv (which reads its counts on the host) never synchronise the host. After the
+// ordering operand come the leaves of one fused call.
 #include "handlers.h"
 
 #include <cuda_runtime.h>
@@ -12,6 +13,7 @@
 
 #include "custom_ar.h"
 #include "groups.h"
+#include "spmd/alltoallv.h"
 #include "spmd/call.h"
 #include "spmd/common.h"
 #include "xla/ffi/api/ffi.h"
@@ -311,6 +313,98 @@ ffi::Error AllToAllFfi(cudaStream_t stream, int64_t group, ffi::RemainingArgs ar
   return call.FromStatus(group_call.End());
 }
 
+// -- all_to_allv ------------------------------------------------------------------------------
+
+Status CudaCheck(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return Status::Ok();
+  return Status::Error(std::string(what) + " failed: " + cudaGetErrorString(e));
+}
+
+// Every rank's record (spmd/alltoallv.h) into `all`, through an NCCL all-gather in device memory
+// taken from the stream's pool for the call; waits for the stream. `mine` is in `all` already,
+// at this rank's place.
+Status GatherRecords(CudaGroup& g, std::vector<int64_t>* all, cudaStream_t stream) {
+  const size_t len = all->size() / static_cast<size_t>(g.size) * sizeof(int64_t);
+  char* dev = nullptr;
+  SPMD_RETURN_IF_ERROR(CudaCheck(
+      cudaMallocAsync(reinterpret_cast<void**>(&dev), len * g.size, stream), "cudaMallocAsync"));
+  char* host = reinterpret_cast<char*>(all->data());
+  Status s = CudaCheck(cudaMemcpyAsync(dev + g.rank * len, host + g.rank * len, len,
+                                       cudaMemcpyHostToDevice, stream),
+                       "cudaMemcpyAsync");
+  if (s.ok()) s = NcclAllGather(dev + g.rank * len, dev, len, kNcclUint8, g.nccl, stream);
+  if (s.ok()) {
+    s = CudaCheck(cudaMemcpyAsync(host, dev, len * g.size, cudaMemcpyDeviceToHost, stream),
+                  "cudaMemcpyAsync");
+  }
+  Status freed = CudaCheck(cudaFreeAsync(dev, stream), "cudaFreeAsync");
+  Status synced = CudaCheck(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  return !s.ok() ? s : !freed.ok() ? freed : synced;
+}
+
+// Operands x [rows, ...], send_counts and recv_counts (int32[size], on the device); result
+// [out_rows, ...]. The counts come to the host (the handler waits for the stream, so XLA must not
+// capture it in a CUDA graph: Python registers it without the command-buffer trait), every
+// rank's counts travel to every rank and are checked before any row moves, so a bad count is
+// the same error on every rank instead of transfers NCCL cannot match. Then one NCCL group of
+// sends and receives, and zeros past the rows received.
+ffi::Error AllToAllvFfi(cudaStream_t stream, int64_t group, bool exact, ffi::RemainingArgs args,
+                        ffi::RemainingRets rets) {
+  Call call("all_to_allv (GPU)");
+  if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
+  if (ffi::Error e = NeedNccl(call); e.failure()) return e;
+  CudaGroup& g = *call.group;
+  const int n = g.size;
+  size_t row = 0;
+  if (ffi::Error e = a2av::CheckShapes(call, n, &row); e.failure()) return e;
+  const Leaf& x = call.in[0];
+  const Leaf& y = call.out[0];
+  std::lock_guard<std::mutex> lock(g.mu);
+  thread_local std::vector<int32_t> counts;
+  thread_local std::vector<int64_t> all;
+  thread_local a2av::Plan plan;
+  counts.resize(2 * static_cast<size_t>(n));
+  const size_t len = a2av::RecordLen(n);
+  all.assign(len * n, 0);
+  Status s = CudaCheck(cudaMemcpyAsync(counts.data(), call.in[1].data, n * sizeof(int32_t),
+                                       cudaMemcpyDeviceToHost, stream),
+                       "cudaMemcpyAsync");
+  if (s.ok()) {
+    s = CudaCheck(cudaMemcpyAsync(counts.data() + n, call.in[2].data, n * sizeof(int32_t),
+                                  cudaMemcpyDeviceToHost, stream),
+                  "cudaMemcpyAsync");
+  }
+  if (s.ok()) s = CudaCheck(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  if (!s.ok()) return call.FromStatus(s);
+  a2av::Fill(all.data() + g.rank * len, x.dims[0], y.dims[0], exact, counts.data(),
+             counts.data() + n, n);
+  if (Status gs = GatherRecords(g, &all, stream); !gs.ok()) return call.FromStatus(gs);
+  std::string bad = a2av::Verdict(all.data(), n, g.world_ranks);
+  if (!bad.empty()) return call.Fail(bad);
+  a2av::MakePlan(all.data(), n, g.rank, row, &plan);
+  s = CopyAsync(y.data + plan.recv_off[g.rank], x.data + plan.send_off[g.rank],
+                plan.send_bytes[g.rank], stream);
+  if (s.ok() && y.bytes > plan.received) {
+    s = CudaCheck(cudaMemsetAsync(y.data + plan.received, 0, y.bytes - plan.received, stream),
+                  "cudaMemsetAsync");
+  }
+  if (!s.ok()) return call.FromStatus(s);
+  if (plan.total == 0) return ffi::Error::Success();
+  NcclGroup group_call;
+  if (!group_call.status().ok()) return call.FromStatus(group_call.status());
+  for (int p = 0; p < n; ++p) {
+    if (p == g.rank) continue;
+    if (plan.send_bytes[p] != 0) {
+      s = NcclSend(x.data + plan.send_off[p], plan.send_bytes[p], kNcclUint8, p, g.nccl, stream);
+    }
+    if (s.ok() && plan.recv_bytes[p] != 0) {
+      s = NcclRecv(y.data + plan.recv_off[p], plan.recv_bytes[p], kNcclUint8, p, g.nccl, stream);
+    }
+    if (!s.ok()) return call.FromStatus(s);
+  }
+  return call.FromStatus(group_call.End());
+}
+
 // -- point to point, barrier ------------------------------------------------------------------
 
 // send: src < 0 and no result; recv: dst < 0 and no operand.
@@ -444,6 +538,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllToAll, AllToAllFfi,
                                   .RemainingArgs()
                                   .RemainingRets());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllToAllv, AllToAllvFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int64_t>("group")
+                                  .Attr<bool>("exact")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaSendRecv, SendRecvFfi,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -476,6 +578,7 @@ const HandlerEntry* CudaHandlers() {
       {"spmd_cuda_reduce_scatter", reinterpret_cast<void*>(kCudaReduceScatter)},
       {"spmd_cuda_broadcast", reinterpret_cast<void*>(kCudaBroadcast)},
       {"spmd_cuda_all_to_all", reinterpret_cast<void*>(kCudaAllToAll)},
+      {"spmd_cuda_all_to_allv", reinterpret_cast<void*>(kCudaAllToAllv)},
       {"spmd_cuda_sendrecv", reinterpret_cast<void*>(kCudaSendRecv)},
       {"spmd_cuda_barrier", reinterpret_cast<void*>(kCudaBarrier)},
       {"spmd_cuda_allreduce_rmsnorm", reinterpret_cast<void*>(kCudaAllreduceRmsNorm)},

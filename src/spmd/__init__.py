@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .checkpoint import load as load
     from .checkpoint import save as save
     from .ops import all_to_all as all_to_all
+    from .ops import all_to_allv as all_to_allv
     from .ops import allgather as allgather
     from .ops import allgatherv as allgatherv
     from .ops import allreduce as allreduce
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
 
 _OPS = (
     "all_to_all",
+    "all_to_allv",
     "allgather",
     "allgatherv",
     "allreduce",

@@ -16,7 +16,7 @@ def test_info_reports_versions_mpi_native_and_devices():
     text = out.stdout
     for dist in ("spmd", "jax", "jaxlib", "numpy", "mpi4py"):
         assert f"  {dist}: {importlib.metadata.version(dist)}\n" in text
-    assert "collective handlers (cpu): spmd_all_to_all, spmd_allgather, spmd_allreduce" in text
+    assert "collective handlers (cpu): spmd_all_to_all, spmd_all_to_allv, spmd_allgather, " in text
     assert "collective transport: auto" in text
     assert "shared-memory staging: auto (" in text
     assert "MPI library (mpi4py): MPICH Version:" in text

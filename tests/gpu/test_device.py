@@ -151,6 +151,10 @@ _NCCL_WORLD_OF_ONE = """
         "reduce_scatterv": (lambda: spmd.reduce_scatterv(m, sizes=[64]), m),
         "broadcast": (lambda: spmd.broadcast([m, i]), [m, i]),
         "all_to_all": (lambda: spmd.all_to_all(m, split_axis=0, concat_axis=1), m),
+        "all_to_allv": (
+            lambda: spmd.all_to_allv(m, [64], out_rows=70),
+            jnp.concatenate([m, jnp.zeros((6, 64))]),
+        ),
         "sendrecv": (lambda: spmd.sendrecv(m, src=0, dst=0), m),
         "allreduce max int32": (lambda: spmd.allreduce(i, op="max"), i),
         "allreduce prod int32": (lambda: spmd.allreduce(i, op="prod"), i),

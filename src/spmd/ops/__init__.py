@@ -15,6 +15,7 @@ are not in ``__all__``.
 from typing import Any
 
 from ._all_to_all import all_to_all as all_to_all
+from ._all_to_allv import all_to_allv as all_to_allv
 from ._allreduce import allreduce as allreduce
 from ._broadcast import broadcast as broadcast
 from ._checks import ARRAY_LIKE as ARRAY_LIKE
@@ -35,6 +36,7 @@ from ._transport import set_transport as set_transport
 
 __all__ = [
     "all_to_all",
+    "all_to_allv",
     "allgather",
     "allgatherv",
     "allreduce",

@@ -169,12 +169,16 @@ def lower_collective(
 
 
 _targets: set[str] = set()
+# GPU handlers that wait for their stream (all_to_allv reads its counts on the host): a CUDA
+# graph cannot hold them, so XLA must never capture them in one.
+_WAITS_FOR_DEVICE = frozenset({"spmd_cuda_all_to_allv"})
 _targets_lock = threading.Lock()
 
 
 def _ensure_targets(platform: str) -> None:
     """Register the handlers of ``platform`` with XLA (once). The CUDA handlers are command
-    buffer compatible, so XLA may capture them in CUDA graphs, unless ``SPMD_CUDA_GRAPHS=0``."""
+    buffer compatible, so XLA may capture them in CUDA graphs, unless ``SPMD_CUDA_GRAPHS=0``
+    (or they wait for the device, ``_WAITS_FOR_DEVICE``)."""
     if platform in _targets:
         return
     with _targets_lock:
@@ -184,8 +188,9 @@ def _ensure_targets(platform: str) -> None:
             for name, capsule in native().cpu_handlers().items():
                 jax.ffi.register_ffi_target(name, capsule, platform="cpu")
         else:
-            traits = command_buffer_traits(os.environ.get("SPMD_CUDA_GRAPHS", "1") != "0")
+            graphs = os.environ.get("SPMD_CUDA_GRAPHS", "1") != "0"
             for name, capsule in require_native_cuda().cuda_handlers().items():
+                traits = command_buffer_traits(graphs and name not in _WAITS_FOR_DEVICE)
                 jax.ffi.register_ffi_target(name, capsule, platform="CUDA", traits=traits)
         _targets.add(platform)
 
