@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
@@ -52,3 +53,35 @@ def test_equinox_mlp_fits_the_curve(tmp_path):
     out = _run(2, "equinox_mlp.py", cwd=tmp_path)
     error = float(re.search(r"on \[-1, 1\]: ([\d.]+)", out).group(1))
     assert error < 0.15, out
+
+
+def _losses(out: str) -> list[float]:
+    return [float(m) for m in re.findall(r"step +\d+ +loss ([\d.]+)", out)]
+
+
+def test_train_moe_on_a_dp_tp_mesh_follows_one_process(tmp_path):
+    """Mesh(dp=2, tp=2): the tensor-parallel block and the experts split over dp follow the
+    one-process run on the same global batches step for step."""
+    pytest.importorskip("sklearn")
+    args = ("--steps", "5", "--aux-weight", "0", "--print-every", "1")
+    four = _losses(_run(4, "train_moe.py", "--mesh", "dp=2,tp=2", *args, cwd=tmp_path))
+    one = _losses(_run(1, "train_moe.py", *args, cwd=tmp_path))
+    assert len(four) == len(one) == 5
+    np.testing.assert_allclose(four, one, rtol=1e-4)
+    assert one[-1] < one[0]
+
+
+def test_train_moe_on_a_dp_ep_mesh_learns_as_one_process_does(tmp_path):
+    """Mesh(dp=2, ep=2) with the load-balancing loss (computed per rank, so the runs differ by
+    rounding and by the loss's grouping): the same loss after 60 steps, and the digits learnt."""
+    pytest.importorskip("sklearn")
+    args = ("--steps", "60")
+    out = _run(4, "train_moe.py", "--mesh", "dp=2,ep=2", *args, cwd=tmp_path)
+    one_out = _run(1, "train_moe.py", *args, cwd=tmp_path)
+    four, one = _losses(out), _losses(one_out)
+    assert four[-1] < four[0] / 3, out
+    np.testing.assert_allclose(np.mean(four[-3:]), np.mean(one[-3:]), rtol=0.05)
+    accuracy = float(re.search(r"test accuracy ([\d.]+)", out).group(1))
+    assert accuracy >= 0.7, out
+    load = re.search(r"expert load .*: \[([\d, ]+)\]", out).group(1)
+    assert all(int(c) > 0 for c in load.split(",")), out  # every expert is used

@@ -262,13 +262,17 @@ def combine(y: Any, routing: Routing, *, group: Any = "ep") -> Any:
         expert, slot = _received_slots(got, plan, rows)
         back = y.at[expert, slot].get(mode="fill", fill_value=0)
         if plan.comm.size > 1:
-            back = _all_to_allv(
-                back,
-                got.sum(1),
-                counts.reshape(plan.comm.size, -1).sum(1),
-                group=plan.comm,
-                out_rows=plan.tokens * k,
-            )
+            # The way back is the transpose of dispatch's exchange: the rows received (and
+            # only those: the rest of ``back`` is padding) return to where they came from.
+            sent = jax.ShapeDtypeStruct((plan.tokens * k, d), y.dtype)
+            send_counts = counts.reshape(plan.comm.size, -1).sum(1)
+
+            def there(rows_: Any) -> Any:
+                return _all_to_allv(
+                    rows_, send_counts, got.sum(1), group=plan.comm, out_rows=back.shape[0]
+                )
+
+            (back,) = jax.linear_transpose(there, sent)(back)
         else:
             back = back[: plan.tokens * k]
         results = jnp.zeros((plan.tokens * k, d), y.dtype).at[order].set(back)
