@@ -249,6 +249,10 @@ def test_errors(comm):
              "expected labels of shape (2,)"),
             (lambda: tp.vocab_embed(jnp.ones(2), jnp.ones((3, 2))), "expected integers"),
             (lambda: tp.reduce_scatter_sequence(jnp.ones((3, 2))), "along axis 0"),
+            (lambda: tp.column_linear(jnp.ones((1, 2)), tp.shard_params(jnp.ones((4, 4)),
+                                                                         P("tp", None))),
+             "w is a ShardedArray split as P('tp', None), but column_linear takes it split along "
+             "dimension 1 over the group's ranks [0, 1] (for group='tp': P(None, 'tp'))"),
         ]  # fmt: skip
         for make, text in cases:
             with pytest.raises(spmd.SpmdError, match=f"rank {comm.rank}: .*") as info:

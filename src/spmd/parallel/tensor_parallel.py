@@ -233,8 +233,14 @@ def local(tree: Any) -> Any:
     )
 
 
-def _weight(w: Any, op: str, what: str = "w") -> Any:
-    w = w.local if is_sharded(w) else w
+def _weight(
+    w: Any, op: str, what: str = "w", split: int | None = None, comm: Communicator | None = None
+) -> Any:
+    """``w``'s block as an array. A ShardedArray must be split as the layer takes it: along
+    dimension ``split`` over the ranks of ``comm`` (or not at all where ``split`` is None)."""
+    if is_sharded(w):
+        _check_layout(w, op, what, split, comm)
+        w = w.local
     if not hasattr(w, "shape"):
         raise SpmdTypeError(f"{what} is a {type(w).__name__}, not an array", op=op)
     return jnp.asarray(w)
@@ -271,12 +277,12 @@ def column_linear(
     """
     op = "column_linear"
     comm = _comm(group, op)
-    x, w = jnp.asarray(x), _weight(w, op)
+    x, w = jnp.asarray(x), _weight(w, op, split=1, comm=comm)
     _linear_shapes(x, w, op)
     x = gather_sequence(x, group=comm) if sequence_parallel else copy_to(x, group=comm)
     y = x @ w
     if b is not None:
-        b = _bias(b, w.shape[1], op, "this rank's out / tp columns")
+        b = _bias(b, w.shape[1], op, "this rank's out / tp columns", split=0, comm=comm)
         y = y + b
     return gather_from(y, -1, group=comm) if gather_output else y
 
@@ -304,7 +310,7 @@ def row_linear(
     """
     op = "row_linear"
     comm = _comm(group, op)
-    x, w = jnp.asarray(x), _weight(w, op)
+    x, w = jnp.asarray(x), _weight(w, op, split=0, comm=comm)
     if comm.size > 1 and x.shape[-1:] == (w.shape[0] * comm.size,) and w.ndim == 2:
         raise SpmdError(
             f"x has {x.shape[-1]} features, tp={comm.size} times w's {w.shape[0]} rows: "
@@ -321,6 +327,36 @@ def row_linear(
     return y
 
 
+def _check_layout(
+    w: ShardedArray, op: str, what: str, split: int | None, comm: Communicator | None
+) -> None:
+    entries = (*w.spec, *([None] * (len(w.shape) - len(w.spec))))
+    splits = {i: e for i, e in enumerate(entries) if e}
+    if split is None or comm is None:
+        ok = not splits
+    else:
+        entry = splits.get(split % len(w.shape)) if len(splits) == 1 else None
+        where = w.mesh
+        ranks: Any = where.ranks if isinstance(where, Communicator) else None
+        if entry is not None and isinstance(where, Mesh):
+            ranks = next((g for g in where.rank_lists(entry) if comm.world_rank in g), None)
+        ok = entry is not None and list(ranks or ()) == list(comm.ranks)
+    if not ok:
+        want = ["None"] * len(w.shape)
+        if split is not None:
+            want[split % len(w.shape)] = "'tp'"
+        raise SpmdError(
+            f"{what} is a ShardedArray split as {w.spec}, but {op} takes "
+            + (
+                f"it split along dimension {split % len(w.shape)} over the group's ranks "
+                f"{list(comm.ranks)} (for group='tp': P({', '.join(want)}))"
+                if split is not None and comm is not None
+                else "it whole on every rank (replicated)"
+            ),
+            op=op,
+        )
+
+
 def _linear_shapes(x: Any, w: Any, op: str) -> None:
     if w.ndim != 2:
         raise SpmdError(f"w has shape {w.shape}; expected a matrix (in, out)", op=op)
@@ -332,8 +368,8 @@ def _linear_shapes(x: Any, w: Any, op: str) -> None:
         )
 
 
-def _bias(b: Any, out: int, op: str, what: str) -> Any:
-    b = _weight(b, op, "b")
+def _bias(b: Any, out: int, op: str, what: str, split: int | None = None, comm: Any = None) -> Any:
+    b = _weight(b, op, "b", split, comm)
     if b.shape != (out,):
         raise SpmdError(f"b has shape {b.shape}; expected ({out},), {what}", op=op)
     return b
@@ -361,7 +397,7 @@ def vocab_embed(ids: Any, table: Any, *, group: Any = "tp") -> Any:
     """
     op = "vocab_embed"
     comm = _comm(group, op)
-    table = _weight(table, op, "table")
+    table = _weight(table, op, "table", split=0, comm=comm)
     ids = jnp.asarray(ids)
     if table.ndim != 2:
         raise SpmdError(f"table has shape {table.shape}; expected (vocab / tp, dim)", op=op)
