@@ -95,7 +95,9 @@ def zero_shard(
 BAD_INPUT = (
     "argument {path} is a ShardedArray with spec {spec} over {mesh}; zero_shard expects "
     "its sharded state split along axis 0 over its group {ranks}, as step.shard(params, "
-    "opt_state) makes it"
+    "opt_state) makes it. Blocks of a model-parallel layer (tensor-parallel weights) go in as "
+    "plain arrays (spmd.tensor_parallel.local); experts split over the ZeRO group itself are "
+    "not supported by zero_shard yet: use data_parallel for them (docs/model_parallel.md)"
 )
 
 
