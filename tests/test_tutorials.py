@@ -163,7 +163,7 @@ def test_tutorial_runs_and_shows_its_committed_output(path: Path, tmp_path: Path
 def test_there_are_tutorials() -> None:
     assert [p.name for p in NOTEBOOKS] == [
         "01_collectives.ipynb", "02_data_parallel.ipynb", "03_zero_and_checkpoints.ipynb",
-        "04_meshes_and_tensor_parallel.ipynb",
+        "04_meshes_and_tensor_parallel.ipynb", "05_tensor_and_expert_parallel.ipynb",
     ]  # fmt: skip
 
 
