@@ -120,11 +120,12 @@ def test_layer_matches_dense_reference(comm):
 
 @multirank(nprocs=(4,))
 def test_trains_with_data_parallel(comm):
-    """Mesh(dp=2, ep=2), data parallel over both axes (every rank has its own tokens), and
-    Mesh(ep=4) over the world: the expert blocks are reduced only where they are the same."""
+    """Mesh(dp=2, ep=2), data parallel (and ZeRO) over both axes (every rank has its own
+    tokens), and Mesh(ep=4) over the world: the expert blocks are reduced only where they are
+    the same, and ZeRO leaves them whole."""
     batches = [_tokens(4, seed=10 + s) for s in range(3)]
     targets = [_tokens(4, seed=20 + s) for s in range(3)]
-    tx = optax.sgd(0.1)
+    tx = optax.sgd(0.1, momentum=0.9)
 
     def loss(params, x, t):
         y, aux = spmd.moe.moe(x, params["router"], expert_fn, params["experts"], k=2)
@@ -144,28 +145,37 @@ def test_trains_with_data_parallel(comm):
         params = optax.apply_updates(params, u)
         want.append(params)
 
-    for mesh, group in ((spmd.Mesh(dp=2, ep=2), ("dp", "ep")), (spmd.Mesh(ep=4), None)):
+    def update(params, state, x, t):
+        value, g = spmd.value_and_grad(loss)(params, x, t)
+        u, state = tx.update(g, state, params)
+        return optax.apply_updates(params, u), state, value
+
+    runs = [
+        (spmd.Mesh(dp=2, ep=2), lambda: spmd.data_parallel(update, group=("dp", "ep"))),
+        (spmd.Mesh(ep=4), lambda: spmd.data_parallel(update)),
+        # ZeRO shards the router's state over all four ranks; the expert blocks stay whole.
+        (spmd.Mesh(dp=2, ep=2), lambda: spmd.zero_shard(update, stage=2, group=("dp", "ep"))),
+        (spmd.Mesh(ep=4), lambda: spmd.zero_shard(update, stage=3)),
+    ]
+    for mesh, make in runs:
         with mesh:
-
-            @spmd.data_parallel(group=group)
-            def step(params, state, x, t):
-                value, g = spmd.value_and_grad(loss)(params, x, t)
-                u, state = tx.update(g, state, params)
-                return optax.apply_updates(params, u), state, value
-
+            step = make()
             params = {"router": _router(), "experts": spmd.moe.shard_experts(_experts())}
             state = tx.init(params)
+            if isinstance(step, spmd.parallel.ZeroShard):
+                params, state = step.shard(params, state)
             for i, (xs, ts) in enumerate(zip(batches, targets, strict=True)):
                 params, state, _ = step(params, state, xs[comm.rank], ts[comm.rank])
                 got = spmd.gather(params)
+                what = f"{mesh} {step.name} step {i + 1}"
                 for key in ("w1", "w2"):
                     np.testing.assert_allclose(
                         got["experts"][key], want[i]["experts"][key], rtol=1e-4, atol=1e-6,
-                        err_msg=f"{mesh} step {i + 1} experts {key}",
+                        err_msg=f"{what} experts {key}",
                     )  # fmt: skip
                 np.testing.assert_allclose(
                     got["router"], want[i]["router"], rtol=1e-4, atol=1e-6,
-                    err_msg=f"{mesh} step {i + 1} router",
+                    err_msg=f"{what} router",
                 )  # fmt: skip
 
 

@@ -41,7 +41,7 @@ from ..mesh import resolve_group
 from ..runtime import Communicator
 from ..sharded import pad_dim, slice_dim
 from ._grad import mark_p
-from ._passes import NO_GRAD, Pass, gradient_leaves, schedule
+from ._passes import NO_GRAD, Pass, gradient_leaves, replica_groups, schedule
 from ._program import Program, eval_eqn, retrace
 
 __all__ = ["shard_state"]
@@ -362,6 +362,22 @@ def _partition(
             p.names[x.dst] = "grads" + x.path
             if x not in live:
                 p.write(x.dst, p.full(x.src))
+        # Blocks of a model-parallel layer split over ranks of the group (experts): summed over
+        # the ranks that hold the same block, divided by the group size (as data_parallel does),
+        # and kept whole.
+        blocks: dict[Any, list[Any]] = {}
+        for x in live:
+            sub = replica_groups(comm.groups, x.shards)
+            if sorted(map(sorted, sub)) != sorted(map(sorted, comm.groups)):
+                blocks.setdefault(tuple(tuple(g) for g in sub), []).append(x)
+        for sub, members in blocks.items():
+            values = [p.full(x.src) for x in members]
+            if any(len(g) > 1 for g in sub):
+                values = list(allreduce(values, "sum", rank_list=[list(g) for g in sub]))
+            for x, val in zip(members, values, strict=True):
+                p.write(x.dst, val / comm.size)
+        done = {id(x) for members in blocks.values() for x in members}
+        live = [x for x in live if id(x) not in done]
         if stage == 1 or comm.size == 1:
             split: list[Any] = []
             whole = live

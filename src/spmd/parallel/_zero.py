@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from .._errors import SpmdError
-from ..mesh import current_mesh
+from ..mesh import Mesh, current_mesh
 from ..runtime import Communicator
 from ..sharded import ShardedArray, is_sharded, make_spec, normalize_spec, shard
 from ._grad import marking
@@ -95,9 +95,8 @@ def zero_shard(
 BAD_INPUT = (
     "argument {path} is a ShardedArray with spec {spec} over {mesh}; zero_shard expects "
     "its sharded state split along axis 0 over its group {ranks}, as step.shard(params, "
-    "opt_state) makes it. Blocks of a model-parallel layer (tensor-parallel weights) go in as "
-    "plain arrays (spmd.tensor_parallel.local); experts split over the ZeRO group itself are "
-    "not supported by zero_shard yet: use data_parallel for them (docs/model_parallel.md)"
+    "opt_state) makes it, or a block of a model-parallel layer split over a mesh axis "
+    "(spmd.moe.shard_experts), which it leaves whole (docs/model_parallel.md)"
 )
 
 
@@ -168,11 +167,29 @@ class ZeroShard(Step):
         """Check the sharded inputs and trace the step with their global shapes."""
         comm, where, axis = self._where()
         objs, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_sharded)
-        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) if is_sharded(x) else x for x in objs]
+        own = normalize_spec(make_spec(axis), 1, where)
+
+        def block(x: Any) -> bool:
+            """A block of a model-parallel layer (experts split over an ep axis): the step
+            sees it as it is, this rank's block, and the pass leaves it unpartitioned."""
+            return (
+                is_sharded(x)
+                and isinstance(x.mesh, Mesh)
+                and (x.mesh != where or tuple(x.spec[:1]) != tuple(own))
+            )
+
+        abstract = [
+            ShardedArray.placed(jax.ShapeDtypeStruct(x.local.shape, x.dtype), *_placement(x))
+            if block(x)
+            else jax.ShapeDtypeStruct(x.shape, x.dtype)
+            if is_sharded(x)
+            else x
+            for x in objs
+        ]
         a, kw = jax.tree_util.tree_unflatten(tree, abstract)
         sharding: list[Any] = []
         for i, x in enumerate(objs):
-            if not is_sharded(x):
+            if not is_sharded(x) or block(x):
                 sharding.append(None)
                 continue
             dims = x.dims
@@ -270,6 +287,10 @@ def _state_outputs(args: Sequence[Any], kwargs: dict[str, Any], out_tree: Any) -
 
     descend(out)
     return frozenset(state)
+
+
+def _placement(x: ShardedArray) -> tuple[Any, ...]:
+    return x.shape, x.spec, x.mesh
 
 
 def _ranks(x: ShardedArray) -> tuple[int, ...]:
