@@ -179,6 +179,10 @@ def test_trains_with_data_parallel(comm):
                 )  # fmt: skip
 
 
+def _sum_of_squares_grad(w):
+    return spmd.grad(lambda w: jnp.sum(w**2))(w)
+
+
 @multirank(nprocs=(2,))
 def test_errors(comm):
     x, router = _tokens(1)[0], _router()
@@ -202,6 +206,13 @@ def test_errors(comm):
                 make()
             assert f"rank {comm.rank}: " in str(info.value), str(info.value)
             assert text in str(info.value), str(info.value)
+    # zero_shard takes blocks over other mesh axes (experts), but not its own axis split
+    # otherwise than along axis 0.
+    with spmd.Mesh(dp=2):
+        step = spmd.zero_shard(_sum_of_squares_grad, stage=1, group="dp")
+        odd = spmd.shard(jnp.ones((2, 4)), spmd.PartitionSpec(None, "dp"))
+        with pytest.raises(spmd.SpmdError, match="zero_shard expects its sharded state split"):
+            step(odd)
     # A routing record made for one group, used with another: the layout does not fit.
     with spmd.Mesh(ep=1, dp=2), pytest.raises(spmd.SpmdError, match=r"expected \(4, 6, features\)"):
         spmd.moe.combine(jnp.ones((2, 12, D)), routing)

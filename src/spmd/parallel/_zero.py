@@ -167,16 +167,15 @@ class ZeroShard(Step):
         """Check the sharded inputs and trace the step with their global shapes."""
         comm, where, axis = self._where()
         objs, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_sharded)
-        own = normalize_spec(make_spec(axis), 1, where)
 
         def block(x: Any) -> bool:
-            """A block of a model-parallel layer (experts split over an ep axis): the step
-            sees it as it is, this rank's block, and the pass leaves it unpartitioned."""
-            return (
-                is_sharded(x)
-                and isinstance(x.mesh, Mesh)
-                and (x.mesh != where or tuple(x.spec[:1]) != tuple(own))
-            )
+            """A block of a model-parallel layer (experts split over an ep axis): a ShardedArray
+            over a mesh axis that is not the ZeRO group's own. The step sees it as it is, this
+            rank's block, and the pass leaves it unpartitioned."""
+            if not (is_sharded(x) and isinstance(x.mesh, Mesh)):
+                return False
+            names = {a for e in x.spec if e for a in ((e,) if isinstance(e, str) else e)}
+            return x.mesh != where or axis not in names
 
         abstract = [
             ShardedArray.placed(jax.ShapeDtypeStruct(x.local.shape, x.dtype), *_placement(x))
