@@ -104,6 +104,11 @@ def make_spec(*entries: Any) -> PartitionSpec:
     return PartitionSpec(*entries)  # type: ignore[no-untyped-call]
 
 
+def spec_axes(spec: Any) -> tuple[str, ...]:
+    """Every axis name a PartitionSpec splits over, in order (its entries flattened)."""
+    return tuple(a for e in spec for a in _entry_axes(e))
+
+
 def _entry_axes(entry: Any) -> tuple[str, ...]:
     if entry is None:
         return ()

@@ -35,9 +35,10 @@ from ._passes import (
     Bucket,
     GradientLeaf,
     Pass,
+    block_groups,
     chain,
     gradient_leaves,
-    replica_groups,
+    reduce_blocks,
     schedule,
 )
 from ._program import Env, Program, eval_eqn, retrace
@@ -318,22 +319,9 @@ def _reduce(
         op = "avg" if average else "sum"
         return list(allreduce(values, op, group=comm, compression=compression))
 
-    # Gradients of blocks split over ranks of the group itself (experts over an ep axis inside
-    # the data-parallel ranks) are summed over the ranks holding the same block only, and
-    # divided by the group size: each is already the sum of the gradients of its ranks'
-    # objectives (the collectives' convention), so the result is the gradient of the mean.
-    subgroups: list[Any] = []
-    for leaf in leaves:
-        sub = replica_groups(comm.groups, leaf.shards)
-        same = sorted(map(sorted, sub)) == sorted(map(sorted, comm.groups))
-        subgroups.append(None if same else tuple(tuple(g) for g in sub))
-
-    def reduce_sharded(values: list[Any], sub: tuple[tuple[int, ...], ...]) -> list[Any]:
-        from ..ops import allreduce
-
-        if any(len(g) > 1 for g in sub):
-            values = list(allreduce(values, "sum", rank_list=[list(g) for g in sub]))
-        return [v / comm.size for v in values] if average else values
+    # Blocks split over ranks of the group itself (experts) are reduced over the ranks holding
+    # the same block only (reduce_blocks).
+    subgroups = [block_groups(comm.groups, leaf.shards) for leaf in leaves]
 
     def flush(env: Env, bucket: Bucket, extra: Sequence[Any]) -> None:
         values = [env.read(x.src) for x in bucket.leaves]
@@ -349,7 +337,9 @@ def _reduce(
                 by_group.setdefault(subgroups[bucket.leaves[i].k], []).append(i)
             for sub, members in by_group.items():
                 parts = [values[i] for i in members]
-                reduced = reduce(parts) if sub is None else reduce_sharded(parts, sub)
+                reduced = (
+                    reduce(parts) if sub is None else reduce_blocks(parts, sub, comm.size, average)
+                )
                 for i, r in zip(members, reduced, strict=True):
                     values[i] = r
         else:

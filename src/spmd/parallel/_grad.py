@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from .._errors import PerExampleGradientWarning, SpmdError
 from .._jax_compat import ad, batching, core, mlir
 from ..runtime import Communicator, this_rank
-from ..sharded import is_sharded
+from ..sharded import is_sharded, spec_axes
 
 __all__ = ["grad", "mark_p", "marking", "value_and_grad"]
 
@@ -140,7 +140,7 @@ def shard_groups(x: Any) -> tuple[tuple[int, ...], ...] | None:
     ShardedArray."""
     if not is_sharded(x):
         return None
-    axes = tuple(a for e in x.spec if e for a in ((e,) if isinstance(e, str) else e))
+    axes = spec_axes(x.spec)
     if not axes:
         return None
     where = x.mesh

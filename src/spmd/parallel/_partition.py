@@ -41,7 +41,7 @@ from ..mesh import resolve_group
 from ..runtime import Communicator
 from ..sharded import pad_dim, slice_dim
 from ._grad import mark_p
-from ._passes import NO_GRAD, Pass, gradient_leaves, replica_groups, schedule
+from ._passes import NO_GRAD, Pass, block_groups, gradient_leaves, reduce_blocks, schedule
 from ._program import Program, eval_eqn, retrace
 
 __all__ = ["shard_state"]
@@ -362,20 +362,17 @@ def _partition(
             p.names[x.dst] = "grads" + x.path
             if x not in live:
                 p.write(x.dst, p.full(x.src))
-        # Blocks of a model-parallel layer split over ranks of the group (experts): summed over
-        # the ranks that hold the same block, divided by the group size (as data_parallel does),
-        # and kept whole.
+        # Blocks of a model-parallel layer split over ranks of the group (experts): reduced as
+        # data_parallel reduces them, and kept whole.
         blocks: dict[Any, list[Any]] = {}
         for x in live:
-            sub = replica_groups(comm.groups, x.shards)
-            if sorted(map(sorted, sub)) != sorted(map(sorted, comm.groups)):
-                blocks.setdefault(tuple(tuple(g) for g in sub), []).append(x)
+            sub = block_groups(comm.groups, x.shards)
+            if sub is not None:
+                blocks.setdefault(sub, []).append(x)
         for sub, members in blocks.items():
-            values = [p.full(x.src) for x in members]
-            if any(len(g) > 1 for g in sub):
-                values = list(allreduce(values, "sum", rank_list=[list(g) for g in sub]))
+            values = reduce_blocks([p.full(x.src) for x in members], sub, comm.size)
             for x, val in zip(members, values, strict=True):
-                p.write(x.dst, val / comm.size)
+                p.write(x.dst, val)
         done = {id(x) for members in blocks.values() for x in members}
         live = [x for x in live if id(x) not in done]
         if stage == 1 or comm.size == 1:

@@ -131,6 +131,33 @@ def replica_groups(
     return out
 
 
+def block_groups(
+    groups: Sequence[Sequence[int]], shards: tuple[tuple[int, ...], ...] | None
+) -> tuple[tuple[int, ...], ...] | None:
+    """The rank list over which a gradient of a block sharded over ``shards`` is reduced, when
+    it is not the data-parallel group itself (``groups``: its ``Communicator.groups``): the
+    ranks holding the same block (:func:`replica_groups`); None when that is the whole group."""
+    sub = replica_groups(groups, shards)
+    if sorted(map(sorted, sub)) == sorted(map(sorted, groups)):
+        return None
+    return tuple(tuple(g) for g in sub)
+
+
+def reduce_blocks(
+    values: list[Any], sub: tuple[tuple[int, ...], ...], size: int, average: bool = True
+) -> list[Any]:
+    """Gradients of blocks split over ranks of a data-parallel group of ``size`` ranks
+    (experts over an ep axis inside it), reduced over ``sub`` (from :func:`block_groups`):
+    summed over the ranks holding the same block and, with ``average``, divided by ``size``.
+    Each is already the sum of the gradients of its ranks' objectives (the collectives'
+    convention), so the result is the gradient of the mean over the group."""
+    from ..ops import allreduce
+
+    if any(len(g) > 1 for g in sub):
+        values = list(allreduce(values, "sum", rank_list=[list(g) for g in sub]))
+    return [v / size for v in values] if average else values
+
+
 def marked_params(program: Program) -> list[int]:
     """Flat input positions of the parameters ``spmd.grad`` differentiates in ``program``."""
     index = {v: i for i, v in enumerate(program.jaxpr.jaxpr.invars)}

@@ -185,10 +185,13 @@ class Step:
         traced = self._traced(args, kwargs, leaves, tree)
         if self.check_params and not self._checked:
             named = [(traced.program.in_names[i], leaves[i]) for i in traced.param_inputs]
+            comm = self.comm()
             objs = jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_sharded)
-            me = self.comm().world_rank
-            blocks = [shard_coordinate(shard_groups(objs[i]), me) for i in traced.param_inputs]
-            check_same(self.comm(), named, self.name, blocks)
+            blocks = [
+                shard_coordinate(shard_groups(objs[i]), comm.world_rank)
+                for i in traced.param_inputs
+            ]
+            check_same(comm, named, self.name, blocks)
             self._checked = True
         variant = self.variant(traced)
         run = traced.runs.get(variant)

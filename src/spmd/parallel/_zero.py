@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from .._errors import SpmdError
 from ..mesh import Mesh, current_mesh
 from ..runtime import Communicator
-from ..sharded import ShardedArray, is_sharded, make_spec, normalize_spec, shard
+from ..sharded import ShardedArray, is_sharded, make_spec, normalize_spec, shard, spec_axes
 from ._grad import marking
 from ._partition import shard_state
 from ._passes import Pass, chain, marked_params
@@ -174,11 +174,12 @@ class ZeroShard(Step):
             rank's block, and the pass leaves it unpartitioned."""
             if not (is_sharded(x) and isinstance(x.mesh, Mesh)):
                 return False
-            names = {a for e in x.spec if e for a in ((e,) if isinstance(e, str) else e)}
-            return x.mesh != where or axis not in names
+            return x.mesh != where or axis not in spec_axes(x.spec)
 
         abstract = [
-            ShardedArray.placed(jax.ShapeDtypeStruct(x.local.shape, x.dtype), *_placement(x))
+            ShardedArray.placed(
+                jax.ShapeDtypeStruct(x.local.shape, x.dtype), x.shape, x.spec, x.mesh
+            )
             if block(x)
             else jax.ShapeDtypeStruct(x.shape, x.dtype)
             if is_sharded(x)
@@ -286,10 +287,6 @@ def _state_outputs(args: Sequence[Any], kwargs: dict[str, Any], out_tree: Any) -
 
     descend(out)
     return frozenset(state)
-
-
-def _placement(x: ShardedArray) -> tuple[Any, ...]:
-    return x.shape, x.spec, x.mesh
 
 
 def _ranks(x: ShardedArray) -> tuple[int, ...]:
