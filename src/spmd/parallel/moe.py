@@ -161,22 +161,29 @@ def _plan(routing: Any, group: Any, op: str) -> _Plan:
     return _Plan(comm, e // n, t, slots)
 
 
-def _sorted(routing: Routing) -> tuple[Any, Any, Any]:
-    """This rank's assignments sorted by expert (dropped ones last): their order (indices into
-    the T * k flattened assignments), the expert of each, and the kept count per expert."""
+@dataclass(frozen=True)
+class _Traffic:
+    """The dropless exchange's bookkeeping, which dispatch and combine share (:func:`moe`
+    computes it once for both): this rank's assignments sorted by expert, the rows it sends to
+    each rank, and the rows each rank sends to each of its experts."""
+
+    order: Any  # (T * k,): indices of the flattened assignments, sorted by expert
+    send: Any  # (ep,): rows to each rank
+    got: Any  # (ep, E / ep): rows from each rank to each local expert
+
+
+def _traffic(routing: Routing, plan: _Plan) -> _Traffic | None:
+    """The dropless bookkeeping (one small all_to_all of counts); None with a capacity."""
+    from ..ops import all_to_all
+
+    if routing.capacity is not None:
+        return None
     e = routing.num_experts
     flat = jnp.where(routing.keep, routing.experts, e).reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    counts = jnp.zeros(e + 1, jnp.int32).at[flat].add(1)[:e]
-    return order, flat[order], counts
-
-
-def _exchange_counts(counts: Any, plan: _Plan) -> Any:
-    """``(ep, E / ep)``: rows each rank sends to each of this rank's experts."""
-    from ..ops import all_to_all
-
-    mine = counts.reshape(plan.comm.size, plan.per_rank)
-    return all_to_all(mine, group=plan.comm) if plan.comm.size > 1 else mine
+    counts = jnp.zeros(e + 1, jnp.int32).at[flat].add(1)[:e].reshape(plan.comm.size, -1)
+    got = all_to_all(counts, group=plan.comm) if plan.comm.size > 1 else counts
+    return _Traffic(order, counts.sum(1), got)
 
 
 def _received_slots(got: Any, plan: _Plan, rows: int) -> tuple[Any, Any]:
@@ -222,30 +229,29 @@ def dispatch(x: Any, routing: Routing, *, group: Any = "ep") -> Any:
     """
     op = "moe.dispatch"
     plan = _plan(routing, group, op)
-    x = _tokens(x, plan, op)
+    traffic = _traffic(routing, plan)
+    return _dispatch(_tokens(x, plan, op), routing, plan, traffic)
+
+
+def _dispatch(x: Any, routing: Routing, plan: _Plan, traffic: _Traffic | None) -> Any:
     k = routing.k
-    if routing.capacity is None:
-        order, _, counts = _sorted(routing)
-        send = x[order // k]  # (T * k, D), by expert; nothing is dropped
-        got = _exchange_counts(counts, plan)
-        rows = plan.comm.size * plan.tokens * min(k, plan.per_rank)
+    if traffic is not None:
+        from ..ops import all_to_allv
+
+        send = x[traffic.order // k]  # (T * k, D), by expert; nothing is dropped
         recv = (
-            _all_to_allv(
-                send,
-                counts.reshape(plan.comm.size, -1).sum(1),
-                got.sum(1),
-                group=plan.comm,
-                out_rows=rows,
+            all_to_allv(
+                send, traffic.send, traffic.got.sum(1), group=plan.comm, out_rows=_rows(plan, k)
             )
             if plan.comm.size > 1
             else send
         )
-        source = _slot_sources(got, plan, recv.shape[0])
+        source = _slot_sources(traffic.got, plan, recv.shape[0])
         return recv.at[source].get(mode="fill", fill_value=0)
     # With a capacity: fixed slots (rank, expert, position) sent with one all_to_all.
     from ..ops import all_to_all
 
-    n, c = plan.comm.size, routing.capacity
+    n, c = plan.comm.size, plan.slots // plan.comm.size  # slots: ep * capacity
     dest = jnp.where(routing.keep, routing.experts, routing.num_experts).reshape(-1)
     pos = routing.position.reshape(-1)
     # Which token fills each slot (an index per slot, then one gather of rows: a scatter of rows
@@ -275,35 +281,38 @@ def combine(y: Any, routing: Routing, *, group: Any = "ep") -> Any:
             "routing and group",
             op=op,
         )
+    traffic = _traffic(routing, plan)
+    return _combine(y, routing, plan, traffic)
+
+
+def _combine(y: Any, routing: Routing, plan: _Plan, traffic: _Traffic | None) -> Any:
     k, d = routing.k, y.shape[2]
-    if routing.capacity is None:
-        order, _, counts = _sorted(routing)
-        got = _exchange_counts(counts, plan)
-        rows = plan.comm.size * plan.tokens * min(k, plan.per_rank)
-        expert, slot = _received_slots(got, plan, rows)
+    if traffic is not None:
+        from ..ops import all_to_allv
+
+        expert, slot = _received_slots(traffic.got, plan, _rows(plan, k))
         back = y.at[expert, slot].get(mode="fill", fill_value=0)
         if plan.comm.size > 1:
             # The way back is the transpose of dispatch's exchange: the rows received (and
             # only those: the rest of ``back`` is padding) return to where they came from.
             sent = jax.ShapeDtypeStruct((plan.tokens * k, d), y.dtype)
-            send_counts = counts.reshape(plan.comm.size, -1).sum(1)
 
-            def there(rows_: Any) -> Any:
-                return _all_to_allv(
-                    rows_, send_counts, got.sum(1), group=plan.comm, out_rows=back.shape[0]
-                )
+            def there(rows: Any) -> Any:
+                got = traffic.got.sum(1)
+                return all_to_allv(rows, traffic.send, got, group=plan.comm, out_rows=back.shape[0])
 
             (back,) = jax.linear_transpose(there, sent)(back)
         else:
             back = back[: plan.tokens * k]
         # Back into assignment order: a gather by the inverse of the sort (a scatter of rows
         # costs several times more on CPU).
+        order = traffic.order
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
         results = back[inverse]
     else:
         from ..ops import all_to_all
 
-        n, c = plan.comm.size, routing.capacity
+        n, c = plan.comm.size, plan.slots // plan.comm.size  # slots: ep * capacity
         blocks = y.reshape(plan.per_rank, n, c, d).swapaxes(0, 1).reshape(-1, d)
         if n > 1:
             blocks = all_to_all(blocks, group=plan.comm)  # block s: my rows at rank s
@@ -314,10 +323,10 @@ def combine(y: Any, routing: Routing, *, group: Any = "ep") -> Any:
     return jnp.einsum("tk,tkd->td", weights, results.reshape(plan.tokens, k, d))
 
 
-def _all_to_allv(*args: Any, **kwargs: Any) -> Any:
-    from ..ops import all_to_allv
-
-    return all_to_allv(*args, **kwargs)
+def _rows(plan: _Plan, k: int) -> int:
+    """The rows dispatch's exchange may deliver: every token of every rank, once per local
+    expert it chose (at most min(k, E / ep))."""
+    return plan.comm.size * plan.tokens * min(k, plan.per_rank)
 
 
 def _tokens(x: Any, plan: _Plan, op: str) -> Any:
@@ -394,9 +403,10 @@ def moe(
             )
     tokens = x.reshape(-1, x.shape[-1])
     routing = route(tokens @ router_w.astype(tokens.dtype), k, capacity_factor=capacity_factor)
-    received = dispatch(tokens, routing, group=comm)
-    out = jax.vmap(expert_fn)(params, received)
-    y = combine(out, routing, group=comm)
+    plan = _plan(routing, comm, op)
+    traffic = _traffic(routing, plan)  # once for dispatch and combine
+    out = jax.vmap(expert_fn)(params, _dispatch(tokens, routing, plan, traffic))
+    y = _combine(out, routing, plan, traffic)
     return y.reshape(*x.shape[:-1], y.shape[-1]), routing.aux_loss
 
 
