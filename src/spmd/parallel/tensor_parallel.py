@@ -105,9 +105,9 @@ def _reduce_scatter(x: Any, axis: int, comm: Communicator) -> Any:
 
 
 def _conjugate(
-    name: str, forward: Callable[[Any, int, Communicator], Any],
+    forward: Callable[[Any, int, Communicator], Any],
     backward: Callable[[Any, int, Communicator], Any],
-) -> Callable[[Any, int, Communicator], Any]:  # fmt: skip
+) -> Callable[[Any, int, Communicator], Any]:
     """An op that runs ``forward`` and whose gradient runs ``backward`` (both linear)."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -124,12 +124,12 @@ def _conjugate(
     return op
 
 
-_copy = _conjugate("copy_to", lambda x, a, c: x, lambda g, a, c: _allreduce(g, c))
-_reduce = _conjugate("reduce_from", lambda x, a, c: _allreduce(x, c), lambda g, a, c: g)
-_gather = _conjugate("gather_from", _allgather, _slice)
-_scatter = _conjugate("scatter_to", _slice, _allgather)
-_gather_seq = _conjugate("gather_sequence", _allgather, _reduce_scatter)
-_scatter_seq = _conjugate("reduce_scatter_sequence", _reduce_scatter, _allgather)
+_copy = _conjugate(lambda x, a, c: x, lambda g, a, c: _allreduce(g, c))
+_reduce = _conjugate(lambda x, a, c: _allreduce(x, c), lambda g, a, c: g)
+_gather = _conjugate(_allgather, _slice)
+_scatter = _conjugate(_slice, _allgather)
+_gather_seq = _conjugate(_allgather, _reduce_scatter)
+_scatter_seq = _conjugate(_reduce_scatter, _allgather)
 
 
 def _tree(op: Callable[..., Any], x: Any, axis: int, comm: Communicator) -> Any:
@@ -460,7 +460,7 @@ def _xent_fwd(logits: Any, labels: Any, comm: Communicator) -> tuple[Any, Any]:
     z = f32 - lax.stop_gradient(top)[..., None]
     e = jnp.exp(z)
     picked = jnp.where(mine, jnp.take_along_axis(z, local_label[..., None], -1)[..., 0], 0)
-    total, picked = (e.sum(-1), picked)
+    total = e.sum(-1)
     if comm.size > 1:
         total, picked = allreduce([total, picked], "sum", group=comm)
     loss = jnp.log(total) - picked
