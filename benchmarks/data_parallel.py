@@ -30,7 +30,6 @@ import datetime
 import itertools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -40,9 +39,8 @@ from typing import Any
 
 from spmd.bench import (
     cores_tag,
-    cpu_model,
+    host_info,
     job_cores,
-    memory_gib,
     package_version,
     shm_hop,
 )
@@ -339,17 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds_ms": [round(x * 1e3, 3) for x in runs[impl]],
         })  # fmt: skip
     info = {
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
-        "job_cores": job_cores(),
-        "memory_GiB": memory_gib(),
-        "python": platform.python_version(),
-        "spmd": package_version("spmd"),
-        "jax": package_version("jax"),
-        "jaxlib": package_version("jaxlib"),
-        "optax": package_version("optax"),
-        "torch": package_version("torch"),
-        "mpich_wheel": package_version("mpich"),
+        **host_info("optax", "torch"),
         "model": "MLP " + "-".join(map(str, SIZES)) + ", float32",
         "optimizer": "adam" if args.optimizer == "adam" else "sgd momentum 0.9",
         "batch_per_rank": args.batch,

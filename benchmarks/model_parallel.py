@@ -34,7 +34,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -284,19 +283,11 @@ def moe_round(args: argparse.Namespace, comm: Any) -> list[dict[str, Any]]:
 
 
 def _machine(args: argparse.Namespace, comm: Any, load_start: float, hops: list[Any]) -> Any:
-    from spmd.bench import cpu_model, job_cores, memory_gib, package_version
+    from spmd.bench import host_info
 
     hops = [h for h in hops if h is not None]
     return {
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
-        "job_cores": job_cores(),
-        "memory_GiB": memory_gib(),
-        "python": platform.python_version(),
-        "spmd": package_version("spmd"),
-        "jax": package_version("jax"),
-        "jaxlib": package_version("jaxlib"),
-        "mpich_wheel": package_version("mpich"),
+        **host_info(),
         "ranks": comm.size,
         "mlp": f"D={args.dim}, H={args.hidden}, tokens={args.tokens}, float32, gelu",
         "moe": f"D={args.moe_dim}, k={args.k}, E={args.experts}, random router logits, float32",

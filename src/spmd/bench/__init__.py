@@ -16,6 +16,7 @@ benchmarks/ scripts record their results with.
 
 from ._machine import cores_tag as cores_tag
 from ._machine import cpu_model as cpu_model
+from ._machine import host_info as host_info
 from ._machine import job_cores as job_cores
 from ._machine import machine_info as machine_info
 from ._machine import memory_gib as memory_gib

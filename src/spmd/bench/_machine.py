@@ -45,6 +45,21 @@ def memory_gib() -> float | None:
     return None
 
 
+def host_info(*packages: str) -> dict[str, Any]:
+    """The machine and the versions every result records (no hostname, no paths): cpu, cores,
+    the job's cores, memory, Python, spmd, jax, jaxlib, each of ``packages``, the MPICH
+    wheel."""
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "job_cores": job_cores(),
+        "memory_GiB": memory_gib(),
+        "python": platform.python_version(),
+        **{p: package_version(p) for p in ("spmd", "jax", "jaxlib", *packages)},
+        "mpich_wheel": package_version("mpich"),
+    }
+
+
 def machine_info(env: Env, transport: str) -> dict[str, Any]:
     """Hardware and versions; no hostname, no paths."""
     import jax
