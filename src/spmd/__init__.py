@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from .parallel import grad as grad
     from .parallel import moe as moe
     from .parallel import no_sync as no_sync
+    from .parallel import pipeline as pipeline
+    from .parallel import pipeline_value_and_grad as pipeline_value_and_grad
     from .parallel import tensor_parallel as tensor_parallel
     from .parallel import trace as trace
     from .parallel import value_and_grad as value_and_grad
@@ -77,6 +79,7 @@ _PARALLEL = (
     "data_parallel",
     "grad",
     "no_sync",
+    "pipeline_value_and_grad",
     "trace",
     "value_and_grad",
     "zero_shard",
@@ -85,7 +88,7 @@ _PARALLEL = (
 
 _SHARDED = ("PartitionSpec", "ShardedArray", "gather", "shard")
 _CHECKPOINT = ("load", "save")
-_MODEL_PARALLEL = ("moe", "tensor_parallel")
+_MODEL_PARALLEL = ("moe", "pipeline", "tensor_parallel")
 
 
 def __getattr__(name: str) -> Any:

@@ -53,9 +53,13 @@ def _check_peer(value: Any, what: str, name: str, ref: GroupRef) -> int:
     return peer
 
 
-def send(x: Any, dst: int, *, rank_list: Any = None, group: Any = None) -> None:
+def send(
+    x: Any, dst: int, *, rank_list: Any = None, group: Any = None, note: str | None = None
+) -> None:
     """Send ``x`` (array or pytree) to the rank at position ``dst`` of the group, which must
-    call :func:`recv` with ``src`` = this rank. Returns once ``x`` was handed over.
+    call :func:`recv` with ``src`` = this rank. Returns once ``x`` was handed over. ``note``: a
+    label that ``spmd.trace`` prints with the op (a pipeline's microbatch, say); it changes
+    nothing else.
 
     Example (does something on two ranks or more, ``spmd-run -n 2``)::
 
@@ -70,12 +74,15 @@ def send(x: Any, dst: int, *, rank_list: Any = None, group: Any = None) -> None:
     leaves, _, _ = flatten(x, "send")
     d = _check_peer(dst, "dst", "send", ref)
     for leaf in leaves:
-        bind(send_p, leaf, group=ref, dst=d)
+        bind(send_p, leaf, group=ref, dst=d, **_noted(note))
 
 
-def recv(like: Any, src: int, *, rank_list: Any = None, group: Any = None) -> Any:
+def recv(
+    like: Any, src: int, *, rank_list: Any = None, group: Any = None, note: str | None = None
+) -> Any:
     """Receive from the rank at position ``src`` an array (or pytree) shaped like ``like``
-    (arrays or ``jax.ShapeDtypeStruct``s; their values are not used).
+    (arrays or ``jax.ShapeDtypeStruct``s; their values are not used). ``note``: as
+    :func:`send`'s.
 
     Example: see :func:`send`; ``like`` may also be a shape description::
 
@@ -96,7 +103,7 @@ def recv(like: Any, src: int, *, rank_list: Any = None, group: Any = None) -> An
         check_dtype(dtype, "recv", name)
         specs.append((_anchor(v), tuple(np.shape(v)), np.dtype(dtype)))
     outs = [
-        bind(recv_p, *anchor, group=ref, src=s, shape=shape, dtype=dtype)[0]
+        bind(recv_p, *anchor, group=ref, src=s, shape=shape, dtype=dtype, **_noted(note))[0]
         for anchor, shape, dtype in specs
     ]
     return jax.tree_util.tree_unflatten(treedef, outs)
@@ -110,10 +117,19 @@ def _anchor(like: Any) -> list[Any]:
     return []
 
 
-def sendrecv(x: Any, src: int, dst: int, *, rank_list: Any = None, group: Any = None) -> Any:
+def sendrecv(
+    x: Any,
+    src: int,
+    dst: int,
+    *,
+    rank_list: Any = None,
+    group: Any = None,
+    note: str | None = None,
+) -> Any:
     """Send ``x`` to position ``dst`` of the group and return what position ``src`` sent this
     rank (shaped like ``x``), at once; e.g. a ring shift: ``sendrecv(x, src=(r - 1) % n,
-    dst=(r + 1) % n)``. Differentiable (the cotangent travels back from dst).
+    dst=(r + 1) % n)``. Differentiable (the cotangent travels back from dst). ``note``: as
+    :func:`send`'s.
 
     Example (a ring shift: on 2 ranks each gets the other's value; a world of one its own)::
 
@@ -129,8 +145,17 @@ def sendrecv(x: Any, src: int, dst: int, *, rank_list: Any = None, group: Any = 
     d = check_rank(dst, "dst", "sendrecv", ref.ranks)
     if alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
-    outs = [bind(sendrecv_p, leaf, group=ref, src=s, dst=d)[0] for leaf in leaves]
+    outs = [bind(sendrecv_p, leaf, group=ref, src=s, dst=d, **_noted(note))[0] for leaf in leaves]
     return jax.tree_util.tree_unflatten(treedef, outs)
+
+
+def _noted(note: str | None) -> dict[str, str]:
+    """The primitive's ``note`` parameter: present only when given (the lowering ignores it)."""
+    if note is None:
+        return {}
+    if not isinstance(note, str):
+        raise SpmdError(f"note={note!r} is not a string; pass a short label, or None")
+    return {"note": note}
 
 
 def barrier(*, rank_list: Any = None, group: Any = None) -> None:
@@ -150,10 +175,10 @@ def barrier(*, rank_list: Any = None, group: Any = None) -> None:
 # -- primitives ---------------------------------------------------------------------------------
 
 sendrecv_p.def_abstract_eval(
-    lambda x, *, group, src, dst: [core.ShapedArray(x.shape, x.dtype, weak_type=x.weak_type)]
+    lambda x, **_: [core.ShapedArray(x.shape, x.dtype, weak_type=x.weak_type)]
 )
-send_p.def_abstract_eval(lambda x, *, group, dst: [_DONE])
-recv_p.def_abstract_eval(lambda *anchor, group, src, shape, dtype: [core.ShapedArray(shape, dtype)])
+send_p.def_abstract_eval(lambda x, **_: [_DONE])
+recv_p.def_abstract_eval(lambda *anchor, shape, dtype, **_: [core.ShapedArray(shape, dtype)])
 barrier_p.def_abstract_eval(lambda *, group: [_DONE])
 
 register_lowering(sendrecv_p, "spmd_sendrecv", src=lambda src, **_: src, dst=lambda dst, **_: dst)
@@ -165,13 +190,12 @@ register_lowering(barrier_p, "spmd_barrier")
 
 
 def _sendrecv_transpose(
-    cts: list[Any], x: Any, *, group: GroupRef, src: int, dst: int
+    cts: list[Any], x: Any, *, group: GroupRef, src: int, dst: int, **noted: Any
 ) -> list[Any]:
     # y_r = x_src(r): the cotangent of y_r belongs to x on rank src, so send it back to src.
     (ct,) = cts
-    return list(
-        sendrecv_p.bind(instantiate(ct, arg_aval(x)), group=group.backward(), src=dst, dst=src)
-    )
+    ct = instantiate(ct, arg_aval(x))
+    return list(sendrecv_p.bind(ct, group=group.backward(), src=dst, dst=src, **noted))
 
 
 def _constant_jvp(prim: core.Primitive) -> Any:

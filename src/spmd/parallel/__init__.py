@@ -27,6 +27,7 @@ from ._step import Traced as Traced
 from ._step import no_sync as no_sync
 from ._zero import ZeroShard as ZeroShard
 from ._zero import zero_shard as zero_shard
+from .pipeline import value_and_grad as pipeline_value_and_grad
 
 __all__ = [
     "DataParallel",
@@ -44,6 +45,7 @@ __all__ = [
     "grad",
     "gradient_leaves",
     "no_sync",
+    "pipeline_value_and_grad",
     "reduce_gradients",
     "retrace",
     "shard_state",

@@ -62,6 +62,11 @@ def marking(accumulate_steps: int = 1, transform: str = "data_parallel") -> Iter
         _MARKING.reset(token)
 
 
+def active() -> _Marking | None:
+    """The marking context of the step being traced, or None outside one."""
+    return _MARKING.get()
+
+
 # -- primitive ------------------------------------------------------------------------------------
 
 mark_p = core.Primitive("spmd_mark")
@@ -123,7 +128,7 @@ ad.primitive_transposes[mark_p] = _mark_transpose
 batching.fancy_primitive_batchers[mark_p] = _mark_batch
 
 
-def _mark(tree: Any, kind: str, call: int) -> Any:
+def mark_tree(tree: Any, kind: str, call: int) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if not leaves:
         return tree
@@ -189,12 +194,12 @@ def value_and_grad(
                     op="spmd.value_and_grad",
                 )
         marked = tuple(i % len(args) for i in nums)  # jax's argnums may count from the end
-        args = tuple(_mark(a, "param", call) if i in marked else a for i, a in enumerate(args))
+        args = tuple(mark_tree(a, "param", call) if i in marked else a for i, a in enumerate(args))
         if ctx.accumulate_steps > 1:
             value, grads = _accumulate(vg, args, kwargs, marked, has_aux, ctx.accumulate_steps)
         else:
             value, grads = vg(*args, **kwargs)
-        return value, _mark(grads, "grad", call)
+        return value, mark_tree(grads, "grad", call)
 
     return wrapped
 

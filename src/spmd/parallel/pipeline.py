@@ -1,0 +1,438 @@
+"""Pipeline parallelism: a model's layers split into stages over the ranks of a group
+(``spmd.pipeline``, by default the ``"pp"`` axis of the active mesh).
+
+Rank s of the group holds stage s's parameters and runs ``stage_fn(params, x)`` on what stage
+s - 1 sends it (stage 0 on the inputs). :func:`value_and_grad` splits the batch into
+microbatches and runs, inside one traced program, every forward and backward pass of this
+stage in the order of a schedule, with ``spmd.send``/``recv``/``sendrecv`` on the group moving
+activations forward and their gradients backward:
+
+- ``"gpipe"`` (GPipe): every microbatch's forward pass, then every backward pass (last
+  microbatch first); m microbatches of activations are alive at the peak;
+- ``"1f1b"`` (PipeDream-Flush, Megatron-LM's non-interleaved schedule): stage s runs
+  ``p - s - 1`` forward passes to fill the pipeline, then alternates one forward with one
+  backward, then drains the backward passes left; at most ``p - s`` microbatches of activations
+  are alive on stage s. A stage that sends an activation forward and waits for a gradient from
+  the same neighbour does both in one ``sendrecv``, so neither rank waits on the other.
+
+Both give the same loss and gradients (those of one process running the whole model on the
+whole batch, up to float rounding); they differ in memory, and in how much of the pipeline
+bubble, ``(p - 1) / (m + p - 1)`` of the time, the stages spend idle.
+
+Before any of that, when the program is built, the stages agree on shapes: stage 0 works out
+the shape of what it sends from its inputs' microbatch (``jax.eval_shape``), tells stage 1,
+which works out its own, and so on (host-side messages over the group, once per trace). A stage
+that cannot take what the previous one sends is an error naming both stages, raised on every
+rank of the group.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._errors import SpmdError
+from ..mesh import resolve_group
+from ..ops import broadcast, recv, send, sendrecv
+from ..runtime import Communicator
+from ._grad import active, mark_tree
+
+__all__ = ["SCHEDULES", "split", "stage_layers", "value_and_grad"]
+
+SCHEDULES = ("gpipe", "1f1b")
+_OP = "pipeline_value_and_grad"
+
+
+# -- splitting a model into stages --------------------------------------------------------------
+
+
+def split(layers: Sequence[Any], stages: int, *, costs: Sequence[float] | None = None) -> list[Any]:
+    """``layers`` cut into ``stages`` consecutive, non-empty runs whose largest total cost is as
+    small as it can be (by default each layer costs 1; pass e.g. each layer's parameter count
+    or measured time).
+
+    Example::
+
+        >>> import spmd
+        >>> spmd.pipeline.split(["embed", "b0", "b1", "b2", "b3", "head"], 3)
+        [['embed', 'b0'], ['b1', 'b2'], ['b3', 'head']]
+        >>> spmd.pipeline.split(["a", "b", "c"], 2, costs=[3, 1, 1])
+        [['a'], ['b', 'c']]
+    """
+    layers = list(layers)
+    n = len(layers)
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise SpmdError(f"stages={stages!r}; expected an int, 1 or more", op="pipeline.split")
+    if n < stages:
+        raise SpmdError(
+            f"{n} layers do not fill {stages} stages; every stage needs a layer at least",
+            op="pipeline.split",
+        )
+    cost = [1.0] * n if costs is None else [float(c) for c in costs]
+    if len(cost) != n or any(not c >= 0 for c in cost):
+        raise SpmdError(
+            f"costs has {len(cost)} entries for {n} layers (or a negative one); give one cost "
+            "of 0 or more per layer",
+            op="pipeline.split",
+        )
+    before = np.concatenate([[0.0], np.cumsum(cost)])
+    # best[k][j]: the smallest largest cost of the first j layers in k stages; cut[k][j]: where
+    # the last of those stages starts.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for j in range(k, n - (stages - k) + 1):
+            for i in range(k - 1, j):
+                worst = max(best[k - 1][i], before[j] - before[i])
+                if worst < best[k][j]:
+                    best[k][j], cut[k][j] = worst, i
+    bounds, j = [], n
+    for k in range(stages, 0, -1):
+        bounds.append((cut[k][j], j))
+        j = cut[k][j]
+    return [layers[a:b] for a, b in reversed(bounds)]
+
+
+def stage_layers(
+    layers: Sequence[Any], *, costs: Sequence[float] | None = None, group: Any = "pp"
+) -> list[Any]:
+    """This rank's stage of ``layers``: the run :func:`split` gives its position in the group
+    (one stage per rank).
+
+    Example (a world of one is one stage holding every layer)::
+
+        >>> import spmd
+        >>> with spmd.Mesh(pp=-1):
+        ...     spmd.pipeline.stage_layers(["a", "b", "c"])
+        ['a', 'b', 'c']
+    """
+    comm = resolve_group(None, group, op="pipeline.stage_layers")
+    stages: list[Any] = split(layers, comm.size, costs=costs)
+    return list(stages[comm.rank])
+
+
+# -- the pipelined step -------------------------------------------------------------------------
+
+
+def value_and_grad(
+    stage_fn: Callable[[Any, Any], Any],
+    loss_fn: Callable[[Any, Any], Any],
+    *,
+    microbatches: int,
+    schedule: str = "1f1b",
+    group: Any = "pp",
+) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+    """The loss and this stage's gradients of a model split into pipeline stages over the group.
+
+    Returns ``f(stage_params, inputs, targets) -> (loss, grads)``:
+
+    - ``stage_params``: this rank's stage's parameters (any pytree; ShardedArrays of tensor
+      parallel layers too); ``stage_fn(stage_params, x)`` is this rank's stage, and the rank's
+      position in the group says which one it is (:func:`stage_layers` picks a stage's layers);
+    - ``inputs``: the batch, read on the first stage only (others may pass None); ``targets``:
+      read on the last stage only; both are pytrees whose leaves have the batch on axis 0, split
+      into ``microbatches`` equal parts;
+    - ``loss``: the mean over the microbatches of ``loss_fn(stage_fn(...), targets_i)`` (a
+      scalar, computed on the last stage), the same on every rank of the group;
+    - ``grads``: the gradient of that loss with respect to ``stage_params``. Inside
+      ``@spmd.data_parallel`` or ``@spmd.zero_shard`` they are marked like
+      ``spmd.value_and_grad``'s, so the transform reduces them over its group: use a group
+      that does not span the pipeline axis (``group="dp"`` on a mesh with ``pp``), as each
+      stage's ranks hold different parameters.
+
+    ``schedule``: ``"1f1b"`` (default) or ``"gpipe"`` (module doc). A group of one runs the
+    microbatches one after the other in this process.
+
+    Example (a world of one: one stage, the whole model)::
+
+        >>> import jax.numpy as jnp, spmd
+        >>> step = spmd.pipeline_value_and_grad(
+        ...     lambda w, x: x * w, lambda y, t: jnp.mean((y - t) ** 2), microbatches=2)
+        >>> with spmd.Mesh(pp=-1):
+        ...     loss, g = step(jnp.float32(2.0), jnp.arange(4.0), jnp.zeros(4))
+        >>> loss, g
+        (Array(14., dtype=float32), Array(14., dtype=float32))
+    """
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise SpmdError(f"microbatches={microbatches!r}; expected an int, 1 or more", op=_OP)
+    if schedule not in SCHEDULES:
+        raise SpmdError(f"schedule={schedule!r}; expected one of {SCHEDULES}", op=_OP)
+
+    @functools.wraps(stage_fn)
+    def step(stage_params: Any, inputs: Any = None, targets: Any = None) -> tuple[Any, Any]:
+        comm = resolve_group(None, group, op=_OP)
+        run = _Run(comm, stage_fn, loss_fn, microbatches, schedule)
+        return run(stage_params, inputs, targets)
+
+    return step
+
+
+class _Run:
+    """One trace of a pipelined step on one rank."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        stage_fn: Callable[[Any, Any], Any],
+        loss_fn: Callable[[Any, Any], Any],
+        m: int,
+        schedule: str,
+    ) -> None:
+        self.comm, self.stage_fn, self.loss_fn = comm, stage_fn, loss_fn
+        self.m, self.schedule = m, schedule
+        self.p, self.s = comm.size, comm.rank
+        self.first, self.last = self.s == 0, self.s == self.p - 1
+
+    # -- before anything runs: the stages agree ------------------------------------------------
+
+    def _split(self, tree: Any, what: str) -> list[Any]:
+        """``tree`` as m microbatches (trees)."""
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        if not leaves:
+            where = "first" if what == "inputs" else "last"
+            raise SpmdError(f"{what} is {tree!r}; the {where} stage needs the batch", op=_OP)
+        for path, leaf in leaves:
+            shape = np.shape(leaf)
+            if not shape or shape[0] % self.m:
+                raise SpmdError(
+                    f"{what}{jax.tree_util.keystr(path)} has shape {shape}, whose axis 0 does "
+                    f"not split into microbatches={self.m} equal parts; pass a batch whose size "
+                    f"is a multiple of {self.m}",
+                    op=_OP,
+                )
+        split = jax.tree_util.tree_map(
+            lambda a: jnp.reshape(jnp.asarray(a), (self.m, -1, *np.shape(a)[1:])), tree
+        )
+        return [_at(split, i) for i in range(self.m)]
+
+    def _agree(self, params: Any, inputs: Any, targets: Any) -> None:
+        """Split the batch, and work out what each stage sends (``jax.ShapeDtypeStruct`` trees;
+        the last stage's: its loss) stage after stage: the same on every rank of the group, or
+        the same error on every rank."""
+        comm, m, schedule = self.comm, self.m, self.schedule
+
+        for r, (mr, sr) in enumerate(comm.agree(lambda: (m, schedule))):
+            if (mr, sr) != (m, schedule):
+                raise SpmdError(
+                    f"rank {comm.ranks[r]} passed microbatches={mr}, schedule={sr!r}, but rank "
+                    f"{comm.world_rank} microbatches={m}, schedule={schedule!r}; every stage "
+                    "of a pipeline passes the same",
+                    op=_OP,
+                )
+
+        def setup() -> None:
+            self.xs = self._split(inputs, "inputs") if self.first else None
+            self.ts = self._split(targets, "targets") if self.last else None
+
+        comm.agree(setup)
+        xs = self.xs
+        like = None if xs is None else jax.eval_shape(lambda: xs[0])
+        self.sends: list[Any] = []
+        for r in range(self.p):
+
+            def stage_r(r: int = r, like: Any = like) -> Any:
+                return self._shape_of_stage(params, like) if r == self.s else None
+
+            like = comm.agree(stage_r)[r]
+            self.sends.append(like)
+
+    def _shape_of_stage(self, params: Any, like: Any) -> Any:
+        """What this stage sends on (the loss, on the last), from what it receives."""
+        try:
+            out = jax.eval_shape(self.stage_fn, params, like)
+        except Exception as e:
+            if self.first:
+                raise SpmdError(
+                    f"stage 0's stage_fn fails on a microbatch of the inputs, "
+                    f"{_describe(like)}: {type(e).__name__}: {e}",
+                    op=_OP,
+                ) from e
+            raise SpmdError(
+                f"stage {self.s}'s stage_fn cannot take what stage {self.s - 1} sends, "
+                f"{_describe(like)}: {type(e).__name__}: {e}",
+                op=_OP,
+            ) from e
+        if not self.last:
+            for leaf in jax.tree_util.tree_leaves(out):
+                if not jnp.issubdtype(leaf.dtype, jnp.floating):
+                    raise SpmdError(
+                        f"stage {self.s} sends {_describe(out)}; what a stage sends on must be "
+                        "floating point (its gradient travels back)",
+                        op=_OP,
+                    )
+            return out
+        assert self.ts is not None
+        try:
+            loss = jax.eval_shape(self.loss_fn, out, self.ts[0])
+        except Exception as e:
+            raise SpmdError(
+                f"loss_fn fails on the last stage's output, {_describe(out)}, and a microbatch "
+                f"of the targets: {type(e).__name__}: {e}",
+                op=_OP,
+            ) from e
+        scalar = getattr(loss, "shape", None) == ()
+        if not (scalar and jnp.issubdtype(loss.dtype, jnp.floating)):
+            raise SpmdError(
+                f"loss_fn returns {_describe(loss)}; expected a floating-point scalar", op=_OP
+            )
+        return loss
+
+    # -- the schedule -------------------------------------------------------------------------
+
+    def __call__(self, params: Any, inputs: Any, targets: Any) -> tuple[Any, Any]:
+        ctx = active()
+        if ctx is not None and ctx.accumulate_steps > 1:
+            raise SpmdError(
+                f"{ctx.transform}(accumulate_steps={ctx.accumulate_steps}) around a pipeline: "
+                "the pipeline splits its batch into microbatches itself; pass accumulate_steps=1 "
+                "and microbatches= to the pipeline instead",
+                op=_OP,
+            )
+        self._agree(params, inputs, targets)
+        call = -1
+        if ctx is not None:
+            call, ctx.calls = ctx.calls, ctx.calls + 1
+            params = mark_tree(params, "param", call)
+        self.params = params
+        self.grads: Any = None
+        self.losses: list[Any] = []
+        self.backs: dict[int, Callable[[Any], Any]] = {}
+        if self.schedule == "gpipe":
+            self._gpipe()
+        else:
+            self._one_f_one_b()
+        loss_like = self.sends[-1]
+        if self.last:
+            loss = functools.reduce(jnp.add, self.losses) / self.m
+        else:
+            loss = jnp.zeros(loss_like.shape, loss_like.dtype)
+        if self.p > 1:
+            loss = broadcast(loss, root=self.p - 1, group=self.comm)
+        grads = self.grads
+        if ctx is not None:
+            grads = mark_tree(grads, "grad", call)
+        return loss, grads
+
+    def _forward(self, i: int, x: Any) -> Any:
+        """Microbatch i's forward pass on this stage (x: its input; on the first stage the
+        inputs'): what it sends on. Keeps what the backward pass needs."""
+        f = self.stage_fn
+        if self.last:
+            assert self.ts is not None
+            t = self.ts[i]
+
+            def f(p: Any, x: Any) -> Any:
+                return self.loss_fn(self.stage_fn(p, x), t)
+
+        if self.first:
+            xs = self.xs
+            assert xs is not None
+            out, vjp = jax.vjp(lambda p: f(p, xs[i]), self.params)
+            self.backs[i] = lambda g: (vjp(g)[0], None)
+        else:
+            out, self.backs[i] = jax.vjp(f, self.params, x)
+        if self.last:
+            self.losses.append(out)
+        return out
+
+    def _backward(self, i: int, g: Any) -> Any:
+        """Microbatch i's backward pass (g: the gradient of what the stage sent on; None on the
+        last stage, whose loss counts 1/m): the gradient of what it received."""
+        if self.last:
+            like = self.sends[-1]
+            g = jnp.asarray(1.0 / self.m, like.dtype)
+        grads, gx = self.backs.pop(i)(g)
+        if self.grads is not None:
+            grads = jax.tree_util.tree_map(jnp.add, self.grads, grads)
+        self.grads = grads
+        return gx
+
+    # The messages between neighbours. "fwd i": microbatch i's activation; "bwd i": its gradient.
+
+    def _recv_forward(self, i: int) -> Any:
+        if self.first:
+            return None
+        return recv(self.sends[self.s - 1], self.s - 1, group=self.comm, note=f"fwd {i}")
+
+    def _send_forward(self, y: Any, i: int) -> None:
+        if not self.last:
+            send(y, self.s + 1, group=self.comm, note=f"fwd {i}")
+
+    def _recv_backward(self, i: int) -> Any:
+        if self.last:
+            return None
+        return recv(self.sends[self.s], self.s + 1, group=self.comm, note=f"bwd {i}")
+
+    def _send_backward(self, gx: Any, i: int) -> None:
+        if not self.first:
+            send(gx, self.s - 1, group=self.comm, note=f"bwd {i}")
+
+    def _send_forward_recv_backward(self, y: Any, i: int, j: int) -> Any:
+        """Send microbatch i's activation on and receive microbatch j's gradient, at once."""
+        if self.last:
+            return None
+        nb = self.s + 1
+        return sendrecv(y, nb, nb, group=self.comm, note=f"fwd {i}, bwd {j}")
+
+    def _send_backward_recv_forward(self, gx: Any, j: int, i: int) -> Any:
+        """Send microbatch j's gradient back and receive microbatch i's activation, at once."""
+        if self.first:
+            return None
+        nb = self.s - 1
+        return sendrecv(gx, nb, nb, group=self.comm, note=f"bwd {j}, fwd {i}")
+
+    def _gpipe(self) -> None:
+        for i in range(self.m):
+            self._send_forward(self._forward(i, self._recv_forward(i)), i)
+        for i in reversed(range(self.m)):
+            self._send_backward(self._backward(i, self._recv_backward(i)), i)
+
+    def _one_f_one_b(self) -> None:
+        m = self.m
+        warm = min(self.p - self.s - 1, m)
+        for i in range(warm):
+            self._send_forward(self._forward(i, self._recv_forward(i)), i)
+        x = self._recv_forward(warm) if warm < m else None
+        for j in range(m - warm):  # steady: forward i, backward j
+            i = warm + j
+            g = self._send_forward_recv_backward(self._forward(i, x), i, j)
+            gx = self._backward(j, g)
+            if i == m - 1:
+                self._send_backward(gx, j)
+            else:
+                x = self._send_backward_recv_forward(gx, j, i + 1)
+        for j in range(m - warm, m):  # cool-down
+            self._send_backward(self._backward(j, self._recv_backward(j)), j)
+
+
+def _at(tree: Any, i: int) -> Any:
+    """Element i of every leaf of ``tree``."""
+    return jax.tree_util.tree_map(lambda a: a[i], tree)
+
+
+def _describe(tree: Any) -> str:
+    """A pytree of arrays or shapes as ``float32[4, 8]`` (or a dict/list of those)."""
+
+    def one(x: Any) -> str:
+        dtype = getattr(x, "dtype", None)
+        name = getattr(dtype, "name", str(dtype))
+        return f"{name}{list(np.shape(x))}"
+
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if jax.tree_util.treedef_is_leaf(treedef):
+        return one(leaves[0]) if leaves else repr(tree)
+    return str(jax.tree_util.tree_unflatten(treedef, [_Text(one(x)) for x in leaves]))
+
+
+class _Text(str):
+    """A string that prints without quotes."""
+
+    def __repr__(self) -> str:
+        return str(self)

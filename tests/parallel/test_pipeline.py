@@ -1,0 +1,281 @@
+"""spmd.pipeline: the loss and gradients of a model split into 1, 2 and 4 pipeline stages equal
+one process running the whole model on the whole batch, for both schedules and m = 1, 2, 4, 8;
+the schedules send what GPipe and 1F1B send, in their order; pipelines inside data_parallel and
+zero_shard over dp, and with tensor-parallel stages, train as one process does; bad input is a
+named error on every rank of the pipeline."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import spmd
+from spmd.testing import multirank
+
+P = spmd.PartitionSpec
+tp = spmd.tensor_parallel
+WIDTHS = (6, 10, 8, 12, 8, 6, 4)  # six layers of different widths: stages send different shapes
+B = 16
+
+
+def _close(got, want, what, rtol=1e-5):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol, atol=1e-6,
+                               err_msg=what)  # fmt: skip
+
+
+def _layers(seed=0):
+    keys = jax.random.split(jax.random.key(seed), len(WIDTHS) - 1)
+    return [
+        {"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.full((b,), 0.1)}
+        for k, a, b in zip(keys, WIDTHS, WIDTHS[1:], strict=False)
+    ]
+
+
+def _data(seed=1, rows=B):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, WIDTHS[0])).astype(np.float32)
+    t = rng.standard_normal((rows, WIDTHS[-1])).astype(np.float32)
+    return jnp.asarray(x), jnp.asarray(t)
+
+
+def apply(layers, h):
+    for layer in layers:
+        h = jnp.tanh(h @ layer["w"] + layer["b"])
+    return h
+
+
+def mse(y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+def _notes(program):
+    """The pipeline's messages in a traced program, in order: (op, note)."""
+    out = []
+    for line in str(program).splitlines():
+        for op in ("spmd.sendrecv", "spmd.send", "spmd.recv"):
+            if f"= {op}(" in line:
+                out.append((op[5:], line.split("note='")[1].split("'")[0]))
+    return out
+
+
+def _expected_1f1b(p, s, m):
+    """Megatron-LM's non-interleaved 1F1B as stage s of p sends and receives."""
+    first, last = s == 0, s == p - 1
+    warm = min(p - s - 1, m)
+    ops = []
+    for i in range(warm):
+        if not first:
+            ops.append(("recv", f"fwd {i}"))
+        if not last:
+            ops.append(("send", f"fwd {i}"))
+    if warm < m and not first:
+        ops.append(("recv", f"fwd {warm}"))
+    for j in range(m - warm):
+        i = warm + j
+        if not last:
+            ops.append(("sendrecv", f"fwd {i}, bwd {j}"))
+        if i == m - 1:
+            if not first:
+                ops.append(("send", f"bwd {j}"))
+        elif not first:
+            ops.append(("sendrecv", f"bwd {j}, fwd {i + 1}"))
+    for j in range(m - warm, m):
+        if not last:
+            ops.append(("recv", f"bwd {j}"))
+        if not first:
+            ops.append(("send", f"bwd {j}"))
+    return ops
+
+
+def _expected_gpipe(p, s, m):
+    ops = []
+    for i in range(m):
+        ops += [("recv", f"fwd {i}")] if s > 0 else []
+        ops += [("send", f"fwd {i}")] if s < p - 1 else []
+    for i in reversed(range(m)):
+        ops += [("recv", f"bwd {i}")] if s < p - 1 else []
+        ops += [("send", f"bwd {i}")] if s > 0 else []
+    return ops
+
+
+@multirank(nprocs=(1, 2, 4))
+def test_matches_one_process(comm):
+    layers = _layers()
+    x, t = _data()
+    want_loss, want = jax.value_and_grad(lambda ls: mse(apply(ls, x), t))(layers)
+    p, s = comm.size, comm.rank
+    with spmd.Mesh(pp=p):
+        mine = spmd.pipeline.stage_layers(layers)
+        index = spmd.pipeline.split(list(range(len(layers))), p)[s]
+        for schedule in ("gpipe", "1f1b"):
+            for m in (1, 2, 4, 8):
+                what = f"{schedule} m={m} p={p} stage {s}"
+                step = spmd.pipeline_value_and_grad(apply, mse, microbatches=m, schedule=schedule)
+                loss, grads = jax.jit(step)(mine, x if s == 0 else None, t if s == p - 1 else None)
+                _close(loss, want_loss, f"{what} loss")
+                assert len(grads) == len(index)
+                for k, g in zip(index, grads, strict=True):
+                    for name in ("w", "b"):
+                        _close(g[name], want[k][name], f"{what} layer {k} {name}")
+                program = spmd.trace(step)(mine, x, t)
+                expected = (_expected_1f1b if schedule == "1f1b" else _expected_gpipe)(p, s, m)
+                assert _notes(program) == expected, (what, str(program))
+                if p > 1:  # the loss comes from the last stage
+                    assert f"group={list(comm.ranks)}, root={p - 1}" in str(program)
+
+
+# -- composition: data_parallel and zero_shard over dp, tensor-parallel stages -------------------
+
+
+def _train_one_process(tx, params, loss_fn, batches):
+    state, out = tx.init(params), []
+    for b in batches:
+        g = jax.grad(loss_fn)(params, *b)
+        u, state = tx.update(g, state, params)
+        params = optax.apply_updates(params, u)
+        out.append(params)
+    return out
+
+
+@multirank(nprocs=(4,))
+def test_data_parallel_and_zero_over_dp(comm):
+    tx = optax.adam(0.01)
+    layers = _layers()
+    batches = [_data(seed) for seed in range(5)]
+    want = _train_one_process(tx, layers, lambda ls, x, t: mse(apply(ls, x), t), batches)
+    mesh = spmd.Mesh(pp=2, dp=2)
+    with mesh:
+        c = mesh.coords()
+        index = spmd.pipeline.split(list(range(len(layers))), 2)[c["pp"]]
+        pipe = spmd.pipeline_value_and_grad(apply, mse, microbatches=4)
+
+        def update(params, state, x, t):
+            loss, g = pipe(params, x, t)
+            u, state = tx.update(g, state, params)
+            return optax.apply_updates(params, u), state, loss
+
+        def half(b):  # this dp replica's half of the batch
+            return tuple(v[c["dp"] * B // 2 : (c["dp"] + 1) * B // 2] for v in b)
+
+        mine = spmd.pipeline.stage_layers(layers)
+        runs = {}
+        for name, step in (
+            ("data_parallel", spmd.data_parallel(update, group="dp")),
+            ("zero_shard(stage=2)", spmd.zero_shard(update, stage=2, group="dp")),
+        ):
+            params, state = mine, tx.init(mine)
+            if name != "data_parallel":
+                params, state = step.shard(params, state)
+            got = []
+            for b in batches:
+                params, state, _ = step(params, state, *half(b))
+                got.append(spmd.gather(params))
+            runs[name] = got
+        for name, got in runs.items():
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                for k, layer in zip(index, g, strict=True):
+                    for key in ("w", "b"):
+                        _close(layer[key], w[k][key], f"{name} step {i + 1} layer {k}", 1e-4)
+        text = str(spmd.trace(spmd.data_parallel(update, group="dp"))(
+            mine, tx.init(mine), *half(batches[0])))  # fmt: skip
+        dp_ranks = next(g for g in mesh.rank_lists("dp") if comm.rank in g)
+        assert "spmd.allreduce" in text and f"group={dp_ranks}" in text, text
+
+
+D, F = 8, 16
+
+
+def _mlp_stage(p, h):
+    """A stage of two tensor-parallel MLP blocks (column then row), residual."""
+    for blk in p:
+        h = h + tp.row_linear(jax.nn.gelu(tp.column_linear(h, blk["w1"], blk["b1"])),
+                              blk["w2"], blk["b2"])  # fmt: skip
+    return h
+
+
+def _dense_stage(p, h):
+    for blk in p:
+        h = h + jax.nn.gelu(h @ blk["w1"] + blk["b1"]) @ blk["w2"] + blk["b2"]
+    return h
+
+
+@multirank(nprocs=(4,))
+def test_tensor_parallel_stages(comm):
+    tx = optax.sgd(0.05)
+    keys = jax.random.split(jax.random.key(4), 16)
+    n = jax.random.normal
+    blocks = [
+        {"w1": n(keys[4 * i], (D, F)) * 0.3, "b1": n(keys[4 * i + 1], (F,)) * 0.1,
+         "w2": n(keys[4 * i + 2], (F, D)) * 0.3, "b2": n(keys[4 * i + 3], (D,)) * 0.1}
+        for i in range(4)
+    ]  # fmt: skip
+    rng = np.random.default_rng(5)
+    batches = [(rng.standard_normal((B, D)).astype(np.float32),
+                rng.standard_normal((B, D)).astype(np.float32)) for _ in range(5)]  # fmt: skip
+    want = _train_one_process(tx, blocks, lambda ps, x, t: mse(_dense_stage(ps, x), t), batches)
+    specs = {"w1": P(None, "tp"), "b1": P("tp"), "w2": P("tp", None), "b2": None}
+    mesh = spmd.Mesh(pp=2, tp=2)
+    with mesh:
+        pp = mesh.coords()["pp"]
+        mine = [tp.shard_params(b, specs) for b in spmd.pipeline.stage_layers(blocks)]
+        pipe = jax.jit(spmd.pipeline_value_and_grad(_mlp_stage, mse, microbatches=2))
+        params = mine
+        for i, b in enumerate(batches):
+            _, g = pipe(params, *b)
+            params = jax.tree_util.tree_map(lambda w, d: w - 0.05 * d, params, g)
+            for j, blk in enumerate(params):
+                full = spmd.gather(blk)
+                for key in specs:
+                    _close(full[key], want[i][2 * pp + j][key], f"step {i + 1} block {j}", 1e-4)
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+@multirank(nprocs=(2,))
+def test_errors(comm):
+    layers = _layers()
+    x, t = _data()
+    s = comm.rank
+    with spmd.Mesh(pp=2):
+        mine = spmd.pipeline.stage_layers(layers)
+
+        def run(stage_fn=apply, loss_fn=mse, m=4, params=mine, inputs=x, targets=t, **kw):
+            step = spmd.pipeline_value_and_grad(stage_fn, loss_fn, microbatches=m, **kw)
+            return jax.jit(step)(params, inputs, targets)
+
+        def widen(p, h):  # stage 0 sends 3 features more than stage 1 takes
+            h = apply(p, h)
+            return jnp.concatenate([h, h[:, :3]], axis=1) if s == 0 else h
+
+        cases = [
+            # Found on one stage; every rank raises, naming it.
+            (lambda: run(m=3), ("rank 0: pipeline_value_and_grad: inputs has shape (16, 6), whose "
+                                "axis 0 does not split into microbatches=3", "rank 1: pipeline_"
+                                "value_and_grad: targets has shape (16, 4), whose axis 0")[s]),
+            (lambda: run(inputs=None), "inputs is None; the first stage needs the batch"),
+            (lambda: run(stage_fn=widen), "rank 1: pipeline_value_and_grad: stage 1's stage_fn "
+             "cannot take what stage 0 sends, float32[4, 15]"),
+            (lambda: run(loss_fn=lambda y, t: (y - t) ** 2),
+             "loss_fn returns float32[4, 4]; expected a floating-point scalar"),
+            (lambda: run(m=2 + s), "rank 1 passed microbatches=3, schedule='1f1b', but rank 0 "
+             "microbatches=2" if s == 0 else "rank 0 passed microbatches=2"),
+            (lambda: run(schedule=("1f1b", "gpipe")[s]), "schedule='gpipe'"),
+        ]  # fmt: skip
+        for make, text in cases:
+            with pytest.raises(spmd.SpmdError) as info:
+                make()
+            assert text in str(info.value), str(info.value)
+        # Still in step: a good call after the errors works.
+        loss, _ = run()
+        assert np.isfinite(float(loss))
+    for bad, text in ((0, "microbatches=0"), ("2", "microbatches='2'")):
+        with pytest.raises(spmd.SpmdError, match=text):
+            spmd.pipeline_value_and_grad(apply, mse, microbatches=bad)
+    with pytest.raises(spmd.SpmdError, match="schedule='zb'"):
+        spmd.pipeline_value_and_grad(apply, mse, microbatches=2, schedule="zb")
+    with pytest.raises(spmd.SpmdError, match="6 layers do not fill 8 stages"):
+        spmd.pipeline.split(layers, 8)
