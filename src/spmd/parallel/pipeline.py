@@ -8,16 +8,19 @@ stage in the order of a schedule, with ``spmd.send``/``recv``/``sendrecv`` on th
 activations forward and their gradients backward:
 
 - ``"gpipe"`` (GPipe): every microbatch's forward pass, then every backward pass (last
-  microbatch first); m microbatches of activations are alive at the peak;
+  microbatch first);
 - ``"1f1b"`` (PipeDream-Flush, Megatron-LM's non-interleaved schedule): stage s runs
   ``p - s - 1`` forward passes to fill the pipeline, then alternates one forward with one
-  backward, then drains the backward passes left; at most ``p - s`` microbatches of activations
-  are alive on stage s. A stage that sends an activation forward and waits for a gradient from
-  the same neighbour does both in one ``sendrecv``, so neither rank waits on the other.
+  backward, then drains the backward passes left. A stage that sends an activation forward and
+  waits for a gradient from the same neighbour does both in one ``sendrecv``, so neither rank
+  waits on the other.
 
 Both give the same loss and gradients (those of one process running the whole model on the
-whole batch, up to float rounding); they differ in memory, and in how much of the pipeline
-bubble, ``(p - 1) / (m + p - 1)`` of the time, the stages spend idle.
+whole batch, up to float rounding), and in theory the same bubble, ``(p - 1) / (m + p - 1)`` of
+the step. The schedule fixes the order of the messages; the compiler orders the computations
+between them by their data alone, so 1F1B's bound of ``p - s`` microbatches of activations
+alive on stage s is not enforced today: on XLA:CPU both schedules compile to the same temporary
+memory (measured: docs/model_parallel.md).
 
 Before any of that, when the program is built, the stages agree on shapes: stage 0 works out
 the shape of what it sends from its inputs' microbatch (``jax.eval_shape``), tells stage 1,
