@@ -8,19 +8,18 @@ stage in the order of a schedule, with ``spmd.send``/``recv``/``sendrecv`` on th
 activations forward and their gradients backward:
 
 - ``"gpipe"`` (GPipe): every microbatch's forward pass, then every backward pass (last
-  microbatch first);
+  microbatch first); what the backward passes need is kept for all m microbatches;
 - ``"1f1b"`` (PipeDream-Flush, Megatron-LM's non-interleaved schedule): stage s runs
   ``p - s - 1`` forward passes to fill the pipeline, then alternates one forward with one
-  backward, then drains the backward passes left. A stage that sends an activation forward and
-  waits for a gradient from the same neighbour does both in one ``sendrecv``, so neither rank
-  waits on the other.
+  backward, then drains the backward passes left; it keeps at most ``p - s`` microbatches'
+  worth. A stage that sends an activation forward and waits for a gradient from the same
+  neighbour does both in one ``sendrecv``, so neither rank waits on the other.
 
 Both give the same loss and gradients (those of one process running the whole model on the
 whole batch, up to float rounding), and in theory the same bubble, ``(p - 1) / (m + p - 1)`` of
-the step. The schedule fixes the order of the messages; the compiler orders the computations
-between them by their data alone, so 1F1B's bound of ``p - s`` microbatches of activations
-alive on stage s is not enforced today: on XLA:CPU both schedules compile to the same temporary
-memory (measured: docs/model_parallel.md).
+the step. The repeated part of each schedule is a ``lax.scan``, so the compiled program stays
+the same size for any m, and XLA cannot run forward passes ahead of the schedule (it orders
+the computations of an unrolled program by their data alone).
 
 Before any of that, when the program is built, the stages agree on shapes: stage 0 works out
 the shape of what it sends from its inputs' microbatch (``jax.eval_shape``), tells stage 1,
@@ -195,8 +194,9 @@ class _Run:
 
     # -- before anything runs: the stages agree ------------------------------------------------
 
-    def _split(self, tree: Any, what: str) -> list[Any]:
-        """``tree`` as m microbatches (trees)."""
+    def _split(self, tree: Any, what: str) -> Any:
+        """``tree`` with every leaf reshaped to ``(m, rows / m, ...)``: microbatch i is
+        ``_at(result, i)``."""
         leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
         if not leaves:
             where = "first" if what == "inputs" else "last"
@@ -210,10 +210,9 @@ class _Run:
                     f"is a multiple of {self.m}",
                     op=_OP,
                 )
-        split = jax.tree_util.tree_map(
+        return jax.tree_util.tree_map(
             lambda a: jnp.reshape(jnp.asarray(a), (self.m, -1, *np.shape(a)[1:])), tree
         )
-        return [_at(split, i) for i in range(self.m)]
 
     def _agree(self, params: Any, inputs: Any, targets: Any) -> None:
         """Split the batch, and work out what each stage sends (``jax.ShapeDtypeStruct`` trees;
@@ -236,7 +235,7 @@ class _Run:
 
         comm.agree(setup)
         xs = self.xs
-        like = None if xs is None else jax.eval_shape(lambda: xs[0])
+        like = None if xs is None else jax.eval_shape(lambda: _at(xs, 0))
         self.sends: list[Any] = []
         for r in range(self.p):
 
@@ -273,7 +272,7 @@ class _Run:
             return out
         assert self.ts is not None
         try:
-            loss = jax.eval_shape(self.loss_fn, out, self.ts[0])
+            loss = jax.eval_shape(self.loss_fn, out, _at(self.ts, 0))
         except Exception as e:
             raise SpmdError(
                 f"loss_fn fails on the last stage's output, {_describe(out)}, and a microbatch "
@@ -288,6 +287,12 @@ class _Run:
         return loss
 
     # -- the schedule -------------------------------------------------------------------------
+    #
+    # What a microbatch's backward pass needs (the residuals of its jax.vjp) waits in a stash of
+    # K slots, microbatch i in slot i % K: K = m for GPipe, min(p - s, m) for 1F1B. The repeated
+    # part of a schedule runs as a lax.scan, whose iterations XLA runs one after the other: so
+    # the stash is all the activation memory the schedule keeps, whatever order XLA would
+    # otherwise pick for the computations (it would compute forward passes ahead).
 
     def __call__(self, params: Any, inputs: Any, targets: Any) -> tuple[Any, Any]:
         ctx = active()
@@ -304,87 +309,132 @@ class _Run:
             call, ctx.calls = ctx.calls, ctx.calls + 1
             params = mark_tree(params, "param", call)
         self.params = params
-        self.grads: Any = None
-        self.losses: list[Any] = []
-        self.backs: dict[int, Callable[[Any], Any]] = {}
+        m, p, s = self.m, self.p, self.s
+        self.slots = m if self.schedule == "gpipe" else min(p - s, m)
+        loss_like = self.sends[-1]
+        self.state = (
+            self._empty_stash(),
+            jax.tree_util.tree_map(jnp.zeros_like, params),
+            jnp.zeros(loss_like.shape, loss_like.dtype),
+        )
         if self.schedule == "gpipe":
             self._gpipe()
         else:
             self._one_f_one_b()
-        loss_like = self.sends[-1]
-        if self.last:
-            loss = functools.reduce(jnp.add, self.losses) / self.m
-        else:
-            loss = jnp.zeros(loss_like.shape, loss_like.dtype)
-        if self.p > 1:
-            loss = broadcast(loss, root=self.p - 1, group=self.comm)
-        grads = self.grads
+        _, grads, loss = self.state
+        loss = loss / m
+        if p > 1:
+            loss = broadcast(loss, root=p - 1, group=self.comm)
         if ctx is not None:
             grads = mark_tree(grads, "grad", call)
         return loss, grads
 
-    def _forward(self, i: int, x: Any) -> Any:
-        """Microbatch i's forward pass on this stage (x: its input; on the first stage the
-        inputs'): what it sends on. Keeps what the backward pass needs."""
+    def _vjp(self, params: Any, i: Any, x: Any) -> tuple[Any, list[Any], Any, list[int | None]]:
+        """Microbatch i's forward pass (i may be traced; x: its input, unused on the first
+        stage): what the stage sends on (the loss on the last), the leaves of its backward
+        function, their tree, and for each leaf the parameter leaf it is (None: a residual)."""
         f = self.stage_fn
         if self.last:
-            assert self.ts is not None
-            t = self.ts[i]
+            t = _at(self.ts, i)
 
             def f(p: Any, x: Any) -> Any:
                 return self.loss_fn(self.stage_fn(p, x), t)
 
         if self.first:
-            xs = self.xs
-            assert xs is not None
-            out, vjp = jax.vjp(lambda p: f(p, xs[i]), self.params)
-            self.backs[i] = lambda g: (vjp(g)[0], None)
+            x = _at(self.xs, i)
+            out, vjp = jax.vjp(lambda p: f(p, x), params)
         else:
-            out, self.backs[i] = jax.vjp(f, self.params, x)
+            out, vjp = jax.vjp(f, params, x)
+        leaves, tree = jax.tree_util.tree_flatten(vjp)
+        mine = jax.tree_util.tree_leaves(params)
+        where = [next((k for k, q in enumerate(mine) if q is leaf), None) for leaf in leaves]
+        return out, leaves, tree, where
+
+    def _empty_stash(self) -> list[Any]:
+        """Zeros for K microbatches' residuals (their shapes from a trace of one forward pass
+        that is thrown away)."""
+        shapes: list[Any] = []
+
+        def probe(params: Any, x: Any) -> Any:
+            out, leaves, _, where = self._vjp(params, 0, x)
+            shapes.extend(jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v))
+                          for v, w in zip(leaves, where, strict=True) if w is None)  # fmt: skip
+            return out
+
+        like = None if self.first else self.sends[self.s - 1]
+        jax.make_jaxpr(probe)(self.params, like)
+        return [jnp.zeros((self.slots, *v.shape), v.dtype) for v in shapes]
+
+    def _forward(self, i: Any, x: Any) -> Any:
+        """Microbatch i's forward pass on this stage: what it sends on. Stashes what the
+        backward pass needs."""
+        stash, grads, loss = self.state
+        out, leaves, self.tree, self.where = self._vjp(self.params, i, x)
+        res = [v for v, w in zip(leaves, self.where, strict=True) if w is None]
+        slot = i % self.slots
+        stash = [a.at[slot].set(v) for a, v in zip(stash, res, strict=True)]
         if self.last:
-            self.losses.append(out)
+            loss = loss + out
+        self.state = (stash, grads, loss)
         return out
 
-    def _backward(self, i: int, g: Any) -> Any:
+    def _backward(self, i: Any, g: Any) -> Any:
         """Microbatch i's backward pass (g: the gradient of what the stage sent on; None on the
         last stage, whose loss counts 1/m): the gradient of what it received."""
+        stash, grads, loss = self.state
         if self.last:
-            like = self.sends[-1]
-            g = jnp.asarray(1.0 / self.m, like.dtype)
-        grads, gx = self.backs.pop(i)(g)
-        if self.grads is not None:
-            grads = jax.tree_util.tree_map(jnp.add, self.grads, grads)
-        self.grads = grads
-        return gx
+            g = jnp.asarray(1.0 / self.m, loss.dtype)
+        slot = i % self.slots
+        res = iter([a[slot] for a in stash])
+        mine = jax.tree_util.tree_leaves(self.params)
+        leaves = [next(res) if w is None else mine[w] for w in self.where]
+        back = jax.tree_util.tree_unflatten(self.tree, leaves)(g)
+        grads = jax.tree_util.tree_map(jnp.add, grads, back[0])
+        self.state = (stash, grads, loss)
+        return None if self.first else back[1]
+
+    def _loop(self, body: Callable[[Any, Any], Any], x: Any, n: int, reverse: bool = False) -> Any:
+        """``x = body(x, j)`` for j in range(n) as one lax.scan, carrying the state too."""
+        if n == 0:
+            return x
+
+        def step(carry: Any, j: Any) -> tuple[Any, None]:
+            x, self.state = carry
+            return (body(x, j), self.state), None
+
+        (x, self.state), _ = jax.lax.scan(step, (x, self.state), jnp.arange(n), reverse=reverse)
+        return x
 
     # The messages between neighbours. "fwd i": microbatch i's activation; "bwd i": its gradient.
 
-    def _recv_forward(self, i: int) -> Any:
+    # ``i``, ``j``: a microbatch's number, or how the trace's note names it inside a loop.
+
+    def _recv_forward(self, i: Any) -> Any:
         if self.first:
             return None
         return recv(self.sends[self.s - 1], self.s - 1, group=self.comm, note=f"fwd {i}")
 
-    def _send_forward(self, y: Any, i: int) -> None:
+    def _send_forward(self, y: Any, i: Any) -> None:
         if not self.last:
             send(y, self.s + 1, group=self.comm, note=f"fwd {i}")
 
-    def _recv_backward(self, i: int) -> Any:
+    def _recv_backward(self, i: Any) -> Any:
         if self.last:
             return None
         return recv(self.sends[self.s], self.s + 1, group=self.comm, note=f"bwd {i}")
 
-    def _send_backward(self, gx: Any, i: int) -> None:
+    def _send_backward(self, gx: Any, i: Any) -> None:
         if not self.first:
             send(gx, self.s - 1, group=self.comm, note=f"bwd {i}")
 
-    def _send_forward_recv_backward(self, y: Any, i: int, j: int) -> Any:
+    def _send_forward_recv_backward(self, y: Any, i: Any, j: Any) -> Any:
         """Send microbatch i's activation on and receive microbatch j's gradient, at once."""
         if self.last:
             return None
         nb = self.s + 1
         return sendrecv(y, nb, nb, group=self.comm, note=f"fwd {i}, bwd {j}")
 
-    def _send_backward_recv_forward(self, gx: Any, j: int, i: int) -> Any:
+    def _send_backward_recv_forward(self, gx: Any, j: Any, i: Any) -> Any:
         """Send microbatch j's gradient back and receive microbatch i's activation, at once."""
         if self.first:
             return None
@@ -392,30 +442,42 @@ class _Run:
         return sendrecv(gx, nb, nb, group=self.comm, note=f"bwd {j}, fwd {i}")
 
     def _gpipe(self) -> None:
-        for i in range(self.m):
-            self._send_forward(self._forward(i, self._recv_forward(i)), i)
-        for i in reversed(range(self.m)):
-            self._send_backward(self._backward(i, self._recv_backward(i)), i)
+        def forward(x: Any, i: Any) -> None:
+            self._send_forward(self._forward(i, self._recv_forward("i")), "i")
+
+        def backward(x: Any, i: Any) -> None:
+            self._send_backward(self._backward(i, self._recv_backward("i")), "i")
+
+        self._loop(forward, None, self.m)
+        self._loop(backward, None, self.m, reverse=True)
 
     def _one_f_one_b(self) -> None:
         m = self.m
         warm = min(self.p - self.s - 1, m)
         for i in range(warm):
             self._send_forward(self._forward(i, self._recv_forward(i)), i)
-        x = self._recv_forward(warm) if warm < m else None
-        for j in range(m - warm):  # steady: forward i, backward j
-            i = warm + j
-            g = self._send_forward_recv_backward(self._forward(i, x), i, j)
-            gx = self._backward(j, g)
-            if i == m - 1:
-                self._send_backward(gx, j)
-            else:
-                x = self._send_backward_recv_forward(gx, j, i + 1)
+        if warm == m:
+            x = None
+        else:
+            # Steady: forward i = warm + j, backward j; the last such pair is written out, as it
+            # sends its gradient back without waiting for another activation.
+            steady = m - warm
+            x = self._recv_forward(warm)
+
+            def pair(x: Any, j: Any) -> Any:
+                y = self._forward(warm + j, x)
+                g = self._send_forward_recv_backward(y, f"{warm}+j", "j")
+                return self._send_backward_recv_forward(self._backward(j, g), "j", f"{warm + 1}+j")
+
+            x = self._loop(pair, x, steady - 1)
+            j = steady - 1
+            g = self._send_forward_recv_backward(self._forward(m - 1, x), m - 1, j)
+            self._send_backward(self._backward(j, g), j)
         for j in range(m - warm, m):  # cool-down
             self._send_backward(self._backward(j, self._recv_backward(j)), j)
 
 
-def _at(tree: Any, i: int) -> Any:
+def _at(tree: Any, i: Any) -> Any:
     """Element i of every leaf of ``tree``."""
     return jax.tree_util.tree_map(lambda a: a[i], tree)
 

@@ -1,0 +1,247 @@
+"""Pipeline parallelism: the measured bubble of GPipe and 1F1B against the theoretical
+(p - 1) / (m + p - 1), and the memory each stage's compiled step needs, per schedule and number
+of microbatches m, in the same run.
+
+    spmd-run -n 2 python benchmarks/pipeline.py [--rounds 3] [--micro 1 2 4 8 16]
+    python benchmarks/pipeline.py -n 4        # outside a job it starts one itself
+
+The model: ``--layers`` tanh layers of ``--dim`` x ``--dim`` (float32) on a batch of ``--batch``
+rows, split evenly over the job's p ranks (``Mesh(pp=p)``), loss = mean squared error.
+
+**Bubble.** Per (schedule, m): the step ``spmd.pipeline_value_and_grad(...)`` under ``jax.jit``
+(T: per timed step the slowest rank's time, the median over steps, then over rounds); and on
+every rank at once, the same stage's forward and backward passes over the m microbatches with no
+messages (a ``lax.scan`` of ``jax.vjp``; C: the slowest stage's median). Measured bubble =
+1 - C / T: the share of the step the slowest stage does not compute, which includes the time
+spent moving activations, not only the idle time of the schedule. Theoretical:
+(p - 1) / (m + p - 1), which assumes stages of equal time and free messages.
+
+**Memory.** Per stage, XLA's ``memory_analysis()`` of the compiled step: temporary buffers (the
+stash of residuals and the work space); 1F1B keeps p - s microbatches, GPipe m.
+
+The ranks share the machine's cores (``spmd-run`` pins each to its share): with fewer cores than
+ranks the stages take turns on a core and the bubble is not the schedule's. The results record
+the cores.
+
+Writes ``benchmarks/results/pipeline-cpu<cores>-n<ranks>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MIB = 1 << 20
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def _model(args: argparse.Namespace) -> tuple[list[Any], Any, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(0), args.layers)
+    layers = [
+        {"w": jax.random.normal(k, (args.dim, args.dim)) / args.dim**0.5,
+         "b": jnp.zeros(args.dim)}
+        for k in keys
+    ]  # fmt: skip
+    x = jax.random.normal(jax.random.key(1), (args.batch, args.dim))
+    t = jax.random.normal(jax.random.key(2), (args.batch, args.dim))
+    return layers, x, t
+
+
+def _apply(layers: list[Any], h: Any) -> Any:
+    import jax.numpy as jnp
+
+    for layer in layers:
+        h = jnp.tanh(h @ layer["w"] + layer["b"])
+    return h
+
+
+def _mse(y: Any, t: Any) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.mean((y - t) ** 2)
+
+
+def _compute_alone(m: int) -> Any:
+    """This stage's forward and backward passes over m microbatches, no messages."""
+    import jax
+    import jax.numpy as jnp
+
+    def run(params: Any, xs: Any) -> Any:
+        def body(acc: Any, x: Any) -> tuple[Any, None]:
+            y, vjp = jax.vjp(_apply, params, x)
+            g, _ = vjp(jnp.ones_like(y))
+            return jax.tree_util.tree_map(jnp.add, acc, g), None
+
+        acc, _ = jax.lax.scan(body, jax.tree_util.tree_map(jnp.zeros_like, params), xs)
+        return acc
+
+    return jax.jit(run)
+
+
+def _time(comm: Any, call: Any, steps: int, warmup: int) -> float:
+    """Median over ``steps`` of the slowest rank's time for one call (ranks start together)."""
+    import jax
+    import numpy as np
+
+    import spmd
+
+    for _ in range(warmup):
+        jax.block_until_ready(call())
+    times = []
+    for _ in range(steps):
+        spmd.barrier(group=comm)
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t0)
+    slowest = np.max(np.asarray(comm.allgather_object(times)), axis=0)
+    return float(statistics.median(slowest))
+
+
+def run_job(args: argparse.Namespace) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    import spmd
+    from spmd.bench import cores_tag, host_info
+
+    comm = spmd.init()
+    p = comm.size
+    say = print if comm.rank == 0 else (lambda *a, **k: None)
+    load_start = round(os.getloadavg()[0], 2)
+    layers, x, t = _model(args)
+    rows: list[dict[str, Any]] = []
+    with spmd.Mesh(pp=p) as mesh:
+        pp = mesh.group("pp")
+        s = pp.rank
+        mine = spmd.pipeline.stage_layers(layers)
+        for m in args.micro:
+            if args.batch % m:
+                continue
+            # What this stage receives, per microbatch: its input activations (the first: x).
+            xs = jnp.reshape(x, (m, args.batch // m, args.dim))
+            if s > 0:
+                xs = jnp.tanh(xs)  # any activations of the right shape
+            alone = _compute_alone(m)
+            pipe = spmd.pipeline_value_and_grad
+            steps = {
+                sch: jax.jit(pipe(_apply, _mse, microbatches=m, schedule=sch)) for sch in SCHEDULES
+            }
+            temp = {
+                sch: int(f.lower(mine, x, t).compile().memory_analysis().temp_size_in_bytes)
+                for sch, f in steps.items()
+            }
+            temps = pp.allgather_object(temp)
+            rounds: dict[str, list[float]] = {"compute alone": [], "gpipe": [], "1f1b": []}
+            for r in range(args.rounds):
+                order = ["compute alone", "gpipe", "1f1b"]
+                for name in order if r % 2 == 0 else order[::-1]:
+                    if name == "compute alone":
+                        call = functools.partial(alone, mine, xs)
+                    else:
+                        call = functools.partial(steps[name], mine, x, t)
+                    rounds[name].append(_time(pp, call, args.steps, args.warmup))
+            med = {k: statistics.median(v) for k, v in rounds.items()}
+            theory = (p - 1) / (m + p - 1)
+            row = {
+                "m": m,
+                "microbatch_rows": args.batch // m,
+                "theoretical_bubble": round(theory, 4),
+                "step_ms": {k: round(v * 1e3, 3) for k, v in med.items()},
+                "measured_bubble": {
+                    sch: round(1 - med["compute alone"] / med[sch], 4) for sch in SCHEDULES
+                },
+                "temp_MiB_per_stage": {
+                    sch: [round(tt[sch] / MIB, 3) for tt in temps] for sch in SCHEDULES
+                },
+                "activation_MiB_per_microbatch": round(args.batch // m * args.dim * 4 / MIB, 4),
+                "rounds_ms": {k: [round(v * 1e3, 3) for v in vs] for k, vs in rounds.items()},
+            }
+            rows.append(row)
+            st, b = row["step_ms"], row["measured_bubble"]
+            say(f"m={m:2d}: compute {st['compute alone']:8.2f} ms, gpipe {st['gpipe']:8.2f} ms "
+                f"(bubble {b['gpipe']:.3f}), 1f1b {st['1f1b']:8.2f} ms (bubble {b['1f1b']:.3f}), "
+                f"theory {theory:.3f}", flush=True)  # fmt: skip
+    if comm.rank != 0:
+        return 0
+    info = {
+        **host_info(),
+        "ranks (stages)": p,
+        "model": f"{args.layers} tanh layers of {args.dim} x {args.dim}, "
+        f"batch {args.batch}, float32, MSE",
+        "timed_steps_per_round": args.steps,
+        "rounds": args.rounds,
+        "load_average_1min_at_start": load_start,
+        "load_average_1min_at_end": round(os.getloadavg()[0], 2),
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
+    }
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f"pipeline-{cores_tag()}-n{p}"
+    (out / f"{tag}.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2) + "\n")
+    md = [f"# Pipeline parallelism: bubble and memory per schedule, {p} stages", "",
+          f"Produced by `spmd-run -n {p} python benchmarks/pipeline.py"
+          + (f" --rounds {args.rounds}" if args.rounds != 3 else "") + "`.", "",
+          "| machine | |", "|---|---|"]  # fmt: skip
+    md += [f"| {k} | {v} |" for k, v in info.items()]
+    md += ["", "## Bubble", "",
+           "Step: per timed step the slowest rank's time; the median over steps, then over "
+           "rounds. compute alone: every stage's forward and backward passes over the m "
+           "microbatches without messages, the slowest stage. Measured bubble = 1 - compute "
+           "alone / step (it includes moving the activations); theoretical = (p - 1) / "
+           "(m + p - 1).", "",
+           "| m | compute alone (ms) | gpipe (ms) | 1f1b (ms) | bubble gpipe | bubble 1f1b | "
+           "theoretical |", "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        st, b = r["step_ms"], r["measured_bubble"]
+        md.append(f"| {r['m']} | {st['compute alone']:.2f} | {st['gpipe']:.2f} | "
+                  f"{st['1f1b']:.2f} | {b['gpipe']:.3f} | {b['1f1b']:.3f} | "
+                  f"{r['theoretical_bubble']:.3f} |")  # fmt: skip
+    md += ["", "## Memory per stage", "",
+           "Temporary buffers of the compiled step (XLA's memory_analysis), MiB, stage 0 first. "
+           "1F1B keeps p - s microbatches of residuals on stage s, GPipe m.", "",
+           "| m | activation per microbatch (MiB) | gpipe | 1f1b |",
+           "|---:|---:|---|---|"]  # fmt: skip
+    for r in rows:
+        tm = r["temp_MiB_per_stage"]
+        md.append(f"| {r['m']} | {r['activation_MiB_per_microbatch']:.3f} | "
+                  f"{', '.join(f'{v:.2f}' for v in tm['gpipe'])} | "
+                  f"{', '.join(f'{v:.2f}' for v in tm['1f1b'])} |")  # fmt: skip
+    (out / f"{tag}.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md[md.index("## Bubble") :]))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-n", "--nprocs", type=int, default=2, help="ranks when relaunching")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out-dir", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    if "PMI_RANK" not in os.environ and "PMI_SIZE" not in os.environ:
+        cmd = [sys.executable, "-m", "spmd.cli.run", "-n", str(args.nprocs), sys.executable,
+               __file__, *(argv if argv is not None else sys.argv[1:])]  # fmt: skip
+        return subprocess.call(cmd)
+    return run_job(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
