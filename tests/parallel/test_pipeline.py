@@ -135,6 +135,40 @@ def test_1f1b_keeps_fewer_microbatches(comm):
     assert temp["1f1b"] < 0.6 * temp["gpipe"], temp
 
 
+@multirank(nprocs=(2,))
+def test_shared_parameters_get_the_summed_gradient(comm):
+    """A scale every stage holds but only the last uses, and an input scale only the first uses:
+    with shared=, both stages return the one-process gradient for both."""
+    layers = _layers()
+    x, t = _data()
+    full = {"a": jnp.float32(1.5), "z": jnp.float32(0.7), "layers": layers}
+
+    def model(p, h):
+        return apply(p["layers"], h * p["a"]) * p["z"]
+
+    want = jax.grad(lambda p: mse(model(p, x), t))(full)
+    s = comm.rank
+    with spmd.Mesh(pp=2):
+
+        def stage(p, h):
+            h = apply(p["layers"], h * p["a"] if s == 0 else h)
+            return h * p["z"] if s == 1 else h
+
+        mine = {"a": full["a"], "z": full["z"], "layers": spmd.pipeline.stage_layers(layers)}
+        for shared in ({"a": True, "z": True, "layers": False}, None):
+            step = spmd.pipeline_value_and_grad(stage, mse, microbatches=2, shared=shared)
+            _, g = jax.jit(step)(mine, x, t)
+            for k in ("a", "z"):
+                if shared is not None:
+                    _close(g[k], want[k], f"shared {k}")
+                elif (k == "a") == (s == 0):  # without: only the stage that uses it has it
+                    _close(g[k], want[k], f"{k} on its stage")
+                else:
+                    assert float(g[k]) == 0.0
+        with pytest.raises(spmd.SpmdError, match="is not a tree of bools"):
+            spmd.pipeline_value_and_grad(stage, mse, microbatches=2, shared={"q": True})(mine, x, t)
+
+
 # -- composition: data_parallel and zero_shard over dp, tensor-parallel stages -------------------
 
 

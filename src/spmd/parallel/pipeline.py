@@ -40,7 +40,7 @@ import numpy as np
 
 from .._errors import SpmdError
 from ..mesh import resolve_group
-from ..ops import broadcast, recv, send, sendrecv
+from ..ops import allreduce, broadcast, recv, send, sendrecv
 from ..runtime import Communicator
 from ._grad import active, mark_tree
 
@@ -130,6 +130,7 @@ def value_and_grad(
     microbatches: int,
     schedule: str = "1f1b",
     group: Any = "pp",
+    shared: Any = None,
 ) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
     """The loss and this stage's gradients of a model split into pipeline stages over the group.
 
@@ -152,6 +153,13 @@ def value_and_grad(
     ``schedule``: ``"1f1b"`` (default) or ``"gpipe"`` (module doc). A group of one runs the
     microbatches one after the other in this process.
 
+    ``shared``: parameters that every stage holds but only some use (an embedding on the first
+    stage, a head on the last, or weights tied between them), as a pytree of bools with the
+    structure of ``stage_params`` or a prefix of it (True: shared), e.g. ``{"embed": True,
+    "blocks": False}``. Their gradients are summed over the group before they are returned
+    (Megatron-LM's embedding group), so that every stage holds the same gradient and, applying
+    the same update, the same values.
+
     Example (a world of one: one stage, the whole model)::
 
         >>> import jax.numpy as jnp, spmd
@@ -171,7 +179,7 @@ def value_and_grad(
     def step(stage_params: Any, inputs: Any = None, targets: Any = None) -> tuple[Any, Any]:
         comm = resolve_group(None, group, op=_OP)
         run = _Run(comm, stage_fn, loss_fn, microbatches, schedule)
-        return run(stage_params, inputs, targets)
+        return run(stage_params, inputs, targets, shared)
 
     return step
 
@@ -294,7 +302,7 @@ class _Run:
     # the stash is all the activation memory the schedule keeps, whatever order XLA would
     # otherwise pick for the computations (it would compute forward passes ahead).
 
-    def __call__(self, params: Any, inputs: Any, targets: Any) -> tuple[Any, Any]:
+    def __call__(self, params: Any, inputs: Any, targets: Any, shared: Any) -> tuple[Any, Any]:
         ctx = active()
         if ctx is not None and ctx.accumulate_steps > 1:
             raise SpmdError(
@@ -325,9 +333,32 @@ class _Run:
         loss = loss / m
         if p > 1:
             loss = broadcast(loss, root=p - 1, group=self.comm)
+            if shared is not None:
+                grads = self._sum_shared(grads, shared)
         if ctx is not None:
             grads = mark_tree(grads, "grad", call)
         return loss, grads
+
+    def _sum_shared(self, grads: Any, shared: Any) -> Any:
+        """``grads`` with the leaves ``shared`` marks summed over the group (one call)."""
+        try:
+            mask = jax.tree_util.tree_map(
+                lambda flag, g: jax.tree_util.tree_map(lambda _: bool(flag), g), shared, grads
+            )
+        except ValueError as e:
+            raise SpmdError(
+                f"shared={shared!r} is not a tree of bools with the structure of stage_params "
+                f"(or a prefix of it): {e}",
+                op=_OP,
+            ) from None
+        flags = jax.tree_util.tree_leaves(mask)
+        leaves, tree = jax.tree_util.tree_flatten(grads)
+        picked = [g for g, f in zip(leaves, flags, strict=True) if f]
+        if not picked:
+            return grads
+        summed = iter(allreduce(picked, "sum", group=self.comm))
+        out = [next(summed) if f else g for g, f in zip(leaves, flags, strict=True)]
+        return jax.tree_util.tree_unflatten(tree, out)
 
     def _vjp(self, params: Any, i: Any, x: Any) -> tuple[Any, list[Any], Any, list[int | None]]:
         """Microbatch i's forward pass (i may be traced; x: its input, unused on the first
