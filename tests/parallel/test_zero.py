@@ -199,12 +199,43 @@ def test_trace_shows_what_each_stage_inserts(comm):
         if stage == 2:
             assert names.count("spmd.allgather") == 1
         if stage == 3:
-            # each weight gathered before each matmul that reads it, forward and backward
-            gathers = [i for i, n in enumerate(names) if n == "spmd.allgather"]
-            assert len(gathers) >= 4, text
-            assert gathers[0] < dots[0]
+            # each weight gathered on its own before its first use in the forward pass, and the
+            # one the backward pass reads (w2, for the input gradient of the second layer) again
+            gathers = [e for e in program.jaxpr.jaxpr.eqns if e.primitive.name == "spmd_allgather"]
+            ops = program.jaxpr.jaxpr.eqns
+            names_in = [[program.in_names[program.jaxpr.jaxpr.invars.index(v)] for v in g.invars]
+                        for g in gathers]  # fmt: skip
+            assert names_in == [["params.w1"], ["params.b1"], ["params.w2"], ["params.w2"]], text
+            assert ops.index(gathers[0]) < dots[0] and dots[1] < ops.index(gathers[3]), text
             assert names[-1] != "spmd.allgather"
         assert "spmd.mark" not in names
+
+
+@multirank(nprocs=(2,))
+def test_stage3_gathers_a_weight_once_per_pass(comm):
+    """A weight that two matmuls read in the forward pass (and two in the backward pass) is
+    gathered once for each pass, and the step still equals data_parallel's."""
+    tx = optax.sgd(0.1)
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((6, 6)) * 0.3, jnp.float32)
+    x = jnp.asarray(np.random.default_rng(comm.rank + 1).standard_normal((4, 6)), jnp.float32)
+
+    def update(p, state, x):
+        g = spmd.grad(lambda p: jnp.sum(jnp.tanh(jnp.tanh(x @ p["w"]) @ p["w"]) ** 2))(p)
+        u, state = tx.update(g, state, p)
+        return optax.apply_updates(p, u), state
+
+    params = {"w": w}
+    want, _ = spmd.data_parallel(update)(params, tx.init(params), x)
+    z = spmd.zero_shard(update, stage=3)
+    p, s = z.shard(params, tx.init(params))
+    program = spmd.trace(z)(p, s, x)
+    names = _names(program)
+    dots = [i for i, n in enumerate(names) if n == "dot_general"]
+    gathers = [i for i, n in enumerate(names) if n == "spmd.allgather"]
+    assert len(dots) >= 4 and len(gathers) == 2, str(program)
+    assert gathers[0] < dots[0] < dots[1] < gathers[1], str(program)
+    got, _ = z(p, s, x)
+    np.testing.assert_allclose(got["w"].gather(), want["w"], rtol=1e-5, atol=1e-6)
 
 
 @multirank(nprocs=(4,))

@@ -14,9 +14,13 @@ each value either full (replicated) or sharded (this rank's rows), and:
   places them: stage 1 by allreduce (each rank then uses its slice), stages 2 and 3 by
   reduce_scatter, so each rank only ever holds its rows of the averaged gradient;
 - any other op that reads a sharded parameter (stage 3: a matmul in forward or backward) gets the
-  parameter all-gathered just before it, at each use, so the full copy lives only in between;
-  calls (jit, remat, custom_jvp/vjp) are inlined, while loops and branches (scan, while, cond)
-  are such ops: a scan over layer-stacked parameters reads them gathered;
+  parameter all-gathered before it; calls (jit, remat, custom_jvp/vjp) are inlined, while loops
+  and branches (scan, while, cond) are such ops: a scan over layer-stacked parameters reads them
+  gathered. A gathered copy stays for the other ops of the same pass (forward or backward) that
+  read it and is dropped after the last, so a weight is gathered once for the forward pass and
+  once for the backward pass. Each gather is one call of its own on the collectives' chain,
+  which orders the collectives only: XLA:CPU, which runs ops as their operands arrive, starts
+  the gather of the next weight while the ops before its use still compute;
 - any other op that reads sharded optimizer state or gradients cannot be partitioned: the pass
   raises an error that names the op (e.g. a reshape inside the optimizer);
 - outputs: sharded values come back sharded, except, at stages 1 and 2, the updated
@@ -137,6 +141,32 @@ class _Partitioner:
     # optimizer's step count, are taken to be the same on every rank). Never sliced to this
     # rank's rows.
     local: set[Any] = field(default_factory=set)
+    # Stage 3: full copies of parameters gathered for an op that later ops of the same pass read
+    # too, and the step's top-level ops with the position being evaluated.
+    fetched: dict[Any, Any] = field(default_factory=dict)
+    top: Sequence[Any] = ()
+    position: int = -1
+    backward: list[bool] = field(default_factory=list)  # per top-level op: in the backward pass
+    uses: dict[Any, list[int]] = field(default_factory=dict)  # var -> top-level ops reading it
+
+    def plan(self, eqns: Sequence[Any]) -> None:
+        """Note the step's top-level ops: which belong to the backward pass (JAX names them
+        ``transpose(...)``) and which read each value."""
+        self.top = eqns
+        self.backward = ["transpose" in str(e.source_info.name_stack) for e in eqns]
+        for i, e in enumerate(eqns):
+            for v in e.invars:
+                if not isinstance(v, core.Literal):
+                    self.uses.setdefault(v, []).append(i)
+
+    def _used_again(self, v: Any) -> bool:
+        """Whether a later op of the same pass (forward or backward) reads v."""
+        here = self.position
+        if here < 0:
+            return False
+        return any(
+            j > here and self.backward[j] == self.backward[here] for j in self.uses.get(v, ())
+        )
 
     # -- values --
 
@@ -166,6 +196,8 @@ class _Partitioner:
 
     def run(self, eqns: Sequence[Any], after: Callable[[int], None] | None = None) -> None:
         for i, eqn in enumerate(eqns):
+            if eqns is self.top:
+                self.position = i
             self.eqn(eqn)
             if after is not None:
                 after(i)
@@ -250,6 +282,8 @@ class _Partitioner:
             for tags in (self.params, self.after_grad, self.param_dep, self.local):
                 if a in tags:
                     tags.add(v)
+            if a in self.fetched:  # gathered already in this pass: the call's ops read it
+                self.fetched[v] = self.fetched.pop(a)
         self.run(jaxpr.eqns)
         for o, v in zip(eqn.outvars, jaxpr.outvars, strict=True):
             if isinstance(v, core.Literal):
@@ -277,12 +311,15 @@ class _Partitioner:
                     ),
                     op=f"zero_shard(stage={self.stage})",
                 )
-        # All-gather the sharded operands, just before the op (one fused call).
+        # All-gather the sharded operands not gathered already in this pass (one fused call).
         unique = list(dict.fromkeys(sharded))
-        full = dict(
-            zip(unique, self.rows.gather([self.values[v] for v in unique],
-                                         [self.sharded[v] for v in unique]), strict=True)
-        )  # fmt: skip
+        full = {v: self.fetched.pop(v) for v in unique if v in self.fetched}
+        need = [v for v in unique if v not in full]
+        got = self.rows.gather([self.values[v] for v in need], [self.sharded[v] for v in need])
+        full.update(zip(need, got, strict=True))
+        for v in unique:  # kept for the next op of this pass that reads it
+            if self._used_again(v):
+                self.fetched[v] = full[v]
         outs = eval_eqn(
             eqn, [self.read(v) if isinstance(v, core.Literal) else full.get(v, self.read(v))
                   for v in eqn.invars]
@@ -400,6 +437,7 @@ def _partition(
     def body(env: Any, xs: Sequence[Any]) -> list[Any]:
         names = dict(zip(jaxpr.invars, program.in_names, strict=True))
         p = _Partitioner(rows, stage, program.name, names)
+        p.plan(eqns)
         for v, c in zip(jaxpr.constvars, program.jaxpr.consts, strict=True):
             p.write(v, c)
         for i, (v, x) in enumerate(zip(jaxpr.invars, xs, strict=True)):

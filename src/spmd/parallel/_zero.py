@@ -61,7 +61,8 @@ def zero_shard(
     Args:
         fn: the step; it computes its gradients with ``spmd.(value_and_)grad``.
         stage: 1 shards the optimizer state; 2 also the gradients (reduce_scatter instead of
-            allreduce); 3 also the parameters (all-gathered just in time for each use).
+            allreduce); 3 also the parameters (each all-gathered before its first use in the
+            forward pass and again in the backward pass).
         group: the data-parallel group (None: the default communicator; a Communicator; or an
             axis name of the mesh active at call time).
         bucket_mb, overlap, accumulate_steps, check_params: as for ``data_parallel``.
