@@ -24,6 +24,12 @@ ranks the stages take turns on a core and the bubble is not the schedule's. The 
 the cores.
 
 Writes ``benchmarks/results/pipeline-cpu<cores>-n<ranks>.{json,md}``.
+
+**The language model** (``--lm``, run outside a job): ``examples/train_lm.py`` on each layout of
+``--layouts`` (default: one process, and every 2-rank mesh), ``--lm-steps`` steps each; the
+tokens/s the example reports at the end (global tokens over the steps after the first, which
+compiles), the median over ``--rounds`` runs. Writes
+``benchmarks/results/pipeline-lm-cpu<cores>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ import argparse
 import datetime
 import functools
 import json
+import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -224,6 +232,58 @@ def run_job(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_lm(args: argparse.Namespace) -> int:
+    """tokens/s of examples/train_lm.py per layout, each run a job of its own."""
+    from spmd.bench import cores_tag, host_info
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"
+    rows = []
+    for layout in args.layouts:
+        sizes = [int(part.split("=")[1]) for part in filter(None, layout.split(","))]
+        n = math.prod(sizes)
+        rates = []
+        for _ in range(args.rounds):
+            cmd = [sys.executable, "-m", "spmd.cli.run", "-n", str(n), sys.executable,
+                   str(script), "--mesh", layout, "--steps", str(args.lm_steps),
+                   "--sample", "0"]  # fmt: skip
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+            if out.returncode != 0:
+                raise SystemExit(f"{layout}: {out.stderr.strip().splitlines()[-1:]}")
+            last = re.findall(r"([\d,]+) tokens/s", out.stdout)[-1]
+            rates.append(float(last.replace(",", "")))
+        rows.append({"mesh": layout or "one process", "ranks": n,
+                     "tokens_per_s": statistics.median(rates), "runs": rates})  # fmt: skip
+        print(f"{layout or 'one process':>16}: {rows[-1]['tokens_per_s']:,.0f} tokens/s",
+              flush=True)  # fmt: skip
+    info = {**host_info(), "steps": args.lm_steps, "rounds": args.rounds,
+            "model": "examples/train_lm.py defaults (4 layers, d=64, 4 heads, seq 64, batch 32)",
+            "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")}  # fmt: skip
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = f"pipeline-lm-{cores_tag()}"
+    (out_dir / f"{tag}.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2))
+    one = rows[0]["tokens_per_s"]
+    md = [
+        "# examples/train_lm.py: tokens/s per mesh",
+        "",
+        "Produced by `python benchmarks/pipeline.py --lm`.",
+        "",
+        "| machine | |",
+        "|---|---|",
+    ]
+    md += [f"| {k} | {v} |" for k, v in info.items()]
+    md += ["", "Global tokens per second over the steps after the first; the median over runs. "
+           "vs first: against the first row.", "",
+           "| mesh | ranks | tokens/s | vs first | runs |", "|---|---:|---:|---:|---|"]  # fmt: skip
+    for r in rows:
+        md.append(f"| {r['mesh']} | {r['ranks']} | {r['tokens_per_s']:,.0f} | "
+                  f"{r['tokens_per_s'] / one:.2f} | "
+                  f"{', '.join(f'{x:,.0f}' for x in r['runs'])} |")  # fmt: skip
+    (out_dir / f"{tag}.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md[md.index("| mesh | ranks | tokens/s | vs first | runs |") :]))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-n", "--nprocs", type=int, default=2, help="ranks when relaunching")
@@ -235,7 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out-dir", default=str(RESULTS))
+    ap.add_argument("--lm", action="store_true", help="tokens/s of examples/train_lm.py")
+    ap.add_argument("--layouts", nargs="+", default=["", "pp=2", "dp=2", "tp=2"])
+    ap.add_argument("--lm-steps", type=int, default=60)
     args = ap.parse_args(argv)
+    if args.lm:
+        return run_lm(args)
     if "PMI_RANK" not in os.environ and "PMI_SIZE" not in os.environ:
         cmd = [sys.executable, "-m", "spmd.cli.run", "-n", str(args.nprocs), sys.executable,
                __file__, *(argv if argv is not None else sys.argv[1:])]  # fmt: skip
