@@ -204,6 +204,10 @@ def run_job(args: argparse.Namespace) -> int:
           + (f" --rounds {args.rounds}" if args.rounds != 3 else "") + "`.", "",
           "| machine | |", "|---|---|"]  # fmt: skip
     md += [f"| {k} | {v} |" for k, v in info.items()]
+    if p > int(info.get("job_cores") or info.get("cores") or p):
+        md += ["", f"**{p} ranks on {info.get('job_cores') or info.get('cores')} cores: the "
+               "stages take turns on the cores, so the bubble column does not measure the "
+               "schedule; the memory column does not depend on it.**"]  # fmt: skip
     md += ["", "## Bubble", "",
            "Step: per timed step the slowest rank's time; the median over steps, then over "
            "rounds. compute alone: every stage's forward and backward passes over the m "
