@@ -63,7 +63,8 @@ def _notes(program):
 
 def _expected_1f1b(p, s, m):
     """Megatron-LM's non-interleaved 1F1B as stage s of p sends and receives, as spmd.trace
-    prints it: the steady phase but its last pair is a loop over j, printed once."""
+    prints it: the steady phase is a loop over j, printed once (past the first stage, but its
+    last pair)."""
     first, last = s == 0, s == p - 1
     warm = min(p - s - 1, m)
     ops = []
@@ -73,11 +74,14 @@ def _expected_1f1b(p, s, m):
     if warm < m:
         steady = m - warm
         ops += [] if first else [("recv", f"fwd {warm}")]
-        if steady > 1:
+        if first:  # every steady pair in the loop: the first stage sends no gradient back
             ops += [] if last else [("sendrecv", f"fwd {warm}+j, bwd j")]
-            ops += [] if first else [("sendrecv", f"bwd j, fwd {warm + 1}+j")]
-        ops += [] if last else [("sendrecv", f"fwd {m - 1}, bwd {steady - 1}")]
-        ops += [] if first else [("send", f"bwd {steady - 1}")]
+        else:
+            if steady > 1:
+                ops += [] if last else [("sendrecv", f"fwd {warm}+j, bwd j")]
+                ops += [("sendrecv", f"bwd j, fwd {warm + 1}+j")]
+            ops += [] if last else [("sendrecv", f"fwd {m - 1}, bwd {steady - 1}")]
+            ops += [("send", f"bwd {steady - 1}")]
     for j in range(m - warm, m):
         ops += [] if last else [("recv", f"bwd {j}")]
         ops += [] if first else [("send", f"bwd {j}")]

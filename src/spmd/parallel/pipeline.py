@@ -490,8 +490,9 @@ class _Run:
         if warm == m:
             x = None
         else:
-            # Steady: forward i = warm + j, backward j; the last such pair is written out, as it
-            # sends its gradient back without waiting for another activation.
+            # Steady: forward i = warm + j, backward j. Past the first stage the last such pair
+            # is written out, as it sends its gradient back without waiting for another
+            # activation; the first stage sends no gradient back, so all its pairs are alike.
             steady = m - warm
             x = self._recv_forward(warm)
 
@@ -500,10 +501,11 @@ class _Run:
                 g = self._send_forward_recv_backward(y, f"{warm}+j", "j")
                 return self._send_backward_recv_forward(self._backward(j, g), "j", f"{warm + 1}+j")
 
-            x = self._loop(pair, x, steady - 1)
-            j = steady - 1
-            g = self._send_forward_recv_backward(self._forward(m - 1, x), m - 1, j)
-            self._send_backward(self._backward(j, g), j)
+            x = self._loop(pair, x, steady if self.first else steady - 1)
+            if not self.first:
+                j = steady - 1
+                g = self._send_forward_recv_backward(self._forward(m - 1, x), m - 1, j)
+                self._send_backward(self._backward(j, g), j)
         for j in range(m - warm, m):  # cool-down
             self._send_backward(self._backward(j, self._recv_backward(j)), j)
 
