@@ -43,6 +43,10 @@ def test_static_bad_input_raises_on_every_rank(comm):
     _raises(lambda: spmd.allreduce(jnp.ones(3, jnp.int32), "avg"), me, "avg", "int32")
     _raises(lambda: spmd.allreduce(jnp.ones(3, jnp.complex64)), me, "complex64", "float32")
     _raises(lambda: spmd.allreduce({"a": np.ones(2, np.uint16)}), me, "x['a']", "uint16")
+    # NumPy arrays of objects or text: named, not JAX's "not a valid JAX type".
+    _raises(lambda: spmd.allreduce({"a": np.array([object()])}), me, "x['a']", "Python objects")
+    _raises(lambda: spmd.allgather(np.array(["a", "b"])), me, "x is a NumPy array of <U1", "text")
+    _raises(lambda: spmd.all_to_allv(np.array([b"a"] * n), [1] * n), me, "bytes")
     _raises(lambda: spmd.allreduce(x, rank_list=[[0, 0]]), me, "twice")
     _raises(lambda: spmd.allreduce(x, rank_list=[[0]], group=spmd.get_communicator()), "not both")
     _raises(lambda: spmd.allreduce(x, group="tp"), "no mesh is active")

@@ -205,6 +205,19 @@ def test_misuse_is_a_clear_error_not_a_silent_divergence(comm):
     )
     with pytest.raises(spmd.SpmdError, match="complex64"):
         cstep(jnp.asarray([1 + 2j, 3 - 1j], jnp.complex64))
+
+    # Parameters JAX cannot differentiate or take: the leaf is named (it was JAX's TypeError).
+    def count_step(p, b):
+        return spmd.grad(lambda q: loss_fn(q["net"], b) * q["n"])(p)
+
+    with pytest.raises(spmd.SpmdTypeError, match=r"argument 0\['n'\] .* is a scalar of int32; "
+                       r"gradients are taken with respect to floating-point"):  # fmt: skip
+        spmd.data_parallel(count_step)({"net": params, "n": jnp.int32(2)}, batch)
+    with pytest.raises(spmd.SpmdTypeError, match=r"argument p\.n is a str"):
+        spmd.data_parallel(count_step)({"net": params, "n": "two"}, batch)
+    # The same parameter as a float works.
+    g = spmd.data_parallel(count_step)({"net": params, "n": jnp.float32(2)}, batch)
+    assert g["n"].shape == () and np.isfinite(float(g["n"]))
     # A partial as the loss: a bad argnums names it (it raised AttributeError).
     with pytest.raises(spmd.SpmdError, match=r"argnums=3 but functools\.partial"):
         spmd.data_parallel(lambda p: spmd.grad(functools.partial(loss_fn), argnums=3)(p, batch))(

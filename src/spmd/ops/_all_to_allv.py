@@ -32,7 +32,7 @@ from .._errors import SpmdError, SpmdTypeError
 from .._jax_compat import Zero, ad, batching, core
 from ._all_to_all import all_to_all
 from ._autodiff import arg_aval, instantiate, zero_tangent
-from ._checks import ARRAY_LIKE, check_dtype
+from ._checks import ARRAY_LIKE, as_array
 from ._primitive import GroupRef, alone, bind, collective_primitive, register_lowering, resolve
 
 all_to_allv_p = collective_primitive("spmd_all_to_allv")
@@ -131,8 +131,7 @@ def _array(x: Any) -> jax.Array:
             "not a pytree: call it once per array",
             op=_OP,
         )
-    arr = jnp.asarray(x)
-    check_dtype(arr.dtype, _OP, "x")
+    arr = as_array(x, _OP, "x")
     if arr.ndim == 0:
         raise SpmdError("x is a scalar; all_to_allv sends rows along axis 0", op=_OP)
     return arr

@@ -48,11 +48,28 @@ def flatten(x: Any, op: str) -> tuple[list[jax.Array], Any, list[str]]:
                 "(lists, tuples, dicts) of arrays",
                 op=op,
             )
-        arr = jnp.asarray(leaf)
-        check_dtype(arr.dtype, op, name)
+        arr = as_array(leaf, op, name)
         leaves.append(arr)
         paths.append(name)
     return leaves, treedef, paths
+
+
+NOT_NUMBERS = (
+    "{path} is a NumPy array of {dtype} ({what}), not of numbers; collectives move numeric "
+    "arrays. Convert it (np.asarray(x, dtype=np.float32)), or move Python objects with "
+    "comm.broadcast_object / comm.allgather_object"
+)
+_NOT_NUMBERS = {"O": "Python objects", "U": "text", "S": "bytes", "V": "raw records"}
+
+
+def as_array(x: Any, op: str, path: str) -> jax.Array:
+    """``x`` as a JAX array of a dtype the collectives take, or an error naming ``path``."""
+    if isinstance(x, np.ndarray) and x.dtype.kind in _NOT_NUMBERS:
+        what = _NOT_NUMBERS[x.dtype.kind]
+        raise SpmdTypeError(NOT_NUMBERS.format(path=path, dtype=x.dtype, what=what), op=op)
+    arr = jnp.asarray(x)
+    check_dtype(arr.dtype, op, path)
+    return arr
 
 
 def check_dtype(dtype: Any, op: str, path: str) -> None:

@@ -25,8 +25,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from .._errors import PerExampleGradientWarning, SpmdError
+from .._errors import PerExampleGradientWarning, SpmdError, SpmdTypeError
 from .._jax_compat import ad, batching, core, mlir
 from ..runtime import Communicator, this_rank
 from ..sharded import is_sharded, spec_axes
@@ -194,6 +195,8 @@ def value_and_grad(
                     op="spmd.value_and_grad",
                 )
         marked = tuple(i % len(args) for i in nums)  # jax's argnums may count from the end
+        for i in marked:
+            _check_differentiable(args[i], i, allow_int, holomorphic, ctx.transform)
         args = tuple(mark_tree(a, "param", call) if i in marked else a for i, a in enumerate(args))
         if ctx.accumulate_steps > 1:
             value, grads = _accumulate(vg, args, kwargs, marked, has_aux, ctx.accumulate_steps)
@@ -202,6 +205,40 @@ def value_and_grad(
         return value, mark_tree(grads, "grad", call)
 
     return wrapped
+
+
+NOT_DIFFERENTIABLE = (
+    "{path} (a leaf of argument {i}, differentiated in a step of {transform}) is {what}; "
+    "gradients are taken with respect to floating-point arrays only. {fix}"
+)
+
+
+def _check_differentiable(
+    tree: Any, i: int, allow_int: bool, holomorphic: bool, transform: str
+) -> None:
+    """An error naming the leaf (jax's would not) for a differentiated argument's leaf that is
+    not an array of floats: a string, an object, or (without ``allow_int``) integers."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        where = f"argument {i}" + jax.tree_util.keystr(path)
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None and isinstance(leaf, int | float | complex | bool):
+            dtype = jnp.asarray(leaf).dtype
+        if dtype is None or getattr(dtype, "kind", "f") in "OUSV":
+            what = f"a {type(leaf).__name__}" if dtype is None else f"an array of {dtype}"
+            fix = ("Keep it out of the differentiated argument: pass it as another argument, "
+                   "or close over it in the loss function.")  # fmt: skip
+        elif holomorphic or allow_int or jnp.issubdtype(dtype, jnp.inexact):
+            continue
+        else:
+            shape = np.shape(leaf)
+            what = f"a scalar of {dtype}" if not shape else f"an array of {dtype} {list(shape)}"
+            fix = ("Make it a float (e.g. jnp.float32), keep it out of the differentiated "
+                   "argument (another argument, or closed over), or pass allow_int=True for a "
+                   "float0 gradient.")  # fmt: skip
+        raise SpmdTypeError(
+            NOT_DIFFERENTIABLE.format(transform=transform, i=i, path=where, what=what, fix=fix),
+            op="spmd.value_and_grad",
+        )
 
 
 def grad(

@@ -30,20 +30,26 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._errors import SpmdError
+from .._errors import SpmdError, SpmdTypeError
 from .._jax_compat import core
 from ..mesh import mesh_key, resolve_group
 from ..runtime import Communicator
 from ..sharded import is_sharded
 from ._grad import marking, shard_groups
 from ._passes import Pass, marked_params, shard_coordinate
-from ._program import Program, trace_program
+from ._program import Program, arg_names, trace_program
 
 PARAMS_DIFFER = (
     "the parameters differ between ranks at the first step: {detail}. Data-parallel replicas "
     "must start from one state: params = spmd.broadcast_params(params) before training (or pass "
     "check_params=False if they differ on purpose)."
 )
+NOT_AN_ARRAY = (
+    "argument {name} is a {kind}, which a compiled step cannot take as an input; a step's "
+    "arguments are arrays (or pytrees of them). Close over it in the step function, or turn it "
+    "into an array"
+)
+
 TRACED_CALL = (
     "called inside a JAX transformation (jax.jit, jax.vmap, ...); the step compiles itself, so "
     "call it directly"
@@ -160,11 +166,25 @@ class Step:
         """The signature of a call whose flattened arguments are ``leaves`` and ``tree``."""
         # A ShardedArray flattens to its shard, and its global shape, spec and mesh are part of
         # the structure: the key tells apart arrays whose shards look alike.
-        key = (tree, tuple(core.typeof(x) for x in leaves), mesh_key())
+        try:
+            key = (tree, tuple(core.typeof(x) for x in leaves), mesh_key())
+        except TypeError:
+            self._not_arrays(args, kwargs, leaves)
+            raise
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = self.trace(args, kwargs)
         return hit
+
+    def _not_arrays(self, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any]) -> None:
+        """Raise an error naming the first argument leaf that JAX cannot take as a value."""
+        for name, x in zip(arg_names(self.fn, args, kwargs), leaves, strict=True):
+            try:
+                core.typeof(x)
+            except TypeError:
+                raise SpmdTypeError(
+                    NOT_AN_ARRAY.format(name=name, kind=type(x).__name__), op=self.name
+                ) from None
 
     def program(self, traced: Traced, variant: Any) -> Program:
         """The transformed program of ``variant`` (built once)."""
