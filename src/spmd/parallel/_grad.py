@@ -223,7 +223,7 @@ def _check_differentiable(
         dtype = getattr(leaf, "dtype", None)
         if dtype is None and isinstance(leaf, int | float | complex | bool):
             dtype = jnp.asarray(leaf).dtype
-        if dtype is None or getattr(dtype, "kind", "f") in "OUSV":
+        if dtype is None or getattr(dtype, "kind", "f") in "OUS":
             what = f"a {type(leaf).__name__}" if dtype is None else f"an array of {dtype}"
             fix = ("Keep it out of the differentiated argument: pass it as another argument, "
                    "or close over it in the loss function.")  # fmt: skip
