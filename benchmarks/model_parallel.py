@@ -442,10 +442,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print("RESULT " + json.dumps(worker_single(args)), flush=True)
         return 0
-    if "PMI_RANK" not in os.environ and "PMI_SIZE" not in os.environ:
-        cmd = [sys.executable, "-m", "spmd.cli.run", "-n", str(args.nprocs), sys.executable,
-               __file__, *(argv if argv is not None else sys.argv[1:])]  # fmt: skip
-        return subprocess.call(cmd)
+    from spmd.bench import in_job, relaunch
+
+    if not in_job():
+        return relaunch(args.nprocs, __file__, argv if argv is not None else sys.argv[1:])
     return run_job(args)
 
 

@@ -17,10 +17,12 @@ benchmarks/ scripts record their results with.
 from ._machine import cores_tag as cores_tag
 from ._machine import cpu_model as cpu_model
 from ._machine import host_info as host_info
+from ._machine import in_job as in_job
 from ._machine import job_cores as job_cores
 from ._machine import machine_info as machine_info
 from ._machine import memory_gib as memory_gib
 from ._machine import package_version as package_version
+from ._machine import relaunch as relaunch
 from ._machine import run_tag as run_tag
 from ._machine import shm_hop as shm_hop
 from ._peers import PEERS as PEERS
@@ -42,11 +44,14 @@ __all__ = [
     "busbw_factor",
     "cores_tag",
     "cpu_model",
+    "host_info",
+    "in_job",
     "job_cores",
     "machine_info",
     "memory_gib",
     "package_version",
     "parse_size",
+    "relaunch",
     "run_rank",
     "run_tag",
     "shm_hop",

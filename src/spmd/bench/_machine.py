@@ -8,6 +8,8 @@ import importlib.metadata
 import math
 import os
 import platform
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -135,3 +137,15 @@ def cores_tag() -> str:
 def run_tag(n: int, transport_forced: str | None) -> str:
     tag = f"{cores_tag()}-n{n}"
     return f"{tag}-{transport_forced}" if transport_forced and transport_forced != "auto" else tag
+
+
+def in_job() -> bool:
+    """Whether this process is a rank of a job the MPI launcher started."""
+    return "PMI_RANK" in os.environ or "PMI_SIZE" in os.environ
+
+
+def relaunch(nprocs: int, script: str, argv: list[str]) -> int:
+    """Run ``python script *argv`` as a job of ``nprocs`` ranks under ``spmd-run``; its exit
+    code (a benchmark started outside a job starts one itself)."""
+    cmd = [sys.executable, "-m", "spmd.cli.run", "-n", str(nprocs), sys.executable, script, *argv]
+    return subprocess.call(cmd)
