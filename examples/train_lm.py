@@ -284,7 +284,7 @@ def main() -> None:
                 say(f"step {i:4d}  loss {losses[-1]:.4f}  {rate:,.0f} tokens/s", flush=True)
         if args.zero:  # back to ShardedArrays over pp and tp (the optimizer state stays behind)
             params = jax.tree_util.tree_map(
-                lambda s, b: type(s).placed(b, s.shape, s.spec, s.mesh), params,
+                lambda s, b: spmd.ShardedArray(b, s.shape, s.spec, s.mesh), params,
                 spmd.gather(blocks), is_leaf=spmd.sharded.is_sharded,
             )  # fmt: skip
 
