@@ -318,6 +318,11 @@ def test_errors(comm):
         # Still in step: a good call after the errors works.
         loss, _ = run()
         assert np.isfinite(float(loss))
+    with spmd.Mesh(pp=2, dp=1):  # the pipeline splits its batch itself
+        pipe = spmd.pipeline_value_and_grad(apply, mse, microbatches=2)
+        step = spmd.data_parallel(lambda p, x, t: pipe(p, x, t)[1], group="dp", accumulate_steps=2)
+        with pytest.raises(spmd.SpmdError, match=r"accumulate_steps=2\) around a pipeline"):
+            step(spmd.pipeline.stage_layers(layers), x, t)
     for bad, text in ((0, "microbatches=0"), ("2", "microbatches='2'")):
         with pytest.raises(spmd.SpmdError, match=text):
             spmd.pipeline_value_and_grad(apply, mse, microbatches=bad)
