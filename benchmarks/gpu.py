@@ -23,6 +23,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+
 from spmd._native_lib import cuda_tables, native_cuda
 
 ALGOS = cuda_tables()["algos"]

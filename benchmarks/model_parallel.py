@@ -16,7 +16,9 @@ slowest rank's), the ratio to the dense process (above 1: faster), parameter byt
 and the compiled program's temp memory (``memory_analysis()``).
 
 **Expert parallel** (2 ranks or more). ``spmd.moe.dispatch`` then ``spmd.moe.combine``
-(dropless, identity experts in between, the routing computed once outside), jitted, against
+(dropless, identity experts in between, the routing computed once outside), jitted, in the
+grouped layout (``layout="grouped"``: the rows routed, one expert after another, gathered and
+placed by the exchange) and the padded one (a buffer of ``ep * T`` rows per local expert), against
 bare ``spmd.all_to_all`` of a ``(T * k, D)`` float32 buffer: the same bytes as the token
 payload, ``T * k * D * 4`` per rank. dispatch + combine make two exchanges (there and back), so
 the baseline is two chained all_to_alls of that buffer; the ratio to one is printed too. Also
@@ -232,6 +234,11 @@ def _moe_calls(comm: Any, t: int, d: int, k: int, e: int) -> dict[str, Callable[
     def dispatch_combine(x: Any, routing: Any) -> Any:
         return moe.combine(moe.dispatch(x, routing, group=comm), routing, group=comm)
 
+    @jax.jit
+    def grouped(x: Any, routing: Any) -> Any:
+        rows, _ = moe.dispatch(x, routing, group=comm, layout="grouped")
+        return moe.combine(rows, routing, group=comm, layout="grouped")
+
     buf = jax.device_put(rng.standard_normal((t * k, d)).astype(np.float32))
     a2a_once = jax.jit(lambda b: spmd.all_to_all(b, group=comm))
     a2a_twice = jax.jit(lambda b: spmd.all_to_all(spmd.all_to_all(b, group=comm), group=comm))
@@ -247,9 +254,9 @@ def _moe_calls(comm: Any, t: int, d: int, k: int, e: int) -> dict[str, Callable[
     a2av = jax.jit(lambda s, a, b: spmd.all_to_allv(s, a, b, group=comm, out_rows=rows))
 
     # Results are checked once: identity experts give back sum(gates) * x = x (dropless).
-    got = dispatch_combine(x, dropless)
-    if not np.allclose(np.asarray(got), np.asarray(x), atol=1e-5):
-        raise AssertionError("dispatch + combine with identity experts did not return x")
+    for f in (dispatch_combine, grouped):
+        if not np.allclose(np.asarray(f(x, dropless)), np.asarray(x), atol=1e-5):
+            raise AssertionError("dispatch + combine with identity experts did not return x")
     keep_w = jnp.where(capped.keep, capped.gates, 0).sum(1, keepdims=True)
     if not np.allclose(np.asarray(dispatch_combine(x, capped)), np.asarray(keep_w * x), atol=1e-5):
         raise AssertionError("the capacity path with identity experts did not return gates * x")
@@ -258,6 +265,7 @@ def _moe_calls(comm: Any, t: int, d: int, k: int, e: int) -> dict[str, Callable[
         return lambda: jax.block_until_ready(f(*a))
 
     return {
+        "dispatch+combine grouped": run(grouped, x, dropless),
         "dispatch+combine": run(dispatch_combine, x, dropless),
         "dispatch+combine cf=1.25": run(dispatch_combine, x, capped),
         "2x all_to_all": run(a2a_twice, buf),

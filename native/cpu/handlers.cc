@@ -215,24 +215,54 @@ ffi::Error AllToAllFfi(int64_t group, ffi::RemainingArgs args, ffi::RemainingRet
   return call.Run([&](Transport& t) { return t.AllToAll(sig, call.in, call.out); });
 }
 
-// Operands x [rows, ...], send_counts and recv_counts (int32[size]); result [out_rows, ...].
-// The rows of x and of the result may differ between ranks; the rest of their shape may not.
-ffi::Error AllToAllvFfi(int64_t group, bool exact, ffi::RemainingArgs args,
-                        ffi::RemainingRets rets) {
+// Operands x [rows, ...], send_counts and recv_counts (int32[size]), then send_index (when
+// repeat > 0) and recv_index (when placed), int32 vectors (spmd/alltoallv.h, Rows); result
+// [out_rows, ...]. The rows of x, of the indices and of the result may differ between ranks;
+// the rest of their shape may not. With a send_index, the rows the counts may add up to are
+// x's rows * repeat (exact: the Python side passes False).
+ffi::Error AllToAllvFfi(int64_t group, bool exact, int64_t repeat, bool placed,
+                        ffi::RemainingArgs args, ffi::RemainingRets rets) {
   Call call(kAllToAllv);
   if (ffi::Error e = call.Start(group, args, rets, /*vary_rows=*/true); e.failure()) return e;
   const int n = call.group->size;
-  size_t row = 0;
-  if (ffi::Error e = a2av::CheckShapes(call, n, &row); e.failure()) return e;
+  a2av::Rows rows;
+  const size_t indices = (repeat > 0 ? 1 : 0) + (placed ? 1 : 0);
+  if (ffi::Error e = a2av::CheckShapes(call, n, &rows.row, indices); e.failure()) return e;
   call.Mix(exact ? 1 : 0);
+  call.Mix(static_cast<uint64_t>(repeat));
+  call.Mix(placed ? 1 : 0);
+  const Leaf& x = call.in[0];
+  const auto* send = reinterpret_cast<const int32_t*>(call.in[1].data);
+  const auto* recv = reinterpret_cast<const int32_t*>(call.in[2].data);
+  int64_t rows_from = x.dims[0], send_len = 0, recv_len = 0, sent = 0, received = 0;
+  if (repeat > 0) {
+    rows.send_index = reinterpret_cast<const int32_t*>(call.in[3].data);
+    rows.repeat = repeat;
+    send_len = call.in[3].dims[0];
+    rows_from = x.dims[0] * repeat;
+  }
+  if (placed) {
+    rows.recv_index = reinterpret_cast<const int32_t*>(call.in[3 + (repeat > 0)].data);
+    recv_len = call.in[3 + (repeat > 0)].dims[0];
+  }
+  for (int j = 0; j < n; ++j) {
+    sent += send[j];
+    received += recv[j];
+  }
+  thread_local std::vector<uint8_t> seen;
+  const std::string bad_rows = a2av::CheckRows(rows.send_index, send_len, sent, rows_from,
+                                               rows.recv_index, recv_len, received, &seen);
   thread_local std::vector<int64_t> record;
   record.resize(a2av::RecordLen(n));
-  a2av::Fill(record.data(), call.in[0].dims[0], call.out[0].dims[0], exact,
-             reinterpret_cast<const int32_t*>(call.in[1].data),
-             reinterpret_cast<const int32_t*>(call.in[2].data), n);
+  a2av::Fill(record.data(), rows_from, call.out[0].dims[0], exact, send, recv, n,
+             !bad_rows.empty());
   const Signature sig = call.Sig();
-  return call.Run(
-      [&](Transport& t) { return t.AllToAllv(sig, call.in[0], call.out[0], row, record); });
+  ffi::Error result = call.Run([&](Transport& t) {
+    return t.AllToAllv(sig, x, call.out[0], rows, record);
+  });
+  // Every rank fails (the records name this one); this rank says what is wrong.
+  if (result.failure() && !bad_rows.empty()) return call.Fail(bad_rows);
+  return result;
 }
 
 ffi::Error BarrierFfi(int64_t group, ffi::RemainingArgs args, ffi::RemainingRets rets) {
@@ -308,11 +338,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kSendRecv_, SendRecvFfi,
                                   .Attr<int64_t>("dst")
                                   .RemainingArgs()
                                   .RemainingRets());
-// spmd_all_to_allv: attrs group, exact (the send counts add up to x's rows, else at most).
+// spmd_all_to_allv: attrs group, exact (the send counts add up to x's rows, else at most),
+// repeat (0: no send_index operand) and placed (a recv_index operand).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllv_, AllToAllvFfi,
                               ffi::Ffi::Bind()
                                   .Attr<int64_t>("group")
                                   .Attr<bool>("exact")
+                                  .Attr<int64_t>("repeat")
+                                  .Attr<bool>("placed")
                                   .RemainingArgs()
                                   .RemainingRets());
 // spmd_barrier: attr group.

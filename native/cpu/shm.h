@@ -24,6 +24,7 @@
 
 #include "reduce.h"
 #include "signature.h"
+#include "spmd/alltoallv.h"
 #include "spmd/call.h"
 #include "spmd/status.h"
 #include "spmd/tables.h"
@@ -77,8 +78,8 @@ class ShmGroup {
   // Rows of `row` bytes, as many for each rank as the counts of this rank's `record` say
   // (spmd/alltoallv.h). The records travel in the first sync, next to the signatures; every rank
   // checks them all, so every rank fails alike on a bad count.
-  Status AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out, size_t row,
-                   const std::vector<int64_t>& record);
+  Status AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out,
+                   const a2av::Rows& rows, const std::vector<int64_t>& record);
 
   // The staging probe on its own (every rank calls it): *hop_ns, on rank 0, the mean time of
   // one hop of a token passed kProbeLaps times round the ranks; NaN on the others.

@@ -341,8 +341,8 @@ Status ShmGroup::AllToAll(const Signature& sig, const Leaf& in, const Leaf& out,
   return Status::Ok();
 }
 
-Status ShmGroup::AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out, size_t row,
-                           const std::vector<int64_t>& record) {
+Status ShmGroup::AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out,
+                           const a2av::Rows& rows, const std::vector<int64_t>& record) {
   const int n = size_, me = rank_;
   const size_t len = record.size() * sizeof(int64_t);
   if (len > chunk_) {  // the same on every rank: n and the chunk are the group's
@@ -360,10 +360,11 @@ Status ShmGroup::AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out
   std::string bad = a2av::Verdict(a2av_records.data(), n, world_ranks_);
   if (!bad.empty()) return Status::Error(bad);
   const a2av::Plan& p = a2av_plan;
-  a2av::MakePlan(a2av_records.data(), n, me, row, &a2av_plan);
+  a2av::MakePlan(a2av_records.data(), n, me, rows.row, &a2av_plan);
   const OutCopy put(out.bytes);
+  auto stage = [this](char* dst, const char* src, size_t len) { Stage(dst, src, len); };
   if (p.send_bytes[me] != 0) {
-    put(out.data + p.recv_off[me], in.data + p.send_off[me], p.send_bytes[me]);
+    rows.Move(in.data, p.send_off[me], out.data, p.recv_off[me], p.send_bytes[me], put);
   }
   if (out.bytes > p.received) std::memset(out.data + p.received, 0, out.bytes - p.received);
   // As AllToAll, with blocks of their own sizes: step by step, each rank stages the next piece
@@ -376,15 +377,15 @@ Status ShmGroup::AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out
     t = next();
     for (int j = 0; j < n; ++j) {
       if (j != me && lo < p.send_bytes[j]) {
-        Stage(slot(me, t) + j * cb, in.data + p.send_off[j] + lo,
-              std::min(cb, p.send_bytes[j] - lo));
+        rows.Read(in.data, slot(me, t) + j * cb, p.send_off[j] + lo,
+                  std::min(cb, p.send_bytes[j] - lo), stage);
       }
     }
     SPMD_RETURN_IF_ERROR(Sync());
     for (int j = 0; j < n; ++j) {
       if (j != me && lo < p.recv_bytes[j]) {
-        put(out.data + p.recv_off[j] + lo, slot(j, t) + me * cb,
-            std::min(cb, p.recv_bytes[j] - lo));
+        rows.Write(out.data, p.recv_off[j] + lo, slot(j, t) + me * cb,
+                   std::min(cb, p.recv_bytes[j] - lo), put);
       }
     }
   }

@@ -23,6 +23,7 @@ thread_local std::vector<float> hier_wide_in, hier_wide_out;
 // all_to_allv over MPI: every rank's counts, and this rank's offsets.
 thread_local std::vector<int64_t> a2av_records;
 thread_local a2av::Plan a2av_plan;
+thread_local std::vector<char> a2av_send, a2av_recv;
 
 size_t Elements(const Leaves& leaves) {
   size_t count = 0;
@@ -96,10 +97,10 @@ Status Transport::AllToAll(const Signature& sig, const Leaves& in, const Leaves&
   return Status::Ok();
 }
 
-Status Transport::AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out, size_t row,
-                            const std::vector<int64_t>& record) {
+Status Transport::AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out,
+                            const a2av::Rows& rows, const std::vector<int64_t>& record) {
   SPMD_RETURN_IF_ERROR(Check(sig));
-  return AllToAllvNow(sig, in, out, row, record);
+  return AllToAllvNow(sig, in, out, rows, record);
 }
 
 Status Transport::Barrier(const Signature& sig) {
@@ -141,8 +142,8 @@ Status ShmTransport::AllToAllLeaf(const Signature& sig, const Leaf& in, const Le
 }
 
 Status ShmTransport::AllToAllvNow(const Signature& sig, const Leaf& in, const Leaf& out,
-                                  size_t row, const std::vector<int64_t>& record) {
-  return shm_.AllToAllv(sig, in, out, row, record);
+                                  const a2av::Rows& rows, const std::vector<int64_t>& record) {
+  return shm_.AllToAllv(sig, in, out, rows, record);
 }
 
 Status ShmTransport::BarrierNow(const Signature& sig) { return shm_.Barrier(sig); }
@@ -208,20 +209,36 @@ Status MpiTransport::AllToAllLeaf(const Signature&, const Leaf& in, const Leaf& 
   return comm_.AllToAll(in.data, out.data, block);
 }
 
-Status MpiTransport::AllToAllvNow(const Signature&, const Leaf& in, const Leaf& out, size_t row,
-                                  const std::vector<int64_t>& record) {
+Status MpiTransport::AllToAllvNow(const Signature&, const Leaf& in, const Leaf& out,
+                                  const a2av::Rows& rows, const std::vector<int64_t>& record) {
   const int n = size_;
   if (a2av_records.size() < record.size() * n) a2av_records.resize(record.size() * n);
   SPMD_RETURN_IF_ERROR(comm_.Allgatherv(record.data(), a2av_records.data(),
                                         std::vector<size_t>(n, record.size() * sizeof(int64_t))));
   std::string bad = a2av::Verdict(a2av_records.data(), n, comm_.world_ranks);
   if (!bad.empty()) return Status::Error(bad);
-  a2av::MakePlan(a2av_records.data(), n, comm_.rank, row, &a2av_plan);
-  if (out.bytes > a2av_plan.received) {
-    std::memset(out.data + a2av_plan.received, 0, out.bytes - a2av_plan.received);
+  const a2av::Plan& p = a2av_plan;
+  a2av::MakePlan(a2av_records.data(), n, comm_.rank, rows.row, &a2av_plan);
+  if (out.bytes > p.received) std::memset(out.data + p.received, 0, out.bytes - p.received);
+  // Indexed rows go through scratch: gathered before MPI sends them, placed after it receives.
+  const char* send = in.data;
+  char* recv = out.data;
+  auto copy = [](char* dst, const char* src, size_t len) { std::memcpy(dst, src, len); };
+  if (rows.send_index != nullptr) {
+    size_t sent = 0;
+    for (int j = 0; j < n; ++j) sent += p.send_bytes[j];
+    if (a2av_send.size() < sent) a2av_send.resize(sent);
+    rows.Read(in.data, a2av_send.data(), 0, sent, copy);
+    send = a2av_send.data();
   }
-  return comm_.AllToAllv(in.data, a2av_plan.send_bytes, a2av_plan.send_off, out.data,
-                         a2av_plan.recv_bytes, a2av_plan.recv_off);
+  if (rows.recv_index != nullptr) {
+    if (a2av_recv.size() < p.received) a2av_recv.resize(p.received);
+    recv = a2av_recv.data();
+  }
+  SPMD_RETURN_IF_ERROR(
+      comm_.AllToAllv(send, p.send_bytes, p.send_off, recv, p.recv_bytes, p.recv_off));
+  if (rows.recv_index != nullptr) rows.Write(out.data, 0, recv, p.received, copy);
+  return Status::Ok();
 }
 
 Status MpiTransport::BarrierNow(const Signature&) { return comm_.Barrier(); }

@@ -17,6 +17,7 @@
 #include "reduce.h"
 #include "shm.h"
 #include "signature.h"
+#include "spmd/alltoallv.h"
 #include "spmd/call.h"
 #include "spmd/status.h"
 #include "spmd/tables.h"
@@ -59,8 +60,8 @@ class Transport {
   // Rows of `row` bytes: `in` holds record[kSend + j] rows for rank j, peer after peer; `out`
   // gets rank j's rows for this rank in rank order, and zeros past them. `record` is this rank's
   // (spmd/alltoallv.h): the ranks exchange theirs first and fail alike on any bad count.
-  Status AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out, size_t row,
-                   const std::vector<int64_t>& record);
+  Status AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out,
+                   const a2av::Rows& rows, const std::vector<int64_t>& record);
   Status Barrier(const Signature& sig);
 
  protected:
@@ -84,8 +85,8 @@ class Transport {
                                const Leaf& out) = 0;
   virtual Status AllToAllLeaf(const Signature& sig, const Leaf& in, const Leaf& out,
                               size_t block) = 0;
-  virtual Status AllToAllvNow(const Signature& sig, const Leaf& in, const Leaf& out, size_t row,
-                              const std::vector<int64_t>& record) = 0;
+  virtual Status AllToAllvNow(const Signature& sig, const Leaf& in, const Leaf& out,
+                              const a2av::Rows& rows, const std::vector<int64_t>& record) = 0;
   virtual Status BarrierNow(const Signature& sig) = 0;
 
   const int size_;  // ranks in the group
@@ -118,8 +119,8 @@ class ShmTransport final : public Transport {
   Status AllToAllLeaf(const Signature& sig, const Leaf& in, const Leaf& out,
                       size_t block) override;
   // The counts travel in the sync that starts the op, next to the signature check.
-  Status AllToAllvNow(const Signature& sig, const Leaf& in, const Leaf& out, size_t row,
-                      const std::vector<int64_t>& record) override;
+  Status AllToAllvNow(const Signature& sig, const Leaf& in, const Leaf& out,
+                      const a2av::Rows& rows, const std::vector<int64_t>& record) override;
   Status BarrierNow(const Signature& sig) override;
 
  private:
@@ -151,8 +152,8 @@ class MpiTransport : public Transport {
   Status AllToAllLeaf(const Signature& sig, const Leaf& in, const Leaf& out,
                       size_t block) final;
   // An allgather of the counts, then one MPI_Alltoallv.
-  Status AllToAllvNow(const Signature& sig, const Leaf& in, const Leaf& out, size_t row,
-                      const std::vector<int64_t>& record) final;
+  Status AllToAllvNow(const Signature& sig, const Leaf& in, const Leaf& out,
+                      const a2av::Rows& rows, const std::vector<int64_t>& record) final;
   Status BarrierNow(const Signature& sig) final;
 
   const MpiComm& comm_;

@@ -313,3 +313,111 @@ def test_world_of_one_checks_what_it_can():
         spmd.all_to_allv(x, [3], [2])
     with pytest.raises(spmd.SpmdError, match="out_rows=2"):
         jax.jit(lambda x, s: spmd.all_to_allv(x, s, out_rows=2))(x, jnp.asarray([3]))
+
+
+# -- indexed: rows gathered on send and placed on receive (spmd.moe's exchanges) ----------------
+
+
+def _indexed_case(r: int, n: int, repeat: int, seed: int = 0):
+    """Rank r's x, its send_index and recv_index (each with entries past the counts, which are
+    not read), and the output NumPy expects."""
+    rng = np.random.default_rng([seed, r])
+    sent = sum(_send(r, n))
+    rows = -(-sent // repeat) + 1  # x's rows: enough for sent // repeat, and one never sent
+    x = (np.arange(rows * 2).reshape(rows, 2) + 100 * r).astype(np.float32)
+    send_index = np.concatenate([rng.permutation(sent), [7] * 3]).astype(np.int32)
+    received = sum(_recv(r, n))
+    recv_index = np.concatenate([rng.permutation(received), [-1] * 2]).astype(np.int32)
+    return x, send_index, recv_index
+
+
+def _indexed_expected(r: int, n: int, repeat: int, out_rows: int) -> np.ndarray:
+    cases = [_indexed_case(j, n, repeat) for j in range(n)]
+    seqs = [x[si[: sum(_send(j, n))] // repeat] for j, (x, si, _) in enumerate(cases)]
+    got = _exchange(seqs, [_send(j, n) for j in range(n)])[r]
+    out = np.zeros((out_rows, 2), np.float32)
+    out[cases[r][2][: got.shape[0]]] = got
+    return out
+
+
+@multirank(nprocs=(1, 2, 3))
+def test_indexed_gathers_and_places_rows(comm):
+    from spmd.ops import all_to_allv_indexed
+
+    r, n = comm.rank, comm.size
+    send, recv = _send(r, n), _recv(r, n)
+    out_rows = sum(recv) + 2
+    for name in _transports(comm):
+        with _transport(name):
+            for repeat in (1, 2):
+                what = f"{name} repeat={repeat}"
+                x, si, ri = _indexed_case(r, n, repeat)
+
+                def f(x, si=si, ri=ri, repeat=repeat):
+                    return all_to_allv_indexed(
+                        x, send, recv, send_index=si, repeat=repeat, recv_index=ri,
+                        out_rows=out_rows,
+                    )  # fmt: skip
+
+                want = _indexed_expected(r, n, repeat, out_rows)
+                close(f(jnp.asarray(x)), want, f"eager {what}")
+                close(jax.jit(f)(jnp.asarray(x)), want, f"jit {what}")
+                close(jax.vmap(f)(jnp.stack([x, 2 * x]))[1], 2 * want, f"vmap {what}")
+
+                w = jnp.asarray(_indexed_weights(r, out_rows))
+
+                def objective(x, f=f, w=w):
+                    return jnp.sum(f(x) * w)
+
+                want = _indexed_grad(r, n, repeat, out_rows)
+                close(jax.jit(jax.grad(objective))(jnp.asarray(x)), want, f"grad {what}")
+                close(jax.grad(objective)(jnp.asarray(x)), want, f"eager grad {what}")
+
+
+def _indexed_weights(r: int, out_rows: int) -> np.ndarray:
+    return np.random.default_rng([5, r]).standard_normal((out_rows, 2)).astype(np.float32)
+
+
+def _indexed_grad(r: int, n: int, repeat: int, out_rows: int) -> np.ndarray:
+    """NumPy: the gradient of every rank's sum(y * w) for rank r's x. Each rank's weights of the
+    rows it received (in arrival order) travel back to their senders, and add up into the rows
+    of x they were gathered from."""
+    cases = [_indexed_case(j, n, repeat) for j in range(n)]
+    arrived = [_indexed_weights(j, out_rows)[cases[j][2][: sum(_recv(j, n))]] for j in range(n)]
+    back = _exchange(arrived, [_recv(j, n) for j in range(n)])[r]
+    x, si, _ = cases[r]
+    g = np.zeros_like(x)
+    np.add.at(g, si[: back.shape[0]] // repeat, back)
+    return g
+
+
+@multirank(nprocs=(2,))
+def test_indexed_bad_index_is_an_error_on_every_rank(comm):
+    from spmd.ops import all_to_allv_indexed
+
+    r, n = comm.rank, comm.size
+    send, recv = _send(r, n), _recv(r, n)
+    f = jax.jit(
+        lambda x, si, ri: all_to_allv_indexed(
+            x, send, recv, send_index=si, repeat=2, recv_index=ri, out_rows=sum(recv) + 2
+        )
+    )
+    for name in _transports(comm):
+        with _transport(name):
+            x, si, ri = _indexed_case(r, n, 2)
+            # Rank 0 sends rows and rank 1 receives some (the last rank sends none, _send).
+            bad = si.copy()
+            if r == 0:
+                bad[1] = bad[0]
+            own = f"rank 0: all_to_allv: send_index[1] = {si[0]} repeats an earlier entry"
+            peer = "rank 1: all_to_allv: rank 0 passed a send_index or recv_index that is out"
+            _raises(lambda x=x, bad=bad, ri=ri: f(x, bad, ri), own if r == 0 else peer,
+                    exc=jax.errors.JaxRuntimeError)  # fmt: skip
+            far = ri.copy()
+            if r == 1:
+                far[0] = sum(recv) + 5
+            text = f"rank 1: all_to_allv: recv_index[0] = {sum(recv) + 5} is out of range"
+            _raises(lambda x=x, si=si, far=far: f(x, si, far),
+                    text if r == 1 else "rank 1 passed a send_index",
+                    exc=jax.errors.JaxRuntimeError)  # fmt: skip
+            close(f(x, si, ri), _indexed_expected(r, n, 2, sum(recv) + 2), f"after, {name}")

@@ -24,6 +24,11 @@ def expert_fn(p, x):
     return jax.nn.relu(x @ p["w1"]) @ p["w2"]
 
 
+def grouped_fn(p, rows, sizes):
+    """expert_fn on the grouped layout: each local expert's rows through its own weights."""
+    return jax.lax.ragged_dot(jax.nn.relu(jax.lax.ragged_dot(rows, p["w1"], sizes)), p["w2"], sizes)
+
+
 def _experts(seed=0):
     k1, k2 = jax.random.split(jax.random.key(seed))
     return {
@@ -74,11 +79,15 @@ def test_layer_matches_dense_reference(comm):
     cts = _tokens(n, seed=3)  # cotangents that differ between ranks
     with spmd.Mesh(ep=n):
         mine = spmd.moe.shard_experts(full)
-        for k, cf in ((2, None), (1, None), (2, 0.5), (1, 1.0)):
-            what = f"ep={n} k={k} capacity_factor={cf}"
+        cases = [("padded", k, cf) for k, cf in ((2, None), (1, None), (2, 0.5), (1, 1.0))]
+        for layout, k, cf in [*cases, ("grouped", 2, None), ("grouped", 3, None)]:
+            what = f"ep={n} k={k} capacity_factor={cf} layout={layout}"
+            fn = grouped_fn if layout == "grouped" else expert_fn
 
-            def objective(experts, router, k=k, cf=cf):
-                y, aux = spmd.moe.moe(xs[me], router, expert_fn, experts, k=k, capacity_factor=cf)
+            def objective(experts, router, k=k, cf=cf, fn=fn, layout=layout):
+                y, aux = spmd.moe.moe(
+                    xs[me], router, fn, experts, k=k, capacity_factor=cf, layout=layout
+                )
                 return jnp.sum(y * cts[me]) + 0.1 * aux, (y, aux)
 
             (_, (y, aux)), (g_exp, g_router) = jax.jit(

@@ -22,11 +22,18 @@
 namespace spmd {
 namespace a2av {
 
-// The operands x [rows, ...], send_counts and recv_counts (int32[n]) and the result
-// [out_rows, ...] as the Python side makes them; *row: bytes per row.
-inline xla::ffi::Error CheckShapes(const CallBase& call, int n, size_t* row) {
-  if (call.in.size() != 3 || call.out.size() != 1) {
-    return call.Fail("expected operands x, send_counts, recv_counts and one result");
+// The operands x [rows, ...], send_counts and recv_counts (int32[n]), then `indices` int32
+// vectors (send_index and/or recv_index, see Rows), and the result [out_rows, ...] as the
+// Python side makes them; *row: bytes per row.
+inline xla::ffi::Error CheckShapes(const CallBase& call, int n, size_t* row, size_t indices = 0) {
+  if (call.in.size() != 3 + indices || call.out.size() != 1) {
+    return call.Fail("expected operands x, send_counts, recv_counts, " +
+                     std::to_string(indices) + " index vectors and one result");
+  }
+  for (size_t i = 3; i < call.in.size(); ++i) {
+    if (call.in[i].dtype != xla::ffi::DataType::S32 || call.in[i].dims.size() != 1) {
+      return call.Fail("send_index and recv_index must be int32 vectors");
+    }
   }
   for (size_t i = 1; i < 3; ++i) {
     const Leaf& c = call.in[i];
@@ -47,15 +54,17 @@ inline xla::ffi::Error CheckShapes(const CallBase& call, int n, size_t* row) {
   return xla::ffi::Error::Success();
 }
 
-// A record: [rows, out_rows, exact, send[0..n), recv[0..n)], int64 each.
-enum : size_t { kRows = 0, kOutRows = 1, kExact = 2, kSend = 3 };
+// A record: [rows, out_rows, exact, bad, send[0..n), recv[0..n)], int64 each. rows: the rows
+// the rank sends from (x's, or send_index's length); bad: 1 when its indices failed CheckRows.
+enum : size_t { kRows = 0, kOutRows = 1, kExact = 2, kBad = 3, kSend = 4 };
 inline size_t RecordLen(int n) { return kSend + 2 * static_cast<size_t>(n); }
 
 inline void Fill(int64_t* rec, int64_t rows, int64_t out_rows, bool exact, const int32_t* send,
-                 const int32_t* recv, int n) {
+                 const int32_t* recv, int n, bool bad = false) {
   rec[kRows] = rows;
   rec[kOutRows] = out_rows;
   rec[kExact] = exact ? 1 : 0;
+  rec[kBad] = bad ? 1 : 0;
   for (int j = 0; j < n; ++j) {
     rec[kSend + j] = send[j];
     rec[kSend + n + j] = recv[j];
@@ -77,6 +86,12 @@ inline std::string Verdict(const int64_t* all, int n, const std::vector<int>& wo
   const size_t len = RecordLen(n);
   auto rec = [&](int r) { return all + r * len; };
   auto who = [&](int r) { return "rank " + std::to_string(world[r]); };
+  for (int r = 0; r < n; ++r) {
+    if (rec(r)[kBad] != 0) {
+      return who(r) + " passed a send_index or recv_index that is out of range or repeats a "
+             "row (its own error says which)";
+    }
+  }
   for (int r = 0; r < n; ++r) {
     const int64_t* send = rec(r) + kSend;
     const int64_t* recv = send + n;
@@ -156,6 +171,104 @@ inline void MakePlan(const int64_t* all, int n, int me, size_t row, Plan* p) {
       p->total += bytes;
     }
   }
+}
+
+// The row indices of an indexed all_to_allv (spmd.ops.all_to_allv_indexed). With S rows sent
+// (the send counts' sum) and R received (the receive counts'), the rows a rank sends, in order,
+// are x's first S rows, or with a send_index x[send_index[i] / repeat] for i < S; received row i
+// (in member order) lands in row i of the output, or with a recv_index in row recv_index[i].
+// send_index[:S] is a permutation of 0 .. S - 1 (S at most x's rows * repeat), recv_index[:R] a
+// permutation of 0 .. R - 1; entries past them are not read. So the rows past R are the zeros of
+// a plain call, and the transpose of each index is the other.
+struct Rows {
+  const int32_t* send_index = nullptr;
+  int64_t repeat = 1;
+  const int32_t* recv_index = nullptr;
+  size_t row = 0;  // bytes per row
+
+  bool plain() const { return send_index == nullptr && recv_index == nullptr; }
+
+  // Copies bytes [off, off + len) of the sequence of rows sent from x to dst, with
+  // copy(dst, src, bytes).
+  template <typename F>
+  void Read(const char* x, char* dst, size_t off, size_t len, const F& copy) const {
+    if (send_index == nullptr) return copy(dst, x + off, len);
+    while (len != 0) {
+      const size_t i = off / row, at = off - i * row, part = std::min(len, row - at);
+      copy(dst, x + static_cast<size_t>(send_index[i] / repeat) * row + at, part);
+      dst += part;
+      off += part;
+      len -= part;
+    }
+  }
+
+  // Copies len bytes from src to bytes [off, off + len) of the sequence of rows received, in y.
+  template <typename F>
+  void Write(char* y, size_t off, const char* src, size_t len, const F& copy) const {
+    if (recv_index == nullptr) return copy(y + off, src, len);
+    while (len != 0) {
+      const size_t i = off / row, at = off - i * row, part = std::min(len, row - at);
+      copy(y + static_cast<size_t>(recv_index[i]) * row + at, src, part);
+      src += part;
+      off += part;
+      len -= part;
+    }
+  }
+
+  // A rank's own block: `len` bytes from byte `from` of what it sends to byte `to` of what it
+  // receives (both on row boundaries).
+  template <typename F>
+  void Move(const char* x, size_t from, char* y, size_t to, size_t len, const F& copy) const {
+    if (send_index == nullptr) return Write(y, to, x + from, len, copy);
+    for (size_t done = 0; done < len; done += row) Read(x, y + Target(to + done), from + done,
+                                                          row, copy);
+  }
+
+ private:
+  size_t Target(size_t off) const {
+    return recv_index == nullptr ? off : static_cast<size_t>(recv_index[off / row]) * row;
+  }
+};
+
+// Why this rank's indices break Rows' rules; empty when they hold. `sent`, `received`: the
+// rows its send and receive counts add up to; `limit`: x's rows * repeat. `seen`: scratch.
+inline std::string CheckRows(const int32_t* send_index, int64_t send_len, int64_t sent,
+                             int64_t limit, const int32_t* recv_index, int64_t recv_len,
+                             int64_t received, std::vector<uint8_t>* seen) {
+  auto permutation = [&](const int32_t* idx, int64_t len, int64_t used, const char* what,
+                         const char* counts) {
+    if (len < used) {
+      return std::string(what) + " has " + std::to_string(len) + " entries, but " + counts +
+             " add up to " + std::to_string(used) + " rows; expected one entry per row";
+    }
+    seen->assign(static_cast<size_t>(used), 0);
+    for (int64_t i = 0; i < used; ++i) {
+      const int64_t v = idx[i];
+      if (v < 0 || v >= used) {
+        return std::string(what) + "[" + std::to_string(i) + "] = " + std::to_string(v) +
+               " is out of range; the first " + std::to_string(used) + " entries must be a " +
+               "permutation of 0 to " + std::to_string(used - 1);
+      }
+      if ((*seen)[v]++) {
+        return std::string(what) + "[" + std::to_string(i) + "] = " + std::to_string(v) +
+               " repeats an earlier entry; the first " + std::to_string(used) + " entries " +
+               "must be a permutation of 0 to " + std::to_string(used - 1);
+      }
+    }
+    return std::string();
+  };
+  if (send_index != nullptr) {
+    if (sent > limit) {
+      return "the send counts add up to " + std::to_string(sent) + " rows, more than x's " +
+             "rows times repeat (" + std::to_string(limit) + ")";
+    }
+    std::string bad = permutation(send_index, send_len, sent, "send_index", "the send counts");
+    if (!bad.empty()) return bad;
+  }
+  if (recv_index != nullptr) {
+    return permutation(recv_index, recv_len, received, "recv_index", "the receive counts");
+  }
+  return std::string();
 }
 
 }  // namespace a2av

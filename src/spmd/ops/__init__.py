@@ -8,14 +8,15 @@ convention and the ordering guarantees are described in ``docs/collectives.md``.
 
 ``set_transport``/``get_transport`` choose and report how collectives move data (shared memory,
 MPI or both on CPU; the custom all-reduce or NCCL on GPU). ``ARRAY_LIKE``, ``SUPPORTED_DTYPES``,
-``chain_config`` and ``holds_collective`` serve the layers above (spmd.parallel, spmd.cli) and
-are not in ``__all__``.
+``chain_config``, ``holds_collective`` and ``all_to_allv_indexed`` serve the layers above
+(spmd.parallel, spmd.cli) and are not in ``__all__``.
 """
 
 from typing import Any
 
 from ._all_to_all import all_to_all as all_to_all
 from ._all_to_allv import all_to_allv as all_to_allv
+from ._all_to_allv import all_to_allv_indexed as all_to_allv_indexed
 from ._allreduce import allreduce as allreduce
 from ._broadcast import broadcast as broadcast
 from ._checks import ARRAY_LIKE as ARRAY_LIKE

@@ -30,6 +30,7 @@ import numpy as np
 
 from .._errors import SpmdError, SpmdTypeError
 from .._jax_compat import Zero, ad, batching, core
+from ..runtime import gpu_active
 from ._all_to_all import all_to_all
 from ._autodiff import arg_aval, instantiate, zero_tangent
 from ._checks import ARRAY_LIKE, as_array
@@ -112,8 +113,106 @@ def all_to_allv(
         if size == rows:
             return arr
         return jnp.concatenate([arr, jnp.zeros((size - rows, *arr.shape[1:]), arr.dtype)])
-    y: jax.Array = bind(all_to_allv_p, arr, send, recv, group=ref, out_rows=size, exact=True)[0]
+    y: jax.Array = bind(all_to_allv_p, arr, send, recv, **_plain(ref, size, exact=True))[0]
     return y
+
+
+def all_to_allv_indexed(
+    x: Any,
+    send_counts: Any,
+    recv_counts: Any,
+    *,
+    send_index: Any = None,
+    repeat: int = 1,
+    recv_index: Any = None,
+    group: Any = None,
+    out_rows: int | None = None,
+) -> jax.Array:
+    """:func:`all_to_allv` that gathers the rows it sends and places the rows it receives, in
+    the same pass as the copies (spmd.moe's dispatch and combine; not in ``__all__``).
+
+    With S rows sent (the send counts' sum) and R received (the receive counts'): the rows sent,
+    in order, are ``x[send_index[i] // repeat]`` for i < S, where ``send_index[:S]`` is a
+    permutation of ``0 .. S - 1`` and S is at most ``x.shape[0] * repeat`` (None: x's first S
+    rows; rows of x past them are not sent). Received row i (in member order) lands in output
+    row ``recv_index[i]``, where
+    ``recv_index[:R]`` is a permutation of ``0 .. R - 1`` (None: in order); rows past R are
+    zeros. Entries past S and R are not read, so the indices may have a static length while the
+    counts vary. The native layer checks the indices on every call (out of range or repeated:
+    an error on every rank, naming the rank). The transpose swaps the two indices and sums the
+    ``repeat`` rows of each row of x.
+    """
+    ref = resolve(None, group, op=_OP)
+    arr = _array(x)
+    n = ref.size
+    send, send_known = _counts(send_counts, "send_counts", n)
+    recv, recv_known = _counts(recv_counts, "recv_counts", n)
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise SpmdTypeError(f"repeat={repeat!r}; expected an int, 1 or more", op=_OP)
+    limit = arr.shape[0] if send_index is None else arr.shape[0] * repeat
+    most = limit if send_index is None else min(limit, _index(send_index, "send_index"))
+    if send_known is not None and sum(send_known) > most:
+        raise SpmdError(
+            f"send_counts={list(send_known)} add up to {sum(send_known)} rows, but only {most} "
+            "can be sent (x's rows, times repeat, and send_index's length)",
+            op=_OP,
+        )
+    if recv_index is not None:
+        placed = _index(recv_index, "recv_index")
+        if recv_known is not None and sum(recv_known) > placed:
+            raise SpmdError(
+                f"recv_index has {placed} entries, but recv_counts={list(recv_known)} add up to "
+                f"{sum(recv_known)}; expected one entry per row received",
+                op=_OP,
+            )
+    size = _out_rows(out_rows, recv_known, n * most)
+    indices = [jnp.asarray(i).astype(jnp.int32) for i in (send_index, recv_index) if i is not None]
+    y: jax.Array = _bind(
+        arr, send, recv, *indices, group=ref, out_rows=size, exact=False,
+        repeat=0 if send_index is None else repeat, placed=recv_index is not None,
+    )  # fmt: skip
+    return y
+
+
+def _index(value: Any, what: str) -> int:
+    if not isinstance(value, jax.Array | np.ndarray) or value.ndim != 1:
+        raise SpmdTypeError(f"{what} is not a vector of row indices", op=_OP)
+    if not _int_dtype(value.dtype):
+        raise SpmdTypeError(f"{what} has dtype {value.dtype}; expected integers", op=_OP)
+    return int(value.shape[0])
+
+
+def _plain(group: GroupRef, out_rows: int, exact: bool) -> dict[str, Any]:
+    return dict(group=group, out_rows=out_rows, exact=exact, repeat=0, placed=False)
+
+
+def _bind(x: Any, send: Any, recv: Any, *indices: Any, **params: Any) -> Any:
+    """One indexed call: native where the CPU handler places the rows; on a GPU, or alone, the
+    same rows gathered and placed by XLA around a plain call."""
+    group, repeat, placed, size = (params[k] for k in ("group", "repeat", "placed", "out_rows"))
+    if not (repeat or placed) or not (gpu_active() or alone(group)):
+        return bind(all_to_allv_p, x, send, recv, *indices, **params)[0]
+    rest = list(indices)
+    if repeat:
+        x = x[rest.pop(0) // repeat]
+    if alone(group):  # the rows sent are the rows received
+        pad = max(size - x.shape[0], 0)
+        x = jnp.concatenate([x, jnp.zeros((pad, *x.shape[1:]), x.dtype)])[:size]
+        y = jnp.where(_below(size, jnp.sum(send), x.ndim), x, 0)
+    else:
+        y = bind(all_to_allv_p, x, send, recv, **_plain(group, size, exact=False))[0]
+    if placed:
+        (where,) = rest
+        m = where.shape[0]
+        rows = jnp.concatenate([y, jnp.zeros((max(m - size, 0), *y.shape[1:]), y.dtype)])[:m]
+        target = jnp.where(jnp.arange(m) < jnp.sum(recv), where, size)
+        y = y.at[target].set(rows, mode="drop")
+    return y
+
+
+def _below(rows: int, count: Any, ndim: int) -> Any:
+    """A mask of the first ``count`` of ``rows`` rows, broadcastable over ``ndim`` axes."""
+    return (jnp.arange(rows) < count).reshape(rows, *([1] * (ndim - 1)))
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -215,35 +314,37 @@ def _out_rows(out_rows: Any, recv_known: tuple[int, ...] | None, most: int) -> i
 # -- primitive ----------------------------------------------------------------------------------
 
 
-def _abstract_eval(
-    x: core.ShapedArray, send: Any, recv: Any, *, group: GroupRef, out_rows: int, exact: bool
-) -> list[Any]:
+def _abstract_eval(x: core.ShapedArray, *counts_and_indices: Any, out_rows: int, **_: Any) -> Any:
     return [core.ShapedArray((out_rows, *x.shape[1:]), x.dtype)]
 
 
 all_to_allv_p.def_abstract_eval(_abstract_eval)
-register_lowering(all_to_allv_p, "spmd_all_to_allv", exact=lambda exact, **_: bool(exact))
+# Only the CPU handler takes indices (_bind composes them on a GPU).
+register_lowering(
+    all_to_allv_p, "spmd_all_to_allv", exact=lambda exact, **_: bool(exact),
+    cpu_attrs=lambda repeat, placed, **_: {"repeat": int(repeat), "placed": bool(placed)},
+)  # fmt: skip
 
 
 # -- batching -----------------------------------------------------------------------------------
 
 
 def _batch(args: list[Any], dims: list[Any], **params: Any) -> Any:
-    x, send, recv = args
-    dx, ds, dr = dims
-    if ds is None and dr is None:
+    x, *rest = args
+    dx = dims[0]
+    if all(d is None for d in dims[1:]):
         # Axis 0 holds the rows: the batch goes to axis 1, so one call moves every element's rows
-        # (the counts count rows of the batch, as of each element).
-        return all_to_allv_p.bind(jnp.moveaxis(x, dx, 1), send, recv, **params), [1]
-    # Counts that differ per element: one call per element, in order (every rank of the group
-    # batches alike, so the calls pair up).
+        # (the counts and indices count rows of the batch, as of each element).
+        return all_to_allv_p.bind(jnp.moveaxis(x, dx, 1), *rest, **params), [1]
+    # Counts or indices that differ per element: one call per element, in order (every rank of
+    # the group batches alike, so the calls pair up).
     size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
 
     def at(a: Any, d: Any, b: int) -> Any:
         return a if d is None else jnp.take(a, b, axis=d)
 
     ys = [
-        all_to_allv_p.bind(at(x, dx, b), at(send, ds, b), at(recv, dr, b), **params)[0]
+        all_to_allv_p.bind(*(at(a, d, b) for a, d in zip(args, dims, strict=True)), **params)[0]
         for b in range(size)
     ]
     return [jnp.stack(ys)], [0]
@@ -265,16 +366,27 @@ def _jvp(primals: list[Any], tangents: list[Any], *, group: GroupRef, **params: 
 
 
 def _transpose(
-    cts: list[Any], x: Any, send: Any, recv: Any, *, group: GroupRef, out_rows: int, exact: bool
-) -> list[Any]:
+    cts: list[Any], x: Any, send: Any, recv: Any, *indices: Any, group: GroupRef, out_rows: int,
+    exact: bool, repeat: int, placed: bool,
+) -> list[Any]:  # fmt: skip
     # The reverse exchange (module doc): the cotangent's first sum(recv) rows go back where they
-    # came from, into x's rows. It sends from a padded cotangent, so not exact.
+    # came from, into x's rows. Without a recv_index it sends from a padded cotangent, so not
+    # exact. With indices, each becomes the other: the rows that recv_index placed are gathered
+    # from there, and land where send_index took them, in rows of x repeated `repeat` times.
     aval = arg_aval(x)
     ct = instantiate(cts[0], core.ShapedArray((out_rows, *aval.shape[1:]), aval.dtype))
-    (ct_x,) = all_to_allv_p.bind(
-        ct, recv, send, group=group.backward(), out_rows=aval.shape[0], exact=False
-    )
-    return [ct_x, None, None]
+    rest = list(indices)
+    send_index = rest.pop(0) if repeat else None
+    recv_index = rest.pop(0) if placed else None
+    rows = aval.shape[0] * (repeat or 1)
+    back = [i for i in (recv_index, send_index) if i is not None]
+    ct_x = _bind(
+        ct, recv, send, *back, group=group.backward(), out_rows=rows, exact=False,
+        repeat=1 if placed else 0, placed=repeat > 0,
+    )  # fmt: skip
+    if repeat > 1:
+        ct_x = ct_x.reshape(aval.shape[0], repeat, *aval.shape[1:]).sum(1)
+    return [ct_x, None, None, *(None for _ in indices)]
 
 
 ad.primitive_jvps[all_to_allv_p] = _jvp

@@ -170,9 +170,10 @@ class _Traffic:
     order: Any  # (T * k,): indices of the flattened assignments, sorted by expert
     send: Any  # (ep,): rows to each rank
     got: Any  # (ep, E / ep): rows from each rank to each local expert
+    place: Any  # grouped layout: the row each received row lands in (else None)
 
 
-def _traffic(routing: Routing, plan: _Plan) -> _Traffic | None:
+def _traffic(routing: Routing, plan: _Plan, grouped: bool = False) -> _Traffic | None:
     """The dropless bookkeeping (one small all_to_all of counts); None with a capacity."""
     from ..ops import all_to_all
 
@@ -183,7 +184,15 @@ def _traffic(routing: Routing, plan: _Plan) -> _Traffic | None:
     order = jnp.argsort(flat, stable=True)
     counts = jnp.zeros(e + 1, jnp.int32).at[flat].add(1)[:e].reshape(plan.comm.size, -1)
     got = all_to_all(counts, group=plan.comm) if plan.comm.size > 1 else counts
-    return _Traffic(order, counts.sum(1), got)
+    place = None
+    if grouped:
+        # Row i of the exchange (source-major) goes to its expert's block, after the rows of
+        # the experts before it.
+        expert, slot = _received_slots(got, plan, _rows(plan, routing.k))
+        start = jnp.cumsum(got.sum(0)) - got.sum(0)
+        place = jnp.where(expert < plan.per_rank, start[jnp.minimum(expert, plan.per_rank - 1)]
+                          + slot, 0).astype(jnp.int32)  # fmt: skip
+    return _Traffic(order, counts.sum(1), got, place)
 
 
 def _received_slots(got: Any, plan: _Plan, rows: int) -> tuple[Any, Any]:
@@ -219,33 +228,59 @@ def _slot_sources(got: Any, plan: _Plan, rows: int) -> Any:
     return jnp.where(valid, row, rows)
 
 
-def dispatch(x: Any, routing: Routing, *, group: Any = "ep") -> Any:
-    """The tokens each of this rank's experts receives: ``(E / ep, slots, D)``.
+def dispatch(x: Any, routing: Routing, *, group: Any = "ep", layout: str = "padded") -> Any:
+    """The tokens this rank's experts receive.
 
-    ``x``: this rank's ``(T, D)`` tokens, routed by ``routing`` (from :func:`route`). Expert j
+    ``x``: this rank's ``(T, D)`` tokens, routed by ``routing`` (from :func:`route`).
+
+    ``layout="padded"`` (default): ``(E / ep, slots, D)``, one buffer per local expert: expert j
     of this rank gets, in its row block, the tokens that chose it from rank 0, then rank 1, ...;
     rows past them are zeros. ``slots`` is ``ep * T`` (dropless) or ``ep * C`` (with a
-    capacity). Feed the result, processed row by row, to :func:`combine`.
+    capacity). Any function of one expert's tokens runs on it under ``jax.vmap``.
+
+    ``layout="grouped"`` (dropless only): ``(rows, group_sizes)``, where ``rows`` is
+    ``(ep * T * min(k, E / ep), D)``: the tokens of local expert 0 (from rank 0, then rank
+    1, ...), then those of expert 1, ..., then zeros; ``group_sizes`` ``(E / ep,)`` int32 counts
+    them, as ``jax.lax.ragged_dot`` takes them. No padding per expert is materialized: the rows
+    are gathered and placed by the exchange itself, so this layout moves only the rows routed.
+
+    Feed the result, processed row by row and in the same layout, to :func:`combine`.
     """
     op = "moe.dispatch"
     plan = _plan(routing, group, op)
-    traffic = _traffic(routing, plan)
-    return _dispatch(_tokens(x, plan, op), routing, plan, traffic)
+    grouped = _layout(layout, routing, op)
+    traffic = _traffic(routing, plan, grouped)
+    tokens = _tokens(x, plan, op)
+    if grouped:
+        assert traffic is not None  # dropless
+        return _dispatch_grouped(tokens, routing, plan, traffic)
+    return _dispatch(tokens, routing, plan, traffic)
+
+
+def _layout(layout: Any, routing: Routing, op: str) -> bool:
+    """Whether ``layout`` is the grouped one; an error for a name it is not, or for a grouped
+    layout with a capacity."""
+    if layout not in ("padded", "grouped"):
+        raise SpmdError(f"layout={layout!r}; expected 'padded' or 'grouped'", op=op)
+    if layout == "grouped" and routing.capacity is not None:
+        raise SpmdError(
+            "layout='grouped' is dropless; route with capacity_factor=None, or use "
+            "layout='padded' with a capacity",
+            op=op,
+        )
+    return bool(layout == "grouped")
 
 
 def _dispatch(x: Any, routing: Routing, plan: _Plan, traffic: _Traffic | None) -> Any:
     k = routing.k
     if traffic is not None:
-        from ..ops import all_to_allv
+        from ..ops import all_to_allv_indexed
 
-        send = x[traffic.order // k]  # (T * k, D), by expert; nothing is dropped
-        recv = (
-            all_to_allv(
-                send, traffic.send, traffic.got.sum(1), group=plan.comm, out_rows=_rows(plan, k)
-            )
-            if plan.comm.size > 1
-            else send
-        )
+        # The exchange gathers the rows it sends (by expert; nothing is dropped).
+        recv = all_to_allv_indexed(
+            x, traffic.send, traffic.got.sum(1), send_index=traffic.order, repeat=k,
+            group=plan.comm, out_rows=_rows(plan, k),
+        )  # fmt: skip
         source = _slot_sources(traffic.got, plan, recv.shape[0])
         return recv.at[source].get(mode="fill", fill_value=0)
     # With a capacity: fixed slots (rank, expert, position) sent with one all_to_all.
@@ -266,49 +301,60 @@ def _dispatch(x: Any, routing: Routing, plan: _Plan, traffic: _Traffic | None) -
     return blocks.reshape(plan.per_rank, n * c, x.shape[1])
 
 
-def combine(y: Any, routing: Routing, *, group: Any = "ep") -> Any:
+def _dispatch_grouped(x: Any, routing: Routing, plan: _Plan, traffic: _Traffic) -> Any:
+    from ..ops import all_to_allv_indexed
+
+    rows = all_to_allv_indexed(
+        x, traffic.send, traffic.got.sum(1), send_index=traffic.order, repeat=routing.k,
+        recv_index=traffic.place, group=plan.comm, out_rows=_rows(plan, routing.k),
+    )  # fmt: skip
+    return rows, traffic.got.sum(0)
+
+
+def combine(y: Any, routing: Routing, *, group: Any = "ep", layout: str = "padded") -> Any:
     """One output row per token: the results of its experts (``y``, laid out as
-    :func:`dispatch` returned the tokens) sent back and summed, weighted by the gates.
-    Dropped assignments contribute nothing. Returns ``(T, D_out)``."""
+    :func:`dispatch` returned the tokens with the same ``layout``: ``(E / ep, slots, D_out)``,
+    or the grouped ``(rows, D_out)``) sent back and summed, weighted by the gates. Dropped
+    assignments contribute nothing. Returns ``(T, D_out)``."""
     op = "moe.combine"
     plan = _plan(routing, group, op)
+    grouped = _layout(layout, routing, op)
     y = jnp.asarray(y)
-    if y.ndim != 3 or y.shape[:2] != (plan.per_rank, plan.slots):
-        raise SpmdError(
-            f"y has shape {y.shape}; expected ({plan.per_rank}, {plan.slots}, features): "
-            f"{plan.per_rank} local experts (E={routing.num_experts} over the group's "
+    want = (_rows(plan, routing.k),) if grouped else (plan.per_rank, plan.slots)
+    if y.ndim != len(want) + 1 or y.shape[:-1] != want:
+        what = (
+            f"{want[0]} rows, as dispatch returns them for this routing and group (ep * T * "
+            "min(k, E / ep))"
+            if grouped
+            else f"{plan.per_rank} local experts (E={routing.num_experts} over the group's "
             f"{plan.comm.size} ranks) by {plan.slots} slots, as dispatch returns them for this "
-            "routing and group",
+            "routing and group"
+        )
+        raise SpmdError(
+            f"y has shape {y.shape}; expected ({', '.join(map(str, want))}, features): {what}",
             op=op,
         )
-    traffic = _traffic(routing, plan)
+    traffic = _traffic(routing, plan, grouped)
+    if grouped:
+        assert traffic is not None  # dropless
+        return _combine_grouped(y, routing, plan, traffic)
     return _combine(y, routing, plan, traffic)
 
 
 def _combine(y: Any, routing: Routing, plan: _Plan, traffic: _Traffic | None) -> Any:
     k, d = routing.k, y.shape[2]
     if traffic is not None:
-        from ..ops import all_to_allv
+        from ..ops import all_to_allv_indexed
 
         expert, slot = _received_slots(traffic.got, plan, _rows(plan, k))
         back = y.at[expert, slot].get(mode="fill", fill_value=0)
-        if plan.comm.size > 1:
-            # The way back is the transpose of dispatch's exchange: the rows received (and
-            # only those: the rest of ``back`` is padding) return to where they came from.
-            sent = jax.ShapeDtypeStruct((plan.tokens * k, d), y.dtype)
-
-            def there(rows: Any) -> Any:
-                got = traffic.got.sum(1)
-                return all_to_allv(rows, traffic.send, got, group=plan.comm, out_rows=back.shape[0])
-
-            (back,) = jax.linear_transpose(there, sent)(back)
-        else:
-            back = back[: plan.tokens * k]
-        # Back into assignment order: a gather by the inverse of the sort (a scatter of rows
-        # costs several times more on CPU).
-        order = traffic.order
-        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-        results = back[inverse]
+        # The way back is the reverse of dispatch's exchange: the rows received (and only those:
+        # the rest of ``back`` is padding) return to where they came from, and land in
+        # assignment order (the inverse of the sort by expert).
+        results = all_to_allv_indexed(
+            back, traffic.got.sum(1), traffic.send, recv_index=traffic.order, group=plan.comm,
+            out_rows=plan.tokens * k,
+        )  # fmt: skip
     else:
         from ..ops import all_to_all
 
@@ -319,8 +365,31 @@ def _combine(y: Any, routing: Routing, plan: _Plan, traffic: _Traffic | None) ->
         dest = jnp.where(routing.keep, routing.experts, routing.num_experts).reshape(-1)
         idx = dest * c + routing.position.reshape(-1)
         results = blocks.at[idx].get(mode="fill", fill_value=0)
-    weights = jnp.where(routing.keep, routing.gates, 0).astype(y.dtype)
-    return jnp.einsum("tk,tkd->td", weights, results.reshape(plan.tokens, k, d))
+    return _weighted(results, routing, plan.tokens, y.dtype)
+
+
+def _combine_grouped(y: Any, routing: Routing, plan: _Plan, traffic: _Traffic) -> Any:
+    from ..ops import all_to_allv_indexed
+
+    # The reverse of the grouped dispatch: each row goes back from where the exchange placed it,
+    # and lands in assignment order.
+    results = all_to_allv_indexed(
+        y, traffic.got.sum(1), traffic.send, send_index=traffic.place, recv_index=traffic.order,
+        group=plan.comm, out_rows=plan.tokens * routing.k,
+    )  # fmt: skip
+    return _weighted(results, routing, plan.tokens, y.dtype)
+
+
+def _weighted(results: Any, routing: Routing, tokens: int, dtype: Any) -> Any:
+    """Each token's k results ``(T * k, D)``, in assignment order, summed with its gates: k
+    products added up, which XLA fuses into one pass (measured 5x faster on CPU than
+    ``jnp.sum`` over a k axis, and 2x faster than an einsum, a batched matmul of k-long rows)."""
+    weights = jnp.where(routing.keep, routing.gates, 0).astype(dtype)
+    rows = results.reshape(tokens, routing.k, -1)
+    out = weights[:, 0, None] * rows[:, 0]
+    for j in range(1, routing.k):
+        out = out + weights[:, j, None] * rows[:, j]
+    return out
 
 
 def _rows(plan: _Plan, k: int) -> int:
@@ -346,12 +415,13 @@ def _tokens(x: Any, plan: _Plan, op: str) -> Any:
 def moe(
     x: Any,
     router_w: Any,
-    expert_fn: Callable[[Any, Any], Any],
+    expert_fn: Callable[..., Any],
     expert_params: Any,
     *,
     k: int = 2,
     capacity_factor: float | None = None,
     group: Any = "ep",
+    layout: str = "padded",
 ) -> tuple[Any, Any]:
     """A mixture-of-experts layer over the group: ``(y, aux_loss)``.
 
@@ -365,6 +435,11 @@ def moe(
             ShardedArrays from :func:`shard_experts`).
         k: experts per token. capacity_factor: None (dropless) or a number > 0 (see
             :func:`route`).
+        layout: ``"padded"`` (the above), or ``"grouped"`` (dropless): then
+            ``expert_fn(expert_params, rows, group_sizes)`` gets all local experts' parameters,
+            their tokens one expert after another and the count per expert (see
+            :func:`dispatch`), for instance two ``jax.lax.ragged_dot`` calls; the rows past the
+            counts are zeros, whose results are discarded.
 
     Returns ``y`` of shape ``(..., D_out)`` and the load-balancing loss of this rank's tokens
     (add it to the loss with a small coefficient, e.g. 0.01).
@@ -404,9 +479,15 @@ def moe(
     tokens = x.reshape(-1, x.shape[-1])
     routing = route(tokens @ router_w.astype(tokens.dtype), k, capacity_factor=capacity_factor)
     plan = _plan(routing, comm, op)
-    traffic = _traffic(routing, plan)  # once for dispatch and combine
-    out = jax.vmap(expert_fn)(params, _dispatch(tokens, routing, plan, traffic))
-    y = _combine(out, routing, plan, traffic)
+    grouped = _layout(layout, routing, op)
+    traffic = _traffic(routing, plan, grouped)  # once for dispatch and combine
+    if grouped:
+        assert traffic is not None
+        rows, sizes = _dispatch_grouped(tokens, routing, plan, traffic)
+        y = _combine_grouped(expert_fn(params, rows, sizes), routing, plan, traffic)
+    else:
+        out = jax.vmap(expert_fn)(params, _dispatch(tokens, routing, plan, traffic))
+        y = _combine(out, routing, plan, traffic)
     return y.reshape(*x.shape[:-1], y.shape[-1]), routing.aux_loss
 
 
