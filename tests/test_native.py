@@ -50,7 +50,8 @@ def test_a_transport_must_be_attached_and_chosen_before_a_collective():
             (jax.ShapeDtypeStruct((1,), jnp.uint8), jax.ShapeDtypeStruct((3,), jnp.float32)),
             has_side_effect=True,
         )
-        attrs = {"group": np.int64(gid), "op": np.int32(0), "wire": np.int32(0), "div": np.int64(1)}
+        attrs = {"group": np.int64(gid), "meaning": "", "op": np.int32(0), "wire": np.int32(0),
+                 "div": np.int64(1)}  # fmt: skip
         with pytest.raises(
             Exception, match=r"spmd\.SpmdError: rank 0: allreduce: this group has no transport"
         ):

@@ -6,6 +6,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "groups.h"
@@ -51,6 +52,9 @@ struct Call : CallBase {
   int64_t root = -1;
   ffi::Span<const int64_t> sizes;
   bool has_sizes = false;
+  // The call as the user wrote it where the native parameters do not show it (op="avg", which
+  // runs as a sum; the axes the Python side moved to axis 0), hashed with the rest.
+  std::string meaning;
   uint64_t hash = 1469598103934665603ull;  // FNV-1a
 
   void Mix(uint64_t x) {
@@ -62,15 +66,18 @@ struct Call : CallBase {
 
   // Finds the group and decodes the leaves; hashes the op, the role and the inputs' dtypes and
   // shapes. `vary_rows`: the inputs' first dimension may differ between ranks (allgatherv).
-  ffi::Error Start(int64_t group_attr, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                   bool vary_rows = false) {
+  ffi::Error Start(int64_t group_attr, std::string_view what, ffi::RemainingArgs args,
+                   ffi::RemainingRets rets, bool vary_rows = false) {
     role = RoleOf(group_attr);
+    meaning = std::string(what);
     group = GroupFind(GroupIdOf(group_attr));
     if (group == nullptr) return GroupMissing();
     set_world_rank(group->world_rank());
     if (ffi::Error e = Decode(args, rets); e.failure()) return e;
     Mix(code);
     Mix(static_cast<uint64_t>(role));
+    for (char c : meaning) Mix(static_cast<uint8_t>(c));
+    Mix(meaning.size());
     for (const Leaf& l : in) {
       Mix(static_cast<uint64_t>(l.dtype));
       Mix(l.dims.size());
@@ -101,11 +108,13 @@ struct Call : CallBase {
   }
 
   std::string Params() const {
-    std::string p;
-    if (op >= 0) p += std::string("op=") + (div > 1 ? "avg" : NameOf(kReduceOps, op));
+    std::string p = meaning;
+    if (op >= 0 && meaning.find("op=") == std::string::npos) {
+      p += std::string(p.empty() ? "" : ", ") + "op=" + (div > 1 ? "avg" : NameOf(kReduceOps, op));
+    }
     if (wire) p += std::string(", compression=") + NameOf(kWires, wire);
     if (root >= 0) p += (p.empty() ? "" : ", ") + std::string("root=") + std::to_string(root);
-    if (has_sizes) {
+    if (has_sizes && sizes.size() != 0) {
       p += (p.empty() ? "" : ", ") + std::string("sizes=[");
       for (size_t i = 0; i < sizes.size(); ++i) p += (i ? "," : "") + std::to_string(sizes[i]);
       p += "]";
@@ -146,10 +155,11 @@ struct Call : CallBase {
 
 // -- collectives ------------------------------------------------------------------------------
 
-ffi::Error AllreduceFfi(int64_t group, int32_t op, int32_t wire, int64_t div,
+ffi::Error AllreduceFfi(int64_t group, std::string_view meaning, int32_t op, int32_t wire,
+                        int64_t div,
                         ffi::RemainingArgs args, ffi::RemainingRets rets) {
   Call call(kAllreduce);
-  if (ffi::Error e = call.Start(group, args, rets); e.failure()) return e;
+  if (ffi::Error e = call.Start(group, meaning, args, rets); e.failure()) return e;
   if (ffi::Error e = call.SetOp(op); e.failure()) return e;
   if ((wire != 0 && !HasCode(kWires, wire)) || div < 1 || (wire == 0 && div != 1) ||
       (wire != 0 && op != static_cast<int32_t>(ReduceOp::kSum))) {
@@ -175,19 +185,22 @@ ffi::Error AllreduceFfi(int64_t group, int32_t op, int32_t wire, int64_t div,
   });
 }
 
-ffi::Error AllgatherFfi(int64_t group, ffi::Span<const int64_t> sizes, ffi::RemainingArgs args,
+ffi::Error AllgatherFfi(int64_t group, std::string_view meaning, ffi::Span<const int64_t> sizes,
+                        ffi::RemainingArgs args,
                         ffi::RemainingRets rets) {
   Call call(kAllgather);
-  if (ffi::Error e = call.Start(group, args, rets, sizes.size() != 0); e.failure()) return e;
+  const bool vary = sizes.size() != 0;
+  if (ffi::Error e = call.Start(group, meaning, args, rets, vary); e.failure()) return e;
   if (ffi::Error e = call.SetSizes(sizes); e.failure()) return e;
   const Signature sig = call.Sig();
   return call.Run([&](Transport& t) { return t.Allgatherv(sig, sizes, call.in, call.out); });
 }
 
-ffi::Error ReduceScatterFfi(int64_t group, int32_t op, ffi::Span<const int64_t> sizes,
+ffi::Error ReduceScatterFfi(int64_t group, std::string_view meaning, int32_t op,
+                            ffi::Span<const int64_t> sizes,
                             ffi::RemainingArgs args, ffi::RemainingRets rets) {
   Call call(kReduceScatter);
-  if (ffi::Error e = call.Start(group, args, rets); e.failure()) return e;
+  if (ffi::Error e = call.Start(group, meaning, args, rets); e.failure()) return e;
   if (ffi::Error e = call.SetOp(op); e.failure()) return e;
   if (ffi::Error e = call.SetSizes(sizes); e.failure()) return e;
   const Signature sig = call.Sig();
@@ -196,10 +209,11 @@ ffi::Error ReduceScatterFfi(int64_t group, int32_t op, ffi::Span<const int64_t> 
   });
 }
 
-ffi::Error BroadcastFfi(int64_t group, int64_t root, ffi::RemainingArgs args,
+ffi::Error BroadcastFfi(int64_t group, std::string_view meaning, int64_t root,
+                        ffi::RemainingArgs args,
                         ffi::RemainingRets rets) {
   Call call(kBroadcast);
-  if (ffi::Error e = call.Start(group, args, rets); e.failure()) return e;
+  if (ffi::Error e = call.Start(group, meaning, args, rets); e.failure()) return e;
   call.root = root;
   call.Mix(static_cast<uint64_t>(root));
   const Signature sig = call.Sig();
@@ -208,9 +222,10 @@ ffi::Error BroadcastFfi(int64_t group, int64_t root, ffi::RemainingArgs args,
   });
 }
 
-ffi::Error AllToAllFfi(int64_t group, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+ffi::Error AllToAllFfi(int64_t group, std::string_view meaning, ffi::RemainingArgs args,
+                       ffi::RemainingRets rets) {
   Call call(kAllToAll);
-  if (ffi::Error e = call.Start(group, args, rets); e.failure()) return e;
+  if (ffi::Error e = call.Start(group, meaning, args, rets); e.failure()) return e;
   const Signature sig = call.Sig();
   return call.Run([&](Transport& t) { return t.AllToAll(sig, call.in, call.out); });
 }
@@ -220,10 +235,12 @@ ffi::Error AllToAllFfi(int64_t group, ffi::RemainingArgs args, ffi::RemainingRet
 // [out_rows, ...]. The rows of x, of the indices and of the result may differ between ranks;
 // the rest of their shape may not. With a send_index, the rows the counts may add up to are
 // x's rows * repeat (exact: the Python side passes False).
-ffi::Error AllToAllvFfi(int64_t group, bool exact, int64_t repeat, bool placed,
+ffi::Error AllToAllvFfi(int64_t group, std::string_view meaning, bool exact, int64_t repeat,
+                        bool placed,
                         ffi::RemainingArgs args, ffi::RemainingRets rets) {
   Call call(kAllToAllv);
-  if (ffi::Error e = call.Start(group, args, rets, /*vary_rows=*/true); e.failure()) return e;
+  const bool vary_rows = true;
+  if (ffi::Error e = call.Start(group, meaning, args, rets, vary_rows); e.failure()) return e;
   const int n = call.group->size;
   a2av::Rows rows;
   const size_t indices = (repeat > 0 ? 1 : 0) + (placed ? 1 : 0);
@@ -265,9 +282,10 @@ ffi::Error AllToAllvFfi(int64_t group, bool exact, int64_t repeat, bool placed,
   return result;
 }
 
-ffi::Error BarrierFfi(int64_t group, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+ffi::Error BarrierFfi(int64_t group, std::string_view meaning, ffi::RemainingArgs args,
+                      ffi::RemainingRets rets) {
   Call call(kBarrier);
-  if (ffi::Error e = call.Start(group, args, rets); e.failure()) return e;
+  if (ffi::Error e = call.Start(group, meaning, args, rets); e.failure()) return e;
   const Signature sig = call.Sig();
   return call.Run([&](Transport& t) { return t.Barrier(sig); });
 }
@@ -276,10 +294,13 @@ ffi::Error BarrierFfi(int64_t group, ffi::RemainingArgs args, ffi::RemainingRets
 
 // send: src < 0 and no result; recv: dst < 0 and no operand. Always over MPI, whatever the
 // group's transport; only the two ranks of a transfer take part.
-ffi::Error SendRecvFfi(int64_t group, int64_t src, int64_t dst, ffi::RemainingArgs args,
+ffi::Error SendRecvFfi(int64_t group, std::string_view meaning, int64_t src, int64_t dst,
+                       ffi::RemainingArgs args,
                        ffi::RemainingRets rets) {
   Call call(kSendRecv);
-  if (ffi::Error e = call.Start(group, args, rets); e.failure()) return e;
+  // Errors name the op as the user called it.
+  call.set_op(src < 0 ? "send" : dst < 0 ? "recv" : "sendrecv");
+  if (ffi::Error e = call.Start(group, meaning, args, rets); e.failure()) return e;
   Group& g = *call.group;
   if (!g.has_mpi) {
     return call.Fail("this group has no transport for the operation (send/recv/sendrecv need "
@@ -288,9 +309,12 @@ ffi::Error SendRecvFfi(int64_t group, int64_t src, int64_t dst, ffi::RemainingAr
   std::lock_guard<std::mutex> lock(g.mu);
   const Leaf* in = call.in.empty() ? nullptr : &call.in[0];
   const Leaf* out = call.out.empty() ? nullptr : &call.out[0];
-  return call.FromStatus(g.mpi.SendRecv(in ? in->data : nullptr, in ? in->bytes : 0,
-                                        static_cast<int>(dst), out ? out->data : nullptr,
-                                        out ? out->bytes : 0, static_cast<int>(src)));
+  const MessageShape none;
+  const MessageShape sent = in ? MessageShape::Of(in->bytes, in->dtype, in->dims) : none;
+  const MessageShape expected = out ? MessageShape::Of(out->bytes, out->dtype, out->dims) : none;
+  return call.FromStatus(g.mpi.SendRecv(in ? in->data : nullptr, sent, static_cast<int>(dst),
+                                        out ? out->data : nullptr, expected,
+                                        static_cast<int>(src)));
 }
 
 }  // namespace
@@ -300,6 +324,7 @@ ffi::Error SendRecvFfi(int64_t group, int64_t src, int64_t dst, ffi::RemainingAr
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduce_, AllreduceFfi,
                               ffi::Ffi::Bind()
                                   .Attr<int64_t>("group")
+                                  .Attr<std::string_view>("meaning")
                                   .Attr<int32_t>("op")
                                   .Attr<int32_t>("wire")
                                   .Attr<int64_t>("div")
@@ -309,6 +334,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduce_, AllreduceFfi,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllgather_, AllgatherFfi,
                               ffi::Ffi::Bind()
                                   .Attr<int64_t>("group")
+                                  .Attr<std::string_view>("meaning")
                                   .Attr<ffi::Span<const int64_t>>("sizes")
                                   .RemainingArgs()
                                   .RemainingRets());
@@ -316,6 +342,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllgather_, AllgatherFfi,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kReduceScatter_, ReduceScatterFfi,
                               ffi::Ffi::Bind()
                                   .Attr<int64_t>("group")
+                                  .Attr<std::string_view>("meaning")
                                   .Attr<int32_t>("op")
                                   .Attr<ffi::Span<const int64_t>>("sizes")
                                   .RemainingArgs()
@@ -324,16 +351,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kReduceScatter_, ReduceScatterFfi,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBroadcast_, BroadcastFfi,
                               ffi::Ffi::Bind()
                                   .Attr<int64_t>("group")
+                                  .Attr<std::string_view>("meaning")
                                   .Attr<int64_t>("root")
                                   .RemainingArgs()
                                   .RemainingRets());
 // spmd_all_to_all: attr group; operand and result hold `size` blocks along their first axis.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAll_, AllToAllFfi,
-                              ffi::Ffi::Bind().Attr<int64_t>("group").RemainingArgs().RemainingRets());
+                              ffi::Ffi::Bind().Attr<int64_t>("group")
+                                  .Attr<std::string_view>("meaning")
+                                  .RemainingArgs()
+                                  .RemainingRets());
 // spmd_sendrecv: attrs group, src, dst (group ranks; -1 for none).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kSendRecv_, SendRecvFfi,
                               ffi::Ffi::Bind()
                                   .Attr<int64_t>("group")
+                                  .Attr<std::string_view>("meaning")
                                   .Attr<int64_t>("src")
                                   .Attr<int64_t>("dst")
                                   .RemainingArgs()
@@ -343,6 +375,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kSendRecv_, SendRecvFfi,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllv_, AllToAllvFfi,
                               ffi::Ffi::Bind()
                                   .Attr<int64_t>("group")
+                                  .Attr<std::string_view>("meaning")
                                   .Attr<bool>("exact")
                                   .Attr<int64_t>("repeat")
                                   .Attr<bool>("placed")
@@ -350,7 +383,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllv_, AllToAllvFfi,
                                   .RemainingRets());
 // spmd_barrier: attr group.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBarrier_, BarrierFfi,
-                              ffi::Ffi::Bind().Attr<int64_t>("group").RemainingArgs().RemainingRets());
+                              ffi::Ffi::Bind().Attr<int64_t>("group")
+                                  .Attr<std::string_view>("meaning")
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 const HandlerEntry* CpuHandlers() {
   static const HandlerEntry entries[] = {

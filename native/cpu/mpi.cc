@@ -4,12 +4,14 @@
 #include <dlfcn.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <limits>
 #include <type_traits>
 
 #include "messages.h"
+#include "spmd/call.h"
 
 namespace spmd {
 namespace {
@@ -351,33 +353,77 @@ Status MpiComm::AllToAllv(const void* in, const std::vector<size_t>& send_bytes,
   return Wait(&request, 1, "all_to_allv");
 }
 
-Status MpiComm::SendRecv(const void* send, size_t send_bytes, int dst, void* recv,
-                         size_t recv_bytes, int src) const {
+MessageShape MessageShape::Of(size_t bytes, xla::ffi::DataType dtype,
+                              xla::ffi::Span<const int64_t> dims) {
+  MessageShape m;
+  m.bytes = bytes;
+  m.dtype = static_cast<uint64_t>(dtype);
+  m.ndims = dims.size();
+  for (size_t k = 0; k < dims.size(); ++k) {
+    const size_t at = std::min<size_t>(k, kDims - 1);
+    m.dims[at] = k < kDims ? static_cast<uint64_t>(dims[k]) : m.dims[at] * 1000003u + dims[k];
+  }
+  return m;
+}
+
+bool MessageShape::operator==(const MessageShape& o) const {
+  return std::memcmp(this, &o, sizeof(MessageShape)) == 0;
+}
+
+std::string MessageShape::Describe() const {
+  std::string s = DtypeName(static_cast<xla::ffi::DataType>(dtype)) + std::string("[");
+  for (uint64_t k = 0; k < ndims && k < static_cast<uint64_t>(kDims); ++k) {
+    s += (k ? "," : "") + std::to_string(dims[k]);
+  }
+  return s + (ndims > static_cast<uint64_t>(kDims) ? ",...]" : "]");
+}
+
+Status MpiComm::SendRecv(const void* send, const MessageShape& send_shape, int dst, void* recv,
+                         const MessageShape& recv_shape, int src) const {
   SPMD_RETURN_IF_ERROR(Usable());
-  constexpr int kTag = 0x5d1;
-  H requests[2] = {0, 0};
-  int n = 0;
+  // The shape goes first, on its own tag; the data follows once the receiver has checked it.
+  constexpr int kTag = 0x5d1, kShapeTag = 0x5d2;
+  const Count shape_bytes = sizeof(MessageShape);
+  H sends[2] = {0, 0};
+  MessageShape got_shape;
+  H shape_request = 0;
   if (src >= 0) {
-    SPMD_RETURN_IF_ERROR(Check(fns.Irecv_c(recv, static_cast<Count>(recv_bytes), consts.byte, src,
-                                           kTag, comm, &requests[n++]),
+    SPMD_RETURN_IF_ERROR(Check(fns.Irecv_c(&got_shape, shape_bytes, consts.byte, src, kShapeTag,
+                                           comm, &shape_request),
                                "recv"));
   }
+  int n = 0;
   if (dst >= 0) {
-    SPMD_RETURN_IF_ERROR(Check(fns.Isend_c(send, static_cast<Count>(send_bytes), consts.byte, dst,
-                                           kTag, comm, &requests[n++]),
+    SPMD_RETURN_IF_ERROR(Check(fns.Isend_c(&send_shape, shape_bytes, consts.byte, dst,
+                                           kShapeTag, comm, &sends[n++]),
+                               "send"));
+    SPMD_RETURN_IF_ERROR(Check(fns.Isend_c(send, static_cast<Count>(send_shape.bytes),
+                                           consts.byte, dst, kTag, comm, &sends[n++]),
                                "send"));
   }
-  const char* what = dst >= 0 && src >= 0 ? "sendrecv" : dst >= 0 ? "send" : "recv";
-  Count got = 0;
-  SPMD_RETURN_IF_ERROR(Wait(requests, n, what, src >= 0 ? &got : nullptr));
-  if (src >= 0 && static_cast<size_t>(got) != recv_bytes) {
-    // A shorter message fits the buffer, and MPI says nothing: the rest would be garbage.
-    return Status::Error(std::string(what) + ": received " + std::to_string(got) +
-                         " bytes from group rank " + std::to_string(src) + ", expected " +
-                         std::to_string(recv_bytes) + " (the shape and dtype this rank "
-                         "receives into must be those the peer sends)");
+  std::string bad;
+  if (src >= 0) {
+    SPMD_RETURN_IF_ERROR(Wait(&shape_request, 1, "recv"));
+    // A message of another shape is still received (into scratch), so that its sender's send
+    // completes; this rank then fails naming both shapes.
+    std::vector<char> scratch;
+    void* into = recv;
+    if (!(got_shape == recv_shape)) {
+      bad = "rank " + std::to_string(world_ranks[src]) + " sent " + got_shape.Describe() +
+            " (" + std::to_string(got_shape.bytes) + " bytes), but this rank receives into " +
+            recv_shape.Describe() + " (" + std::to_string(recv_shape.bytes) + " bytes); the " +
+            "shape and dtype a rank receives into must be those its peer sends";
+      scratch.resize(got_shape.bytes);
+      into = scratch.data();
+    }
+    H request = 0;
+    SPMD_RETURN_IF_ERROR(Check(fns.Irecv_c(into, static_cast<Count>(got_shape.bytes),
+                                           consts.byte, src, kTag, comm, &request),
+                               "recv"));
+    SPMD_RETURN_IF_ERROR(Wait(&request, 1, "recv"));
   }
-  return Status::Ok();
+  if (n) SPMD_RETURN_IF_ERROR(Wait(sends, n, dst >= 0 && src >= 0 ? "sendrecv" : "send"));
+  return bad.empty() ? Status::Ok() : Status::Error(bad);
 }
 
 Status MpiComm::Barrier() const {

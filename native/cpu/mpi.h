@@ -17,6 +17,7 @@
 #include "reduce.h"
 #include "signature.h"
 #include "spmd/status.h"
+#include "xla/ffi/api/ffi.h"
 
 namespace spmd {
 
@@ -31,6 +32,19 @@ struct MpiConstants {
 // Loads the MPI functions from `library` (already loaded by mpi4py).
 Status MpiLoad(const std::string& library, const MpiConstants& constants);
 bool MpiLoaded();
+
+// What a point-to-point message holds: sent ahead of the data, so that a receiver checks the
+// dtype and shape it receives into, not only the byte count (the same bytes as float32[4] and
+// int32[2,2] are not the same message). Dimensions past the 8th are folded into the 8th.
+struct MessageShape {
+  static constexpr int kDims = 8;
+  uint64_t bytes = 0, dtype = 0, ndims = 0, dims[kDims] = {};
+
+  static MessageShape Of(size_t bytes, xla::ffi::DataType dtype,
+                         xla::ffi::Span<const int64_t> dims);
+  bool operator==(const MessageShape& o) const;
+  std::string Describe() const;  // "float32[2,2]"
+};
 
 // The collectives spmd runs over MPI, on communicator `comm` of `size` ranks. Counts are
 // elements; reductions work on every dtype spmd supports (float16/bfloat16 through float32).
@@ -52,8 +66,12 @@ struct MpiComm {
                    const std::vector<size_t>& send_off, void* out,
                    const std::vector<size_t>& recv_bytes,
                    const std::vector<size_t>& recv_off) const;
-  Status SendRecv(const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
-                  int src) const;
+  // Sends `send` (described by `send_shape`) to group rank dst and receives into `recv`
+  // (expecting `recv_shape`) from group rank src; dst or src < 0: no such half. A message whose
+  // shape differs from the one expected is received into scratch and is an error naming the
+  // sender, its shape and the one expected.
+  Status SendRecv(const void* send, const MessageShape& send_shape, int dst, void* recv,
+                  const MessageShape& recv_shape, int src) const;
   Status Barrier() const;
   // Signature check before each collective (an allgather of a hash; the descriptions follow
   // only when the hashes differ): a clear error on every rank instead of mixed data.

@@ -80,6 +80,24 @@ def _every_kind_of_mismatch(comm):
     _mismatch(comm, lambda r: spmd.allreduce([jnp.ones(3)] * (1 + min(r, 1))))
     # Different ops at the same point in the program.
     _mismatch(comm, lambda r: spmd.allreduce(jnp.ones(4), "max" if r else "sum"))
+    # What the native parameters do not show: an average runs as a sum, and the axes move to
+    # axis 0 before the call (square arrays: the same shapes either way). Each returned
+    # different values on different ranks without an error.
+    sq = jnp.ones((comm.size, comm.size))
+    text = _mismatch(comm, lambda r: spmd.allreduce(sq, "avg" if r else "sum"))
+    assert "rank 0: allreduce(op=sum) of" in text and "rank 1: allreduce(op=avg) of" in text
+    text = _mismatch(comm, lambda r: spmd.reduce_scatter(sq, "avg" if r else "sum"))
+    assert "reduce_scatter(op=sum, axis=0)" in text and "reduce_scatter(op=avg, axis=0)" in text
+    text = _mismatch(comm, lambda r: spmd.all_to_all(sq, split_axis=min(r, 1)))
+    assert "all_to_all(split_axis=1, concat_axis=0)" in text, text
+    text = _mismatch(comm, lambda r: spmd.allgather(sq, axis=min(r, 1)))
+    assert "rank 0: allgather(axis=0)" in text and "rank 1: allgather(axis=1)" in text
+    gather = jax.jit(lambda v: spmd.allgather(v, axis=min(comm.rank, 1)))
+    _raises(lambda: gather(sq).block_until_ready(), "made different collective calls",
+            "rank 1: allgather(axis=1)", exc=jax.errors.JaxRuntimeError)  # fmt: skip
+    # The same call written two ways is the same call.
+    np.testing.assert_array_equal(spmd.allgather(sq, axis=-1 if comm.rank else 1).shape,
+                                  (comm.size, comm.size ** 2))  # fmt: skip
     text = _mismatch(comm, lambda r: spmd.allreduce(jnp.ones(3)) if r else spmd.barrier())
     assert "rank 0: barrier()" in text, text
     # Different ops once both have succeeded, so that JAX takes its cached fast path (which
@@ -217,3 +235,24 @@ def test_more_than_2_to_the_31_elements(comm):
     assert y.shape == (n,)
     # min == max == 3: every element, those past index 2**31 included, holds the sum.
     assert int(jnp.min(y)) == 3 and int(jnp.max(y)) == 3
+
+
+@multirank(nprocs=(2,))
+def test_recv_checks_shape_and_dtype_not_only_bytes(comm):
+    """float32[4] sent, int32[2,2] expected: the same 16 bytes, which recv once reinterpreted."""
+    r = comm.rank
+    if r == 0:
+        spmd.send(jnp.arange(4.0), dst=1)
+        spmd.send(jnp.arange(4.0), dst=1)
+    else:
+        text = _raises(lambda: spmd.recv(jnp.zeros((2, 2), jnp.int32), src=0))
+        assert text.startswith("rank 1: recv: rank 0 sent float32[4] (16 bytes), but this rank "
+                               "receives into int32[2,2] (16 bytes)"), text  # fmt: skip
+        recv = jax.jit(lambda v: spmd.recv(v, src=0))
+        _raises(lambda: recv(jnp.zeros((4, 1))).block_until_ready(), "rank 0 sent float32[4]",
+                "receives into float32[4,1]", exc=jax.errors.JaxRuntimeError)  # fmt: skip
+    # The pair still works, and a matching message arrives intact.
+    if r == 0:
+        spmd.send(jnp.arange(3.0), dst=1)
+    else:
+        np.testing.assert_array_equal(spmd.recv(jnp.zeros(3), src=0), [0.0, 1.0, 2.0])

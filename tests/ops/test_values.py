@@ -713,7 +713,9 @@ def test_vmap_axes_point_to_point_dtypes_and_weak_types(comm):
         assert got.dtype == jnp.float32
         np.testing.assert_array_equal(got, [0, 1, 2, 3])
         with pytest.raises(
-            spmd.SpmdError, match=r"received 8 bytes from group rank 0, expected 16"
+            spmd.SpmdError,
+            match=r"rank 1: recv: rank 0 sent float32\[2\] \(8 bytes\), but this rank "
+            r"receives into float32\[4\] \(16 bytes\)",
         ):
             spmd.recv(jnp.zeros(4), src=0)
     spmd.barrier()

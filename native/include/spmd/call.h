@@ -78,6 +78,7 @@ class CallBase {
   explicit CallBase(const char* op) : op_(op) {}
 
   const char* op() const { return op_; }
+  void set_op(const char* op) { op_ = op; }
   std::vector<Leaf> in, out;
 
   // Errors name the rank from here on.

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from .._errors import SpmdError
 from .._jax_compat import ad, batching, core
 from ._autodiff import arg_aval, batch_second, instantiate, linear_jvp
-from ._checks import check_axis, flatten
+from ._checks import axes_meaning, check_axis, flatten
 from ._primitive import GroupRef, alone, bind, collective_primitive, register_lowering, resolve
 
 all_to_all_p = collective_primitive("spmd_all_to_all")
@@ -60,7 +60,12 @@ def all_to_all(
     for v, (s, _) in zip(leaves, plans, strict=True):
         m = jnp.moveaxis(v, s, 0)
         blocks.append(m.reshape(n, m.shape[0] // n, *m.shape[1:]))
-    outs = bind(all_to_all_p, *blocks, group=ref)
+    meaning = (
+        axes_meaning("split_axis", [s for s, _ in plans])
+        + ", "
+        + axes_meaning("concat_axis", [c for _, c in plans])
+    )
+    outs = bind(all_to_all_p, *blocks, group=ref.meant(meaning))
     results = []
     for y, (s, c) in zip(outs, plans, strict=True):
         y = jnp.moveaxis(y, 1, s + 1)  # (n, *x.shape with split_axis / n)

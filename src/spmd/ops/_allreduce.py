@@ -98,7 +98,9 @@ def allreduce(
 
 def _exact(leaves: list[Any], op: str, ref: GroupRef, quantize: str | None) -> list[Any]:
     native, sent = to_sum(op, leaves)
-    outs = bind(allreduce_p, *sent, group=ref, op=native, quantize=quantize, compression=None)
+    # An average runs as a sum: the signature says which the caller meant.
+    meant = ref.meant("op=avg") if op == "avg" else ref
+    outs = bind(allreduce_p, *sent, group=meant, op=native, quantize=quantize, compression=None)
     return from_sum(op, outs, leaves, ref.size)
 
 

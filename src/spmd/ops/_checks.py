@@ -144,3 +144,11 @@ def from_sum(op: str, outs: Sequence[Any], like: Sequence[Any], size: int) -> li
     if op != "avg":
         return list(outs)
     return [(y / size).astype(x.dtype) for y, x in zip(outs, like, strict=True)]
+
+
+def axes_meaning(name: str, axes: list[int]) -> str:
+    """How a call's axes (normalized, one per leaf) read in its signature (GroupRef.meant):
+    ``"axis=1"``, or ``"axis=[1, 0]"`` when the leaves differ."""
+    if len(set(axes)) <= 1:
+        return f"{name}={axes[0] if axes else 0}"
+    return f"{name}={list(axes)}"

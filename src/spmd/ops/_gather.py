@@ -20,7 +20,15 @@ import numpy as np
 from .._errors import SpmdError, SpmdTypeError
 from .._jax_compat import ad, batching, core
 from ._autodiff import arg_aval, batch_second, instantiate, linear_jvp, live, zero_tangent
-from ._checks import REDUCE_OPS, check_axis, check_reduce_op, flatten, from_sum, to_sum
+from ._checks import (
+    REDUCE_OPS,
+    axes_meaning,
+    check_axis,
+    check_reduce_op,
+    flatten,
+    from_sum,
+    to_sum,
+)
 from ._primitive import (
     GroupRef,
     alone,
@@ -61,7 +69,7 @@ def allgather(x: Any, axis: int = 0, *, rank_list: Any = None, group: Any = None
     if alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
     moved = [jnp.moveaxis(v, a, 0) for v, a in zip(leaves, axes, strict=True)]
-    outs = bind(allgather_p, *moved, group=ref, sizes=())
+    outs = bind(allgather_p, *moved, group=ref.meant(axes_meaning("axis", axes)), sizes=())
     return jax.tree_util.tree_unflatten(
         treedef, [jnp.moveaxis(y, 0, a) for y, a in zip(outs, axes, strict=True)]
     )
@@ -126,8 +134,9 @@ def reduce_scatter(
     if alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
     native, sent = to_sum(op, [jnp.moveaxis(v, a, 0) for v, a in zip(leaves, axes, strict=True)])
+    meant = ref.meant(f"op={op}, " + axes_meaning("axis", axes))
     outs = from_sum(
-        op, bind(reduce_scatter_p, *sent, group=ref, op=native, sizes=()), leaves, ref.size
+        op, bind(reduce_scatter_p, *sent, group=meant, op=native, sizes=()), leaves, ref.size
     )
     return jax.tree_util.tree_unflatten(
         treedef, [jnp.moveaxis(y, 0, a) for y, a in zip(outs, axes, strict=True)]
@@ -160,7 +169,7 @@ def reduce_scatterv(
     if alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
     native, sent = to_sum(op, leaves)
-    outs = bind(reduce_scatter_p, *sent, group=ref, op=native, sizes=sz)
+    outs = bind(reduce_scatter_p, *sent, group=ref.meant(f"op={op}"), op=native, sizes=sz)
     return jax.tree_util.tree_unflatten(treedef, from_sum(op, outs, leaves, ref.size))
 
 

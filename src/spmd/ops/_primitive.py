@@ -49,6 +49,7 @@ class GroupRef:
     rank: int
     ranks: tuple[int, ...]
     role: str = "forward"
+    meaning: str = ""
 
     @property
     def size(self) -> int:
@@ -70,6 +71,12 @@ class GroupRef:
     def backward(self) -> GroupRef:
         """This group for a collective a transpose rule emits."""
         return replace(self, role="backward")
+
+    def meant(self, text: str) -> GroupRef:
+        """This group for a call whose meaning the native parameters do not show: ``text``
+        (e.g. ``"op=avg"``, which runs as a sum, or the axes the Python side moved to axis 0)
+        joins the signature the ranks compare on CPU, and the mismatch message."""
+        return replace(self, meaning=text)
 
     def __repr__(self) -> str:
         role = "" if self.role == "forward" else f", {self.role}"
@@ -239,7 +246,7 @@ def collective_rules(
     def cpu_rule(ctx: mlir.LoweringRuleContext, *operands: Any, **params: Any) -> list[Any]:
         if not pass_operands:
             ctx, operands = ctx.replace(avals_in=[]), ()
-        attrs = attributes(params)
+        attrs = {**attributes(params), "meaning": params["group"].meaning}
         if cpu_attrs is not None:
             attrs.update(cpu_attrs(**params))
         return lower_collective(ctx, target, operands, **attrs)
