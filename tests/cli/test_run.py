@@ -114,6 +114,52 @@ def test_a_rank_killed_by_a_signal_exits_as_a_shell_would():
     assert "spmd-run: rank 1 failed: killed by SIGKILL" in out.stderr
 
 
+def _mpich_files() -> set[str]:
+    import glob
+    import tempfile
+
+    dirs = {tempfile.gettempdir(), "/tmp"}
+    return set(glob.glob("/dev/shm/mpich_shm_*")) | {
+        p for d in dirs for p in glob.glob(os.path.join(d, "hydra_hwloc_xmlfile_*"))
+    }
+
+
+_FAULTS = {
+    "SIGKILL": "os.kill(os.getpid(), signal.SIGKILL)",
+    "SIGSEGV": "def crash():\n        ctypes.string_at(0)\n    crash()",
+    "raise": "raise ValueError('rank 1 gives up')",
+}
+
+
+@pytest.mark.parametrize("fault", list(_FAULTS))
+def test_a_python_rank_that_dies_is_named_fast_and_leaves_nothing(tmp_path, fault):
+    """A Python rank killed by a signal could not report anything: spmd-run said only "the
+    launcher exited with code 9; ranks without a clean end: [0, 1]", a segfault printed no
+    Python stack, and MPICH's shared memory and topology files stayed behind."""
+    script = tmp_path / "fault.py"
+    script.write_text(
+        "import ctypes, os, signal, time\nimport spmd\n"
+        "comm = spmd.init()\nspmd.barrier()\n"
+        f"if comm.rank == 1:\n    {_FAULTS[fault]}\n"
+        "time.sleep(60)\n"
+    )
+    before = _mpich_files()
+    out, took = spmd_run("-n", "2", sys.executable, str(script))
+    if fault == "raise":
+        assert out.returncode == 1, out.stderr
+        assert "spmd-run: rank 1 failed: ValueError: rank 1 gives up" in out.stderr
+    else:
+        sig = getattr(signal, fault)
+        assert out.returncode == 128 + sig, out.stderr
+        assert f"spmd-run: rank 1 failed: killed by {fault}" in out.stderr, out.stderr
+        assert f"[rank 1] killed by {fault}" in out.stderr
+    if fault == "SIGSEGV":  # faulthandler's stack, prefixed like a traceback
+        assert "[rank 1] Fatal Python error: Segmentation fault" in out.stderr, out.stderr
+        assert 'fault.py", line 7 in crash' in out.stderr, out.stderr
+    assert took < 15, f"the job took {took:.1f} s"
+    assert _mpich_files() - before == set(), "MPICH's files were left behind"
+
+
 def _sleeping_job(tmp_path, preamble=""):
     """A 2-rank job of sleepers (after ``preamble``); returns spmd-run's process and the ranks'
     pids once both ranks are running."""

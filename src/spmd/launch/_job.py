@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 from .._errors import SpmdError
 from ..runtime import bind_mode, record_cpus
+from ._leftovers import remove_leftovers
 from ._mpiexec import mpiexec_argv
 from ._protocol import output_file
 
@@ -187,6 +188,7 @@ def launch(
         if out is not None:
             logs = [open(output_file(out, "launcher", n), "wb") for n in ("stdout", "stderr")]  # noqa: SIM115
         streams = {"stdout": logs[0], "stderr": logs[1]} if logs else {}
+        started = time.time()
         proc = subprocess.Popen(argv, env=child_env, start_new_session=True, stdin=stdin, **streams)
     except BaseException:
         shutil.rmtree(status_dir, ignore_errors=True)
@@ -217,16 +219,19 @@ def launch(
     except KeyboardInterrupt:
         _stop(proc)
         shutil.rmtree(status_dir, ignore_errors=True)
+        remove_leftovers(started)
         return 130
     except _Terminated as e:
         _stop(proc)
         shutil.rmtree(status_dir, ignore_errors=True)
         print(f"spmd-run: stopped the job on {e.name}", file=report, flush=True)
+        remove_leftovers(started)
         return 128 + e.signum
     finally:
         _restore(previous)
     status = _read_status(status_dir)
     shutil.rmtree(status_dir, ignore_errors=True)
+    remove_leftovers(started)
     return _summarize(nprocs, status, proc.returncode, stopped, timed_out, timeout, report)
 
 

@@ -5,12 +5,20 @@ in this process as the interpreter would, so an uncaught exception is seen here:
 with every line prefixed by ``[rank N]``, recorded for ``spmd-run``, and the job is stopped.
 ``python -m spmd.launch._rank --exec CMD...`` runs any other program and records its exit code.
 
+Under ``spmd-run``, Python code runs in a child of the wrapper, which only waits for it
+(:func:`_supervise`): a rank that dies by a signal (a SIGKILL, the out-of-memory killer, a
+segfault) cannot report anything itself, but its parent sees the signal, reports the rank as
+killed by it, prints the Python stack ``faulthandler`` wrote for a crash, and exits with 128 + N
+as a shell would.
+
 The package's ``__init__`` does not import this module, so that ``python -m`` runs it fresh.
 """
 
 from __future__ import annotations
 
 import builtins
+import ctypes
+import faulthandler
 import io
 import os
 import runpy
@@ -19,6 +27,7 @@ import subprocess
 import sys
 import types
 from types import TracebackType
+from typing import Any
 
 from .._errors import SpmdError
 from ..runtime import (
@@ -112,6 +121,67 @@ def _run_program(rank: int, argv: list[str]) -> int:
     return code
 
 
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+              signal.SIGUSR2)  # fmt: skip
+_fault_file: Any = None  # the child's faulthandler file, kept open for its whole life
+
+
+def _supervise(rank: int) -> int | None:
+    """Split into a waiting parent and a child that runs the rank: None in the child; in the
+    parent, once the child has ended, the rank's exit code. Only under ``spmd-run`` (its status
+    directory receives the report) on a system with fork and Linux's parent-death signal."""
+    directory = os.environ.get("SPMD_RUN_STATUS_DIR")
+    if not directory or not sys.platform.startswith("linux"):
+        return None
+    fault_path = os.path.join(directory, f"rank{rank}.fault")
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        # The child dies with its parent (whatever stops the parent stops the rank), and a
+        # crash writes every thread's Python stack where the parent will find it.
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(128 + signal.SIGKILL)
+        global _fault_file
+        _fault_file = open(fault_path, "w")  # noqa: SIM115
+        faulthandler.enable(file=_fault_file, all_threads=True)
+        return None
+    forwarded: list[int] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        forwarded.append(signum)
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in _FORWARDED:
+        signal.signal(sig, forward)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFEXITED(status):
+        return os.WEXITSTATUS(status)
+    signum = os.WTERMSIG(status)
+    if forwarded:  # the job is being stopped: spmd-run names the rank that caused it
+        return 128 + signum
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    stack = ""
+    try:
+        with open(fault_path) as f:
+            stack = f.read()
+    except OSError:
+        pass
+    lines = [f"killed by {name}"] + ([*stack.rstrip().splitlines()] if stack.strip() else [])
+    sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+    sys.stderr.flush()
+    report_status(
+        rank, {"state": "failed", "exit_code": 128 + signum, "error": f"killed by {name}"}
+    )
+    return 128 + signum
+
+
 def _whole_lines() -> None:
     """Send each line of output in one write: the launcher forwards every write of every rank
     as it comes, so a line written piecewise (unbuffered Python, ``PYTHONUNBUFFERED``) gets
@@ -146,6 +216,10 @@ def main() -> int:
         return 2
     _whole_lines()
     bind_rank()
+    if mode == "--python":
+        code = _supervise(rank)
+        if code is not None:
+            return code
     report_status(rank, {"state": "running", "pid": os.getpid()})
     if mode == "--python":
         try:
