@@ -89,10 +89,17 @@ class ShmGroup {
   // one op); exposed so that composite algorithms check once.
   Status Begin(const Signature& sig);
 
+  // Marks this process's ranks of every group as leaving (Python is exiting), so that a peer
+  // waiting for one of them in a collective fails at once naming it instead of waiting for
+  // SPMD_TIMEOUT. Called at interpreter exit (spmd.init registers it).
+  static void MarkAllLeaving();
+
  private:
   struct alignas(64) Ctrl {
     std::atomic<uint64_t> arrive;
-    char pad0[56];
+    std::atomic<int32_t> pid;      // the rank's process, for a waiting peer to see it gone
+    std::atomic<int32_t> leaving;  // set as the rank's process exits (MarkAllLeaving)
+    char pad0[48];
     uint64_t sig[2];
     char pad1[48];
     char desc[512];
@@ -107,11 +114,16 @@ class ShmGroup {
   Status Sync();
   // More ranks in the group than cores on the machine.
   bool Oversubscribed() const;
-  // Waits until `a` reaches v: spinning, then yielding. False once the deadline, set the first
-  // time the wait gets long, has passed.
-  bool WaitFor(const std::atomic<uint64_t>& a, uint64_t v,
+  // Waits until rank r's `a` reaches v: spinning, then yielding. kTimedOut once the deadline,
+  // set the first time the wait gets long, has passed; kGone once rank r's process has ended or
+  // is exiting (checked about every millisecond of a long wait).
+  enum class Wait { kArrived, kTimedOut, kGone };
+  Wait WaitFor(int r, const std::atomic<uint64_t>& a, uint64_t v,
                std::chrono::steady_clock::time_point* deadline) const;
+  // Why rank r is gone ("" if it is not).
+  std::string Gone(int r) const;
   Status TimedOut(uint64_t t, const std::vector<int>& missing);
+  Status PeerGone(uint64_t t, int r);
   // Starts a call moving `bytes`: from kProbeMin bytes, checks the signatures at once (clearing
   // *first) and decides how this call stages (far_, see Staging); `always_far`: streamed under
   // kAuto without probing. Every rank of a call passes the same arguments.
@@ -119,6 +131,8 @@ class ShmGroup {
   // The probe's token ring, after a Begin: *far (every rank) is rank 0's verdict; *hop_ns is
   // rank 0's measurement (NaN on the others).
   Status Ring(bool* far, double* hop_ns);
+  // One wait of the ring for rank r's token to reach v.
+  Status RingWait(int r, uint64_t v, std::chrono::steady_clock::time_point* deadline);
   // What this call's staging writes: into slots (`far_`: streamed).
   void Stage(char* slot, const char* src, size_t len) const;
   // The sync ending a step: the first step of a collective also checks the signatures.
@@ -145,6 +159,10 @@ class ShmGroup {
   uint64_t probes_ = 0;     // staging probes so far (the same count on every rank)
   bool broken_ = false;
   std::string broken_reason_;
+  // Per peer: whether this process saw the peer's process once (after the first sync, when
+  // every rank has published its pid). Only those can be seen gone: a peer in another PID
+  // namespace sharing this node's /dev/shm never is, and is left to the deadline.
+  std::vector<char> visible_;
   std::vector<int> world_ranks_;
 };
 

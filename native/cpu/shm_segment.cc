@@ -10,7 +10,10 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <csignal>
 #include <limits>
+#include <mutex>
+#include <set>
 #include <thread>
 
 #include "messages.h"
@@ -29,6 +32,20 @@
 namespace spmd {
 
 using shm::RoundUp;
+
+namespace {
+// This process's mapped groups, for MarkAllLeaving.
+std::mutex live_mu;
+std::set<ShmGroup*>& Live() {
+  static auto* live = new std::set<ShmGroup*>();  // never destroyed: used at exit
+  return *live;
+}
+}  // namespace
+
+void ShmGroup::MarkAllLeaving() {
+  std::lock_guard<std::mutex> lock(live_mu);
+  for (ShmGroup* g : Live()) g->ctrl(g->rank_)->leaving.store(1, std::memory_order_release);
+}
 
 size_t ShmGroup::SegmentBytes(int size, size_t chunk) {
   return RoundUp(size * sizeof(Ctrl), 4096) + static_cast<size_t>(size) * 4 * chunk;
@@ -70,12 +87,33 @@ Status ShmGroup::Open(const std::string& name, bool create, int rank, int size, 
   g->timeout_s_ = timeout_s;
   g->staging_ = staging;
   g->world_ranks_ = std::move(world_ranks);
+  g->ctrl(rank)->pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
+  g->ctrl(rank)->leaving.store(0, std::memory_order_release);
+  {
+    std::lock_guard<std::mutex> lock(live_mu);
+    Live().insert(g);
+  }
   *out = g;
   return Status::Ok();
 }
 
 ShmGroup::~ShmGroup() {
+  {
+    std::lock_guard<std::mutex> lock(live_mu);
+    Live().erase(this);
+  }
   if (base_ != nullptr) munmap(base_, bytes_);
+}
+
+std::string ShmGroup::Gone(int r) const {  // `visible_`: see shm.h
+  if (ctrl(r)->leaving.load(std::memory_order_acquire) != 0) {
+    return "is exiting (its Python program ended, or called sys.exit)";
+  }
+  const int32_t pid = ctrl(r)->pid.load(std::memory_order_acquire);
+  if (!visible_.empty() && visible_[r] && pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) {
+    return "has ended (its process " + std::to_string(pid) + " is gone)";
+  }
+  return "";
 }
 
 bool ShmGroup::Oversubscribed() const {
@@ -83,27 +121,57 @@ bool ShmGroup::Oversubscribed() const {
   return static_cast<unsigned>(size_) > cores;
 }
 
-bool ShmGroup::WaitFor(const std::atomic<uint64_t>& a, uint64_t v,
-                       std::chrono::steady_clock::time_point* deadline) const {
+ShmGroup::Wait ShmGroup::WaitFor(int r, const std::atomic<uint64_t>& a, uint64_t v,
+                                 std::chrono::steady_clock::time_point* deadline) const {
   // Oversubscribed (more ranks than cores): yield early so that the ranks we wait for can run.
   const int spin_limit = Oversubscribed() ? 16 : 4096;
+  // A long wait sleeps instead of yielding, so that it leaves the core to the work it waits
+  // for: from kSleepAfter, in naps of kNap, from kLongAfter of kLongNap. A peer arriving then is
+  // seen at most one nap late.
+  using std::chrono::microseconds;
+  using std::chrono::milliseconds;
+  constexpr auto kSleepAfter = milliseconds(10), kLongAfter = milliseconds(200);
+  constexpr auto kNap = microseconds(50), kLongNap = microseconds(500);
+  const auto timeout = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(timeout_s_));
+  microseconds nap{0};
   int spins = 0;
   while (a.load(std::memory_order_acquire) < v) {
     if (++spins < spin_limit) {
       SPMD_PAUSE();
       continue;
     }
-    sched_yield();
-    if ((spins & 1023) != 0) continue;
+    if (nap.count() != 0) {
+      std::this_thread::sleep_for(nap);
+    } else {
+      sched_yield();
+      if ((spins & 1023) != 0) continue;
+    }
+    // The peer may have reached v just before it left: look once more after seeing it gone.
+    if (!Gone(r).empty()) {
+      return a.load(std::memory_order_acquire) < v ? Wait::kGone : Wait::kArrived;
+    }
     auto now = std::chrono::steady_clock::now();
     if (*deadline == std::chrono::steady_clock::time_point{}) {
-      *deadline = now + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(timeout_s_));
+      *deadline = now + timeout;
     } else if (now > *deadline) {
-      return false;
+      return Wait::kTimedOut;
     }
+    const auto waited = now - (*deadline - timeout);  // since this sync's wait got long
+    nap = waited > kLongAfter ? kLongNap : waited > kSleepAfter ? kNap : microseconds(0);
   }
-  return true;
+  return Wait::kArrived;
+}
+
+Status ShmGroup::PeerGone(uint64_t t, int r) {
+  broken_ = true;
+  broken_reason_ = "the shared-memory group of ranks " + RankList(world_ranks_) +
+                   " is unusable: rank " + std::to_string(world_ranks_[r]) + " left it";
+  return Status::Error("rank " + std::to_string(world_ranks_[r]) + " " + Gone(r) +
+                       " while this rank waited for it in collective #" + std::to_string(t) +
+                       " of the group " + RankList(world_ranks_) + ": it made fewer collective "
+                       "calls than this rank. Every rank of a group must make the same "
+                       "collective calls in the same order");
 }
 
 Status ShmGroup::TimedOut(uint64_t t, const std::vector<int>& missing) {
@@ -128,7 +196,10 @@ Status ShmGroup::Sync() {
   // One deadline for the whole barrier (set once the wait gets long), not one per peer.
   std::chrono::steady_clock::time_point deadline{};
   for (int r = 0; r < size_; ++r) {
-    if (r == rank_ || WaitFor(ctrl(r)->arrive, t, &deadline)) continue;
+    if (r == rank_) continue;
+    const Wait w = WaitFor(r, ctrl(r)->arrive, t, &deadline);
+    if (w == Wait::kArrived) continue;
+    if (w == Wait::kGone) return PeerGone(t, r);
     std::vector<int> missing;
     for (int q = 0; q < size_; ++q) {
       if (q != rank_ && ctrl(q)->arrive.load(std::memory_order_acquire) < t) {
@@ -136,6 +207,13 @@ Status ShmGroup::Sync() {
       }
     }
     return TimedOut(t, missing);
+  }
+  if (visible_.empty()) {  // every rank has published its pid by now
+    visible_.assign(size_, 0);
+    for (int r = 0; r < size_; ++r) {
+      const int32_t pid = ctrl(r)->pid.load(std::memory_order_acquire);
+      visible_[r] = pid > 0 && (kill(pid, 0) == 0 || errno == EPERM);
+    }
   }
   return Status::Ok();
 }
@@ -177,6 +255,13 @@ Status ShmGroup::Hop(const Signature& sig, double* hop_ns) {
   return Ring(&far, hop_ns);
 }
 
+Status ShmGroup::RingWait(int r, uint64_t v, std::chrono::steady_clock::time_point* deadline) {
+  const Wait w = WaitFor(r, ctrl(r)->token, v, deadline);
+  if (w == Wait::kGone) return PeerGone(epoch_, r);
+  if (w == Wait::kTimedOut) return TimedOut(epoch_, {world_ranks_[r]});
+  return Status::Ok();
+}
+
 Status ShmGroup::Ring(bool* far, double* hop_ns) {
   // Rank 0 passes the token round the ranks kProbeLaps times, timing it, then publishes its
   // verdict in the low bit of one last token.
@@ -189,9 +274,7 @@ Status ShmGroup::Ring(bool* far, double* hop_ns) {
     auto start = std::chrono::steady_clock::now();
     for (int k = 1; k <= kProbeLaps; ++k) {
       ctrl(0)->token.store(lap(k), std::memory_order_release);
-      if (!WaitFor(ctrl(prev)->token, lap(k), &deadline)) {
-        return TimedOut(epoch_, {world_ranks_[prev]});
-      }
+      SPMD_RETURN_IF_ERROR(RingWait(prev, lap(k), &deadline));
     }
     std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - start;
     *hop_ns = took.count() / (kProbeLaps * size_);
@@ -200,15 +283,11 @@ Status ShmGroup::Ring(bool* far, double* hop_ns) {
     return Status::Ok();
   }
   for (int k = 1; k <= kProbeLaps; ++k) {
-    if (!WaitFor(ctrl(prev)->token, lap(k), &deadline)) {
-      return TimedOut(epoch_, {world_ranks_[prev]});
-    }
+    SPMD_RETURN_IF_ERROR(RingWait(prev, lap(k), &deadline));
     ctrl(rank_)->token.store(lap(k), std::memory_order_release);
   }
   // Rank 0 cannot move the token on before this rank reaches the call's next sync.
-  if (!WaitFor(ctrl(0)->token, lap(kProbeLaps + 1), &deadline)) {
-    return TimedOut(epoch_, {world_ranks_[0]});
-  }
+  SPMD_RETURN_IF_ERROR(RingWait(0, lap(kProbeLaps + 1), &deadline));
   *far = (ctrl(0)->token.load(std::memory_order_acquire) & 1) != 0;
   return Status::Ok();
 }

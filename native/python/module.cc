@@ -178,6 +178,13 @@ PyObject* GroupSetTransport(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// shm_mark_leaving(): this process's ranks of every shared-memory group are leaving (called at
+// interpreter exit, so that a peer waiting for them fails at once naming them).
+PyObject* ShmMarkLeaving(PyObject*, PyObject*) {
+  spmd::ShmGroup::MarkAllLeaving();
+  Py_RETURN_NONE;
+}
+
 // group_shm_hop_ns(id) -> float: the shared-memory staging probe, collective over the group;
 // the mean hop time in ns on the group's rank 0, NaN on the others.
 PyObject* GroupShmHopNs(PyObject*, PyObject* args) {
@@ -281,6 +288,8 @@ PyMethodDef kMethods[] = {
     {"group_attach_mpi", GroupAttachMpi, METH_VARARGS, "Give a group an MPI communicator."},
     {"group_set_transport", GroupSetTransport, METH_VARARGS, "Choose how a group moves data."},
     {"group_shm_hop_ns", GroupShmHopNs, METH_VARARGS, "Time the shared-memory staging probe."},
+    {"shm_mark_leaving", ShmMarkLeaving, METH_NOARGS,
+     "Mark this process's ranks of every shared-memory group as leaving."},
     {"group_destroy", GroupDestroy, METH_VARARGS, "Unregister a group."},
     {"quant_roundtrip", QuantRoundtrip, METH_VARARGS, "Encode and decode with a GPU codec."},
     {"quant_allreduce_reference", QuantAllreduceReference, METH_VARARGS,

@@ -160,6 +160,26 @@ def test_a_python_rank_that_dies_is_named_fast_and_leaves_nothing(tmp_path, faul
     assert _mpich_files() - before == set(), "MPICH's files were left behind"
 
 
+@pytest.mark.parametrize("leave", ["sys.exit(0)", "os._exit(0)"])
+def test_a_rank_that_leaves_early_is_named_at_once_not_after_the_timeout(tmp_path, leave):
+    """A rank that makes one collective fewer and exits cleanly left its peers waiting for
+    SPMD_TIMEOUT (300 s). sys.exit runs Python's exit handlers, which mark the rank as leaving
+    in shared memory; os._exit runs none, and the waiting peer sees its process gone."""
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "import os, sys\nimport jax.numpy as jnp\nimport spmd\n"
+        "comm = spmd.init()\nspmd.allreduce(jnp.ones(3))\n"
+        f"if comm.rank == 1:\n    {leave}\n"
+        "spmd.allreduce(jnp.ones(3))\n"
+    )
+    out, took = spmd_run("-n", "2", sys.executable, str(script))
+    assert out.returncode == 1, out.stderr
+    gone = "is exiting" if leave.startswith("sys") else "has ended (its process"
+    assert f"spmd-run: rank 0 failed: SpmdError: rank 0: allreduce: rank 1 {gone}" in out.stderr
+    assert "while this rank waited for it in collective #2 of the group [0, 1]" in out.stderr
+    assert took < 15, f"the job took {took:.1f} s"
+
+
 def _sleeping_job(tmp_path, preamble=""):
     """A 2-rank job of sleepers (after ``preamble``); returns spmd-run's process and the ranks'
     pids once both ranks are running."""

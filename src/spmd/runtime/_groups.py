@@ -22,6 +22,7 @@ node holds several of the group's ranks, ``mpi`` otherwise. ``SPMD_TRANSPORT`` o
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import threading
@@ -388,3 +389,18 @@ def shm_hop_ns(comm: Communicator) -> float | None:
     if ng.size == 1 or "shm" not in ng.available:
         return None
     return float(native().group_shm_hop_ns(ng.gid))
+
+
+_leaving_registered = False
+
+
+def mark_leaving_at_exit() -> None:
+    """At interpreter exit, mark this process's ranks of every shared-memory group as leaving,
+    so that a peer still waiting for one of them in a collective fails at once, naming it, instead
+    of waiting for SPMD_TIMEOUT (a rank that made fewer collectives, or called sys.exit). Python's
+    exit handlers run last registered first: this one runs before mpi4py finalizes MPI."""
+    global _leaving_registered
+    if _leaving_registered:
+        return
+    _leaving_registered = True
+    atexit.register(native().shm_mark_leaving)

@@ -224,6 +224,8 @@ def init(backend: str | None = None) -> Communicator:
             install_abort_hook(runtime.rank)
         _runtime = runtime
         _groups.prepare_world(runtime.world)
+        if runtime.size > 1:
+            _groups.mark_leaving_at_exit()
         return runtime.world
 
 
