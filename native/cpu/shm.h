@@ -89,6 +89,10 @@ class ShmGroup {
   // one op); exposed so that composite algorithms check once.
   Status Begin(const Signature& sig);
 
+  // Whether this process prints its Python stack on SIGUSR1 (spmd.init registers faulthandler
+  // for it when nothing else handles the signal): a peer reporting a stall asks for it.
+  static void SetDumpsStack(bool on);
+
   // Marks this process's ranks of every group as leaving (Python is exiting), so that a peer
   // waiting for one of them in a collective fails at once naming it instead of waiting for
   // SPMD_TIMEOUT. Called at interpreter exit (spmd.init registers it).
@@ -99,7 +103,9 @@ class ShmGroup {
     std::atomic<uint64_t> arrive;
     std::atomic<int32_t> pid;      // the rank's process, for a waiting peer to see it gone
     std::atomic<int32_t> leaving;  // set as the rank's process exits (MarkAllLeaving)
-    char pad0[48];
+    std::atomic<uint64_t> calls;   // collectives this rank has started on the group
+    std::atomic<int32_t> dumps;    // its Python stack is printed on SIGUSR1 (faulthandler)
+    char pad0[36];
     uint64_t sig[2];
     char pad1[48];
     char desc[512];
@@ -163,6 +169,12 @@ class ShmGroup {
   // every rank has published its pid). Only those can be seen gone: a peer in another PID
   // namespace sharing this node's /dev/shm never is, and is left to the deadline.
   std::vector<char> visible_;
+  uint64_t calls_ = 0;                // collectives started on this group (Begin)
+  const Signature* current_ = nullptr;  // the collective under way, for a stall report
+  double stall_s_ = 30;               // SPMD_STALL_WARN: report a wait longer than this (0: never)
+  // Prints, once per wait, which rank this one has waited `waited_s` for and where that rank
+  // is; asks it for its Python stack (SIGUSR1) when it registered for that.
+  void ReportStall(int r, double waited_s) const;
   std::vector<int> world_ranks_;
 };
 

@@ -11,6 +11,8 @@
 #include <chrono>
 #include <cstring>
 #include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <mutex>
 #include <set>
@@ -41,6 +43,14 @@ std::set<ShmGroup*>& Live() {
   return *live;
 }
 }  // namespace
+
+static std::atomic<bool> dumps_stack{false};  // SetDumpsStack
+
+void ShmGroup::SetDumpsStack(bool on) {
+  dumps_stack.store(on);
+  std::lock_guard<std::mutex> lock(live_mu);
+  for (ShmGroup* g : Live()) g->ctrl(g->rank_)->dumps.store(on ? 1 : 0);
+}
 
 void ShmGroup::MarkAllLeaving() {
   std::lock_guard<std::mutex> lock(live_mu);
@@ -89,6 +99,13 @@ Status ShmGroup::Open(const std::string& name, bool create, int rank, int size, 
   g->world_ranks_ = std::move(world_ranks);
   g->ctrl(rank)->pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
   g->ctrl(rank)->leaving.store(0, std::memory_order_release);
+  g->ctrl(rank)->calls.store(0, std::memory_order_release);
+  g->ctrl(rank)->dumps.store(dumps_stack.load() ? 1 : 0, std::memory_order_release);
+  if (const char* v = std::getenv("SPMD_STALL_WARN"); v != nullptr && *v != 0) {
+    char* end = nullptr;
+    const double s = std::strtod(v, &end);
+    if (end != v && s >= 0) g->stall_s_ = s;  // the Python side rejects a bad value first
+  }
   {
     std::lock_guard<std::mutex> lock(live_mu);
     Live().insert(g);
@@ -135,6 +152,7 @@ ShmGroup::Wait ShmGroup::WaitFor(int r, const std::atomic<uint64_t>& a, uint64_t
   const auto timeout = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
       std::chrono::duration<double>(timeout_s_));
   microseconds nap{0};
+  bool reported = false;
   int spins = 0;
   while (a.load(std::memory_order_acquire) < v) {
     if (++spins < spin_limit) {
@@ -159,8 +177,35 @@ ShmGroup::Wait ShmGroup::WaitFor(int r, const std::atomic<uint64_t>& a, uint64_t
     }
     const auto waited = now - (*deadline - timeout);  // since this sync's wait got long
     nap = waited > kLongAfter ? kLongNap : waited > kSleepAfter ? kNap : microseconds(0);
+    const double waited_s = std::chrono::duration<double>(waited).count();
+    if (!reported && stall_s_ > 0 && waited_s > stall_s_) {
+      reported = true;
+      ReportStall(r, waited_s);
+    }
   }
   return Wait::kArrived;
+}
+
+void ShmGroup::ReportStall(int r, double waited_s) const {
+  const uint64_t theirs = ctrl(r)->calls.load(std::memory_order_relaxed);
+  const std::string what = current_ != nullptr ? current_->Describe() : "a collective";
+  std::string where = theirs < calls_   ? "it has not reached this collective"
+                      : theirs == calls_ ? "it is in this collective too, but has not arrived"
+                                         : "it is past this collective";
+  // One rank asks for the stack: the lowest rank other than the stalled one.
+  const bool ask = ctrl(r)->dumps.load() != 0 && rank_ == (r == 0 ? 1 : 0);
+  const int32_t pid = ctrl(r)->pid.load();
+  std::string msg = "[rank " + std::to_string(world_ranks_[rank_]) + "] spmd: stalled: " +
+                    "this rank has waited " + std::to_string(static_cast<int>(waited_s)) +
+                    " s in " + what + " (collective #" + std::to_string(calls_) +
+                    " of the group " + RankList(world_ranks_) + ") for rank " +
+                    std::to_string(world_ranks_[r]) + ", which has started " +
+                    std::to_string(theirs) + " collectives on the group: " + where + "." +
+                    (ask ? " Its Python stack follows in its output." : "") +
+                    " (SPMD_STALL_WARN; the wait ends with an error after SPMD_TIMEOUT.)\n";
+  std::fputs(msg.c_str(), stderr);
+  std::fflush(stderr);
+  if (ask && pid > 0) kill(pid, SIGUSR1);
 }
 
 Status ShmGroup::PeerGone(uint64_t t, int r) {
@@ -306,6 +351,8 @@ Status ShmGroup::Mismatch(const Signature& sig) {
 }
 
 Status ShmGroup::Begin(const Signature& sig) {
+  ctrl(rank_)->calls.store(++calls_, std::memory_order_relaxed);
+  current_ = &sig;
   uint64_t t = next();
   ctrl(rank_)->sig[t & 1] = sig.hash;
   SPMD_RETURN_IF_ERROR(Sync());

@@ -185,6 +185,15 @@ PyObject* ShmMarkLeaving(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
+// shm_dumps_stack(on): whether this process prints its Python stack on SIGUSR1 (a peer that
+// reports a stall then asks for it).
+PyObject* ShmDumpsStack(PyObject*, PyObject* args) {
+  int on = 0;
+  if (!PyArg_ParseTuple(args, "p", &on)) return nullptr;
+  spmd::ShmGroup::SetDumpsStack(on != 0);
+  Py_RETURN_NONE;
+}
+
 // group_shm_hop_ns(id) -> float: the shared-memory staging probe, collective over the group;
 // the mean hop time in ns on the group's rank 0, NaN on the others.
 PyObject* GroupShmHopNs(PyObject*, PyObject* args) {
@@ -288,6 +297,8 @@ PyMethodDef kMethods[] = {
     {"group_attach_mpi", GroupAttachMpi, METH_VARARGS, "Give a group an MPI communicator."},
     {"group_set_transport", GroupSetTransport, METH_VARARGS, "Choose how a group moves data."},
     {"group_shm_hop_ns", GroupShmHopNs, METH_VARARGS, "Time the shared-memory staging probe."},
+    {"shm_dumps_stack", ShmDumpsStack, METH_VARARGS,
+     "Say whether this process prints its Python stack on SIGUSR1."},
     {"shm_mark_leaving", ShmMarkLeaving, METH_NOARGS,
      "Mark this process's ranks of every shared-memory group as leaving."},
     {"group_destroy", GroupDestroy, METH_VARARGS, "Unregister a group."},

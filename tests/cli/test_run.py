@@ -15,9 +15,10 @@ from spmd.launch import wrap_command
 SPMD_RUN = [sys.executable, "-m", "spmd.cli.run"]
 
 
-def spmd_run(*args, timeout=120):
+def spmd_run(*args, timeout=120, env=None):
     start = time.monotonic()
-    out = subprocess.run([*SPMD_RUN, *args], capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run([*SPMD_RUN, *args], capture_output=True, text=True, timeout=timeout,
+                         env=None if env is None else {**os.environ, **env})  # fmt: skip
     return out, time.monotonic() - start
 
 
@@ -178,6 +179,30 @@ def test_a_rank_that_leaves_early_is_named_at_once_not_after_the_timeout(tmp_pat
     assert f"spmd-run: rank 0 failed: SpmdError: rank 0: allreduce: rank 1 {gone}" in out.stderr
     assert "while this rank waited for it in collective #2 of the group [0, 1]" in out.stderr
     assert took < 15, f"the job took {took:.1f} s"
+
+
+def test_a_stalled_peer_is_reported_with_its_python_stack(tmp_path):
+    """A peer that is alive but does not arrive: after SPMD_STALL_WARN seconds the waiting rank
+    says where it waits, for whom, how far that rank got, and has it print its Python stack."""
+    script = tmp_path / "stall.py"
+    script.write_text(
+        "import time\nimport jax.numpy as jnp\nimport spmd\n"
+        "comm = spmd.init()\nspmd.allreduce(jnp.ones(3))\n"
+        "def busy_elsewhere():\n    time.sleep(3)\n"
+        "if comm.rank == 1:\n    busy_elsewhere()\n"
+        "print(comm.rank, float(spmd.allreduce(jnp.ones(3))[0]))\n"
+    )
+    out, _ = spmd_run("-n", "2", sys.executable, str(script), env={"SPMD_STALL_WARN": "1"})
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.split("\n")[:2]) == ["0 2.0", "1 2.0"], out.stdout
+    report = (
+        "[rank 0] spmd: stalled: this rank has waited 1 s in allreduce(op=sum) of float32[3] "
+        "(collective #2 of the group [0, 1]) for rank 1, which has started 1 collectives on the "
+        "group: it has not reached this collective."
+    )
+    assert report in out.stderr, out.stderr
+    assert 'stall.py", line 7 in busy_elsewhere' in out.stderr, out.stderr
+    assert out.stderr.count("spmd: stalled") == 1, out.stderr
 
 
 def _sleeping_job(tmp_path, preamble=""):

@@ -3,7 +3,7 @@
 import pytest
 
 from spmd import SpmdError
-from spmd.runtime._env import detect, node_id, timeout_seconds
+from spmd.runtime._env import detect, node_id, stall_warn_seconds, timeout_seconds
 
 
 def test_no_launcher_is_a_world_of_one():
@@ -96,6 +96,17 @@ def test_timeout_seconds():
     assert timeout_seconds({"SPMD_TIMEOUT": "2.5"}) == 2.5
     with pytest.raises(SpmdError, match="SPMD_TIMEOUT='-1' must be positive"):
         timeout_seconds({"SPMD_TIMEOUT": "-1"})
+    with pytest.raises(SpmdError, match="SPMD_TIMEOUT='0' must be positive"):
+        timeout_seconds({"SPMD_TIMEOUT": "0"})
+
+
+def test_stall_warn_seconds():
+    assert stall_warn_seconds({}) == 30.0
+    assert stall_warn_seconds({"SPMD_STALL_WARN": "0"}) == 0.0  # off
+    with pytest.raises(SpmdError, match="SPMD_STALL_WARN='-2' must be 0 \\(off\\) or more"):
+        stall_warn_seconds({"SPMD_STALL_WARN": "-2"})
+    with pytest.raises(SpmdError, match="SPMD_STALL_WARN='soon' is not a number of seconds"):
+        stall_warn_seconds({"SPMD_STALL_WARN": "soon"})
 
 
 def test_a_node_with_fewer_gpus_than_processes_is_an_error_that_says_so():

@@ -143,15 +143,26 @@ def node_id(env: Mapping[str, str], rank: int, size: int) -> str:
     return socket.gethostname()
 
 
-def timeout_seconds(env: Mapping[str, str] = os.environ) -> float:
-    """Seconds a bootstrap exchange waits for its peers before it fails (``SPMD_TIMEOUT``)."""
-    value = env.get("SPMD_TIMEOUT")
+def _seconds(env: Mapping[str, str], name: str, default: float, zero_ok: bool) -> float:
+    value = env.get(name)
     if not value:
-        return 300.0
+        return default
     try:
         seconds = float(value)
     except ValueError:
-        raise SpmdError(f"SPMD_TIMEOUT={value!r} is not a number of seconds", rank=None) from None
-    if seconds <= 0:
-        raise SpmdError(f"SPMD_TIMEOUT={value!r} must be positive", rank=None)
+        raise SpmdError(f"{name}={value!r} is not a number of seconds", rank=None) from None
+    if seconds < 0 or (seconds == 0 and not zero_ok):
+        want = "0 (off) or more" if zero_ok else "positive"
+        raise SpmdError(f"{name}={value!r} must be {want}", rank=None)
     return seconds
+
+
+def stall_warn_seconds(env: Mapping[str, str] = os.environ) -> float:
+    """Seconds a shared-memory collective waits for a peer before it prints a stall report
+    (``SPMD_STALL_WARN``; 0: never). The native layer reads the variable; this checks it."""
+    return _seconds(env, "SPMD_STALL_WARN", 30.0, zero_ok=True)
+
+
+def timeout_seconds(env: Mapping[str, str] = os.environ) -> float:
+    """Seconds a bootstrap exchange waits for its peers before it fails (``SPMD_TIMEOUT``)."""
+    return _seconds(env, "SPMD_TIMEOUT", 300.0, zero_ok=False)

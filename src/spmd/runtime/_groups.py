@@ -23,8 +23,12 @@ node holds several of the group's ranks, ``mpi`` otherwise. ``SPMD_TRANSPORT`` o
 from __future__ import annotations
 
 import atexit
+import faulthandler
+import io
 import itertools
 import os
+import signal
+import sys
 import threading
 import uuid
 import warnings
@@ -394,13 +398,25 @@ def shm_hop_ns(comm: Communicator) -> float | None:
 _leaving_registered = False
 
 
-def mark_leaving_at_exit() -> None:
-    """At interpreter exit, mark this process's ranks of every shared-memory group as leaving,
-    so that a peer still waiting for one of them in a collective fails at once, naming it, instead
-    of waiting for SPMD_TIMEOUT (a rank that made fewer collectives, or called sys.exit). Python's
-    exit handlers run last registered first: this one runs before mpi4py finalizes MPI."""
+def watch_peers() -> None:
+    """What lets this rank's peers find it when they wait for it (once per process):
+
+    - at interpreter exit, this process's ranks of every shared-memory group are marked as
+      leaving, so that a peer still waiting for one of them in a collective fails at once,
+      naming it, instead of waiting for SPMD_TIMEOUT (a rank that made fewer collectives, or
+      called sys.exit). Python's exit handlers run last registered first: this one runs before
+      mpi4py finalizes MPI;
+    - when nothing else handles SIGUSR1, faulthandler prints this process's Python stack on it,
+      which a peer reporting a stall (SPMD_STALL_WARN) asks for.
+    """
     global _leaving_registered
     if _leaving_registered:
         return
     _leaving_registered = True
     atexit.register(native().shm_mark_leaving)
+    if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL and sys.stderr is not None:
+        try:
+            faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+        except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+            return  # no usable file descriptor (a notebook's stream): no stack on request
+        native().shm_dumps_stack(True)

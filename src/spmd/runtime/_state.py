@@ -20,6 +20,7 @@ from ._channel import (
 from ._communicator import Communicator, Groups, resolve_rank_list
 from ._device import bind_local_device, device_shortage, drain_device_work
 from ._env import COMMUNICATOR_NAMES, CommunicatorName, LaunchInfo, detect, node_id
+from ._env import stall_warn_seconds as _stall_warn_seconds
 from ._env import timeout_seconds as _timeout_seconds
 from ._failure import install_abort_hook, uninstall_abort_hook
 from ._malloc import tune as _tune_malloc
@@ -211,6 +212,7 @@ def init(backend: str | None = None) -> Communicator:
                 rank=launch.rank,
             )
         _tune_malloc()
+        _stall_warn_seconds()  # a bad SPMD_STALL_WARN fails here, not in the native layer
         runtime = _Runtime(launch, _generation)
         _generation += 1
         # Every rank learns of a node with too few GPUs, also those on nodes that have enough.
@@ -225,7 +227,7 @@ def init(backend: str | None = None) -> Communicator:
         _runtime = runtime
         _groups.prepare_world(runtime.world)
         if runtime.size > 1:
-            _groups.mark_leaving_at_exit()
+            _groups.watch_peers()
         return runtime.world
 
 

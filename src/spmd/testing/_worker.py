@@ -82,6 +82,10 @@ def _run(rank: int, task: tuple[Any, ...]) -> tuple[Any, ...]:
 def main() -> None:
     rank = launch_rank()
     dump = open(Path(os.environ["SPMD_TESTING_DIR"]) / f"stack.{rank}", "w")  # noqa: SIM115
+    # The pool reads this file when a task hangs. Python's own record of SIGUSR1 says it is
+    # taken (faulthandler's handler replaces SIG_IGN at the C level), so that spmd.init leaves
+    # it alone (runtime/_groups.py, watch_peers).
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(os.environ["SPMD_TESTING_ADDR"])
