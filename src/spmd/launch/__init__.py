@@ -7,6 +7,7 @@ Used by :mod:`spmd.cli` (``spmd-run``, ``spmd-bench``), :mod:`spmd.notebook` and
 
 from ._job import launch as launch
 from ._job import wrap_command as wrap_command
+from ._leftovers import remove_leftovers as remove_leftovers
 from ._mpiexec import find_mpiexec as find_mpiexec
 from ._mpiexec import flavor as flavor
 from ._mpiexec import mpiexec_argv as mpiexec_argv
@@ -20,5 +21,6 @@ __all__ = [
     "launch_rank",
     "mpiexec_argv",
     "output_file",
+    "remove_leftovers",
     "wrap_command",
 ]

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .._errors import SpmdError
-from ..launch import mpiexec_argv
+from ..launch import mpiexec_argv, remove_leftovers
 from . import _wire
 
 Launcher = Literal["mpi", "env"]
@@ -56,6 +56,7 @@ class _Pool:
 
     def __init__(self, nprocs: int, launcher: Launcher, env: Mapping[str, str]) -> None:
         self.nprocs = nprocs
+        self.started = time.time()  # MPICH's files of this pool's job appear after it
         self.dir = Path(tempfile.mkdtemp(prefix="spmd-test-"))
         self.log_path = self.dir / "launcher.log"
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -304,6 +305,8 @@ class _Pool:
         for conn in self.conns.values():
             conn.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+        # A killed (or aborted) job leaves MPICH's segments behind, as under spmd-run.
+        remove_leftovers(self.started)
 
 
 _pools: OrderedDict[tuple[Any, ...], _Pool] = OrderedDict()
