@@ -54,7 +54,7 @@ struct Call : CallBase {
   bool has_sizes = false;
   // The call as the user wrote it where the native parameters do not show it (op="avg", which
   // runs as a sum; the axes the Python side moved to axis 0), hashed with the rest.
-  std::string meaning;
+  std::string_view meaning;  // the call's attribute, which outlives the call
   uint64_t hash = 1469598103934665603ull;  // FNV-1a
 
   void Mix(uint64_t x) {
@@ -69,7 +69,7 @@ struct Call : CallBase {
   ffi::Error Start(int64_t group_attr, std::string_view what, ffi::RemainingArgs args,
                    ffi::RemainingRets rets, bool vary_rows = false) {
     role = RoleOf(group_attr);
-    meaning = std::string(what);
+    meaning = what;
     group = GroupFind(GroupIdOf(group_attr));
     if (group == nullptr) return GroupMissing();
     set_world_rank(group->world_rank());
@@ -108,8 +108,8 @@ struct Call : CallBase {
   }
 
   std::string Params() const {
-    std::string p = meaning;
-    if (op >= 0 && meaning.find("op=") == std::string::npos) {
+    std::string p(meaning);
+    if (op >= 0 && meaning.find("op=") == std::string_view::npos) {
       p += std::string(p.empty() ? "" : ", ") + "op=" + (div > 1 ? "avg" : NameOf(kReduceOps, op));
     }
     if (wire) p += std::string(", compression=") + NameOf(kWires, wire);

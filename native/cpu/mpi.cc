@@ -32,7 +32,6 @@ struct Fns {
   int (*Irecv_c)(void*, Count, H, int, int, H, H*);
   int (*Ibarrier)(H, H*);
   int (*Test)(H*, int*, void*);
-  int (*Get_count_c)(const void*, H, Count*);
   int (*Cancel)(H*);
   int (*Request_free)(H*);
   int (*Error_string)(int, char*, int*);
@@ -213,7 +212,6 @@ Status MpiLoad(const std::string& library, const MpiConstants& constants) {
             Resolve(lib, "MPI_Ialltoallv_c", &fns.Ialltoallv_c) &&
             Resolve(lib, "MPI_Isend_c", &fns.Isend_c) && Resolve(lib, "MPI_Irecv_c", &fns.Irecv_c) &&
             Resolve(lib, "MPI_Ibarrier", &fns.Ibarrier) && Resolve(lib, "MPI_Test", &fns.Test) &&
-            Resolve(lib, "MPI_Get_count_c", &fns.Get_count_c) &&
             Resolve(lib, "MPI_Cancel", &fns.Cancel) &&
             Resolve(lib, "MPI_Request_free", &fns.Request_free) &&
             Resolve(lib, "MPI_Error_string", &fns.Error_string);
@@ -236,7 +234,7 @@ Status MpiComm::Usable() const {
                        "complete that call, so no later call is started)");
 }
 
-Status MpiComm::Wait(H* requests, int n, const char* what, Count* first_bytes) const {
+Status MpiComm::Wait(H* requests, int n, const char* what) const {
   auto start = std::chrono::steady_clock::now();
   int spins = 0;
   for (int i = 0; i < n; ++i) {
@@ -244,12 +242,7 @@ Status MpiComm::Wait(H* requests, int n, const char* what, Count* first_bytes) c
       int done = 0;
       alignas(16) char status[256];
       SPMD_RETURN_IF_ERROR(Check(fns.Test(&requests[i], &done, status), what));
-      if (done) {
-        if (i == 0 && first_bytes != nullptr) {
-          SPMD_RETURN_IF_ERROR(Check(fns.Get_count_c(status, consts.byte, first_bytes), what));
-        }
-        break;
-      }
+      if (done) break;
       if (++spins % 1024 == 0) {
         sched_yield();
         std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;

@@ -86,10 +86,7 @@ struct MpiComm {
  private:
   Status Usable() const;
   // Polls `requests` to completion, or fails after the deadline naming the group.
-  // Waits for every request (deadline: timeout_s); `first_bytes`, when given, gets the byte
-  // count of the first one (a receive).
-  Status Wait(MpiHandle* requests, int n, const char* what,
-              int64_t* first_bytes = nullptr) const;
+  Status Wait(MpiHandle* requests, int n, const char* what) const;
 };
 
 }  // namespace spmd
