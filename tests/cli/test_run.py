@@ -217,8 +217,11 @@ def _sleeping_job(tmp_path, preamble=""):
         "os.replace(path + '.part', path)\n"
         "time.sleep(120)\n"
     )
+    # spmd-run's status directory goes under tmp_path: a spmd-run killed by SIGKILL cannot
+    # remove it.
     proc = subprocess.Popen([*SPMD_RUN, "-n", "2", sys.executable, str(script)],
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while len(list(tmp_path.glob("pid.?"))) < 2 and time.monotonic() < deadline:
