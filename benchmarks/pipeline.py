@@ -16,6 +16,13 @@ messages (a ``lax.scan`` of ``jax.vjp``; C: the slowest stage's median). Measure
 spent moving activations, not only the idle time of the schedule. Theoretical:
 (p - 1) / (m + p - 1), which assumes stages of equal time and free messages.
 
+**The schedule alone.** Also per (schedule, m), on every rank at once: the same pipelined step
+on a group of one holding this stage's layers (S: the slowest stage's median). It runs the
+schedule's own work (the stash of residuals, the loss, the gradient sums) with no messages and
+nothing to wait for, so S / C - 1 is what the schedule costs beyond the compute; with it the
+expected step is S (m + p - 1) / m, and what the step takes beyond that is the messages and the
+waits for them.
+
 **Memory.** Per stage, XLA's ``memory_analysis()`` of the compiled step: temporary buffers (the
 stash of residuals and the work space); 1F1B keeps p - s microbatches, GPipe m.
 
@@ -131,6 +138,7 @@ def run_job(args: argparse.Namespace) -> int:
     load_start = round(os.getloadavg()[0], 2)
     layers, x, t = _model(args)
     rows: list[dict[str, Any]] = []
+    solo = spmd.Mesh(dp=p, pp=1).group("pp")  # this rank alone: a pipeline of one stage
     with spmd.Mesh(pp=p) as mesh:
         pp = mesh.group("pp")
         s = pp.rank
@@ -147,17 +155,24 @@ def run_job(args: argparse.Namespace) -> int:
             steps = {
                 sch: jax.jit(pipe(_apply, _mse, microbatches=m, schedule=sch)) for sch in SCHEDULES
             }
+            alone_steps = {
+                sch: jax.jit(pipe(_apply, _mse, microbatches=m, schedule=sch, group=solo))
+                for sch in SCHEDULES
+            }
             temp = {
                 sch: int(f.lower(mine, x, t).compile().memory_analysis().temp_size_in_bytes)
                 for sch, f in steps.items()
             }
             temps = pp.allgather_object(temp)
-            rounds: dict[str, list[float]] = {"compute alone": [], "gpipe": [], "1f1b": []}
+            order = ["compute alone", *(f"{sch} alone" for sch in SCHEDULES), *SCHEDULES]
+            rounds: dict[str, list[float]] = {name: [] for name in order}
             for r in range(args.rounds):
-                order = ["compute alone", "gpipe", "1f1b"]
                 for name in order if r % 2 == 0 else order[::-1]:
                     if name == "compute alone":
                         call = functools.partial(alone, mine, xs)
+                    elif name.endswith(" alone"):
+                        # Any input of the right shape: the stage is first and last here.
+                        call = functools.partial(alone_steps[name.split()[0]], mine, x, t)
                     else:
                         call = functools.partial(steps[name], mine, x, t)
                     rounds[name].append(_time(pp, call, args.steps, args.warmup))
@@ -170,6 +185,13 @@ def run_job(args: argparse.Namespace) -> int:
                 "step_ms": {k: round(v * 1e3, 3) for k, v in med.items()},
                 "measured_bubble": {
                     sch: round(1 - med["compute alone"] / med[sch], 4) for sch in SCHEDULES
+                },
+                "schedule_overhead": {
+                    sch: round(med[f"{sch} alone"] / med["compute alone"] - 1, 4)
+                    for sch in SCHEDULES
+                },
+                "expected_step_ms": {
+                    sch: round(med[f"{sch} alone"] * (m + p - 1) / m * 1e3, 3) for sch in SCHEDULES
                 },
                 "temp_MiB_per_stage": {
                     sch: [round(tt[sch] / MIB, 3) for tt in temps] for sch in SCHEDULES
@@ -221,6 +243,19 @@ def run_job(args: argparse.Namespace) -> int:
         md.append(f"| {r['m']} | {st['compute alone']:.2f} | {st['gpipe']:.2f} | "
                   f"{st['1f1b']:.2f} | {b['gpipe']:.3f} | {b['1f1b']:.3f} | "
                   f"{r['theoretical_bubble']:.3f} |")  # fmt: skip
+    md += ["", "## The schedule alone", "",
+           "alone: the same pipelined step on a group of one holding the stage's layers, every "
+           "rank at once (the slowest stage): the schedule's own work without messages. "
+           "overhead = alone / compute alone - 1; expected step = alone x (m + p - 1) / m; "
+           "the rest of the step is the messages and the waits for them.", "",
+           "| m | gpipe alone (ms) | 1f1b alone (ms) | overhead gpipe | overhead 1f1b | "
+           "expected / measured gpipe | expected / measured 1f1b |",
+           "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        st, o, e = r["step_ms"], r["schedule_overhead"], r["expected_step_ms"]
+        md.append(f"| {r['m']} | {st['gpipe alone']:.2f} | {st['1f1b alone']:.2f} | "
+                  f"{o['gpipe']:+.3f} | {o['1f1b']:+.3f} | "
+                  + " | ".join(f"{e[k]:.2f} / {st[k]:.2f}" for k in SCHEDULES) + " |")  # fmt: skip
     md += ["", "## Memory per stage", "",
            "Temporary buffers of the compiled step (XLA's memory_analysis), MiB, stage 0 first. "
            "1F1B keeps p - s microbatches of residuals on stage s, GPipe m.", "",
