@@ -1,5 +1,7 @@
 #include "groups.h"
 
+#include <cstring>
+
 #include "messages.h"
 #include "spmd/registry.h"
 #include "spmd/tables.h"
@@ -114,6 +116,30 @@ Status GroupSetTransport(int64_t id, TransportKind kind) {
   g->transport = std::move(t);
   g->transport_kind = kind;
   return Status::Ok();
+}
+
+Status GroupCheckSignature(int64_t id, const std::string& described) {
+  std::shared_ptr<Group> g = GroupFind(id);
+  if (g == nullptr) return Status::Ok();  // a group of one registers nothing here
+  std::lock_guard<std::mutex> lock(g->mu);
+  if (g->transport == nullptr) {
+    return Status::Error("group " + std::to_string(id) + " has no CPU transport to compare "
+                         "the calls of its ranks on");
+  }
+  const Signature sig{HashText(described),
+                      [](const void* c) { return *static_cast<const std::string*>(c); },
+                      &described};
+  return g->transport->Barrier(sig);
+}
+
+int CheckSignatureForGpu(int64_t group, const char* described, char* error, size_t error_size) {
+  Status s = GroupCheckSignature(group, described);
+  if (s.ok()) return 0;
+  if (error_size > 0) {
+    std::strncpy(error, s.message().c_str(), error_size - 1);
+    error[error_size - 1] = 0;
+  }
+  return 1;
 }
 
 void GroupDestroy(int64_t id) {

@@ -14,6 +14,7 @@
 
 #include "mpi.h"
 #include "shm.h"
+#include "spmd/signature.h"
 #include "spmd/status.h"
 #include "transport.h"
 
@@ -52,6 +53,11 @@ Status GroupAttachMpi(int64_t id, int which, MpiHandle comm, int rank, int size,
 Status GroupShmHop(int64_t id, double* hop_ns);
 // Chooses the group's transport; an error if what it needs is not attached to the group.
 Status GroupSetTransport(int64_t id, TransportKind kind);
+// The group's ranks compare `described` (a call written out in full) on the group's transport:
+// a barrier whose signature is the text's hash. Ok for an id with no group here (a group of one).
+Status GroupCheckSignature(int64_t id, const std::string& described);
+// GroupCheckSignature as the GPU module calls it (spmd/signature.h, CheckSignatureFn).
+int CheckSignatureForGpu(int64_t group, const char* described, char* error, size_t error_size);
 void GroupDestroy(int64_t id);
 // nullptr if no group has this id (not registered, or destroyed by spmd.finalize).
 std::shared_ptr<Group> GroupFind(int64_t id);

@@ -55,12 +55,12 @@ struct Call : CallBase {
   // The call as the user wrote it where the native parameters do not show it (op="avg", which
   // runs as a sum; the axes the Python side moved to axis 0), hashed with the rest.
   std::string_view meaning;  // the call's attribute, which outlives the call
-  uint64_t hash = 1469598103934665603ull;  // FNV-1a
+  uint64_t hash = kFnvOffset;  // FNV-1a (spmd/signature.h)
 
   void Mix(uint64_t x) {
     for (int i = 0; i < 8; ++i) {
       hash ^= (x >> (8 * i)) & 0xff;
-      hash *= 1099511628211ull;
+      hash *= kFnvPrime;
     }
   }
 

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "reduce.h"
-#include "signature.h"
+#include "spmd/signature.h"
 #include "spmd/status.h"
 #include "xla/ffi/api/ffi.h"
 

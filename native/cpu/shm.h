@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "reduce.h"
-#include "signature.h"
+#include "spmd/signature.h"
 #include "spmd/alltoallv.h"
 #include "spmd/call.h"
 #include "spmd/status.h"

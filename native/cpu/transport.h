@@ -16,7 +16,7 @@
 #include "mpi.h"
 #include "reduce.h"
 #include "shm.h"
-#include "signature.h"
+#include "spmd/signature.h"
 #include "spmd/alltoallv.h"
 #include "spmd/call.h"
 #include "spmd/status.h"

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -34,7 +35,28 @@ void ReleaseCar(CudaGroup& g) {
   g.peers = car::Peers{};
 }
 
+std::atomic<CheckSignatureFn> g_check{nullptr};
+std::atomic<bool> g_check_every_call{false};
+
 }  // namespace
+
+void SetSignatureCheck(CheckSignatureFn fn, bool every_call) {
+  g_check_every_call.store(every_call);
+  g_check.store(fn);
+}
+
+Status CheckCall(CudaGroup& g, int64_t site, std::string_view described) {
+  CheckSignatureFn fn = g_check.load();
+  if (fn == nullptr || described.empty() || g.size == 1) return Status::Ok();
+  if (!g_check_every_call.load()) {
+    std::lock_guard<std::mutex> lock(g.check_mu);
+    if (!g.checked_sites.insert(site).second) return Status::Ok();
+  }
+  const std::string text(described);
+  char error[2048] = {0};
+  if (fn(g.id, text.c_str(), error, sizeof(error)) == 0) return Status::Ok();
+  return Status::Error(error);
+}
 
 uint32_t CheckPattern(uint32_t seed, int rank) {
   return (seed * 2654435761u) ^ (0x5bd1e995u * static_cast<uint32_t>(rank + 1));

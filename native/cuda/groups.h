@@ -9,10 +9,13 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
+#include <unordered_set>
 #include <vector>
 
 #include "custom_ar.h"
 #include "nccl.h"
+#include "spmd/signature.h"
 #include "spmd/status.h"
 
 namespace spmd {
@@ -33,6 +36,9 @@ struct CudaGroup {
   bool car_ready = false;
   bool destroyed = false;  // by CudaGroupDestroy; its resources are released
   std::mutex mu;
+  // The call sites (CheckCall) whose calls the ranks have compared.
+  std::unordered_set<int64_t> checked_sites;
+  std::mutex check_mu;
   int world_rank() const { return world_ranks[rank]; }
 };
 
@@ -56,6 +62,19 @@ void CudaGroupDestroy(int64_t id);
 std::shared_ptr<CudaGroup> CudaGroupFind(int64_t id);
 
 uint32_t CheckPattern(uint32_t seed, int rank);
+
+// How the GPU handlers compare their calls across the ranks of a group: `fn` is the CPU
+// module's comparison (spmd/signature.h); `every_call` compares every call (SPMD_DEBUG=1),
+// otherwise only the first run of each call site. Until this is called, nothing is compared.
+void SetSignatureCheck(CheckSignatureFn fn, bool every_call);
+// Compares this call with the other ranks' if it is due: `described` is the call written out
+// (empty: never compared, as for point-to-point calls, which involve two ranks of the group);
+// `site` identifies one call of one compiled program (the Python lowering numbers them), so
+// that ranks running the same programs compare each call site once, the first time it runs,
+// and ranks whose programs differ compare (and fail at) the first call that differs or that only
+// one of them runs for the first time. Blocks the host until the group's ranks arrive; the
+// stream is not touched.
+Status CheckCall(CudaGroup& g, int64_t site, std::string_view described);
 
 }  // namespace spmd
 

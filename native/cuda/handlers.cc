@@ -9,6 +9,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "custom_ar.h"
@@ -78,14 +79,16 @@ struct Call : CallBase {
   cudaStream_t stream = nullptr;
   std::shared_ptr<CudaGroup> group;  // held for the whole call (spmd/registry.h)
 
-  // Finds the group and decodes the leaves. NCCL compares no signatures, so the role bits of
-  // the group attribute only need masking off here.
-  ffi::Error Start(cudaStream_t s, int64_t group_attr, ffi::RemainingArgs args,
-                   ffi::RemainingRets rets) {
+  // Finds the group, compares the call with the other ranks' where that is due (`check`: the
+  // call written out by the Python lowering, role included; `site`: which call of which
+  // program it is, see CheckCall), and decodes the leaves.
+  ffi::Error Start(cudaStream_t s, int64_t group_attr, int64_t site, std::string_view check,
+                   ffi::RemainingArgs args, ffi::RemainingRets rets) {
     stream = s;
     group = CudaGroupFind(GroupIdOf(group_attr));
     if (group == nullptr) return GroupMissing();
     set_world_rank(group->world_rank());
+    if (Status c = CheckCall(*group, site, check); !c.ok()) return Fail(c.message());
     return Decode(args, rets);
   }
 };
@@ -112,11 +115,12 @@ Status CopyAsync(void* dst, const void* src, size_t bytes, cudaStream_t stream) 
 
 // algos: per leaf, the path Python's all-reduce chain chose (car::Algo codes); codec: the quantized
 // path's codec.
-ffi::Error AllreduceFfi(cudaStream_t stream, int64_t group, int32_t op,
+ffi::Error AllreduceFfi(cudaStream_t stream, int64_t group, int64_t site,
+                        std::string_view check, int32_t op,
                         ffi::Span<const int64_t> algos, int32_t codec_code,
                         ffi::RemainingArgs args, ffi::RemainingRets rets) {
   Call call("allreduce (GPU)");
-  if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
+  if (ffi::Error e = call.Start(stream, group, site, check, args, rets); e.failure()) return e;
   CudaGroup& g = *call.group;
   if (!HasCode(kReduceOps, op)) return call.Fail("unknown reduction code " + std::to_string(op));
   if (algos.size() != call.in.size()) {
@@ -169,10 +173,11 @@ ffi::Error AllreduceFfi(cudaStream_t stream, int64_t group, int32_t op,
 
 // No sizes: every rank contributes its whole input. With sizes (rows per rank): one broadcast per
 // rank into its place, fused in one NCCL group (NCCL has no allgatherv).
-ffi::Error AllgatherFfi(cudaStream_t stream, int64_t group, ffi::Span<const int64_t> sizes,
+ffi::Error AllgatherFfi(cudaStream_t stream, int64_t group, int64_t site,
+                        std::string_view check, ffi::Span<const int64_t> sizes,
                         ffi::RemainingArgs args, ffi::RemainingRets rets) {
   Call call(sizes.size() ? "allgatherv (GPU)" : "allgather (GPU)");
-  if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
+  if (ffi::Error e = call.Start(stream, group, site, check, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
   if (sizes.size() != 0 && static_cast<int>(sizes.size()) != g.size) {
@@ -219,11 +224,12 @@ ffi::Error AllgatherFfi(cudaStream_t stream, int64_t group, ffi::Span<const int6
 }
 
 // Without sizes: NCCL's reduce-scatter. With sizes: one reduce per rank onto that rank.
-ffi::Error ReduceScatterFfi(cudaStream_t stream, int64_t group, int32_t op,
+ffi::Error ReduceScatterFfi(cudaStream_t stream, int64_t group, int64_t site,
+                            std::string_view check, int32_t op,
                             ffi::Span<const int64_t> sizes, ffi::RemainingArgs args,
                             ffi::RemainingRets rets) {
   Call call(sizes.size() ? "reduce_scatterv (GPU)" : "reduce_scatter (GPU)");
-  if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
+  if (ffi::Error e = call.Start(stream, group, site, check, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
   if (!HasCode(kReduceOps, op)) return call.Fail("unknown reduction code " + std::to_string(op));
@@ -266,10 +272,11 @@ ffi::Error ReduceScatterFfi(cudaStream_t stream, int64_t group, int32_t op,
 
 // -- broadcast, all_to_all --------------------------------------------------------------------
 
-ffi::Error BroadcastFfi(cudaStream_t stream, int64_t group, int64_t root, ffi::RemainingArgs args,
+ffi::Error BroadcastFfi(cudaStream_t stream, int64_t group, int64_t site,
+                        std::string_view check, int64_t root, ffi::RemainingArgs args,
                         ffi::RemainingRets rets) {
   Call call("broadcast (GPU)");
-  if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
+  if (ffi::Error e = call.Start(stream, group, site, check, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
   std::lock_guard<std::mutex> lock(g.mu);
@@ -285,10 +292,11 @@ ffi::Error BroadcastFfi(cudaStream_t stream, int64_t group, int64_t root, ffi::R
 }
 
 // Block p of the input goes to rank p; block p of the output comes from rank p.
-ffi::Error AllToAllFfi(cudaStream_t stream, int64_t group, ffi::RemainingArgs args,
+ffi::Error AllToAllFfi(cudaStream_t stream, int64_t group, int64_t site,
+                       std::string_view check, ffi::RemainingArgs args,
                        ffi::RemainingRets rets) {
   Call call("all_to_all (GPU)");
-  if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
+  if (ffi::Error e = call.Start(stream, group, site, check, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
   std::lock_guard<std::mutex> lock(g.mu);
@@ -348,10 +356,11 @@ Status GatherRecords(CudaGroup& g, std::vector<int64_t>* all, cudaStream_t strea
 // rank's counts travel to every rank and are checked before any row moves, so a bad count is
 // the same error on every rank instead of transfers NCCL cannot match. Then one NCCL group of
 // sends and receives, and zeros past the rows received.
-ffi::Error AllToAllvFfi(cudaStream_t stream, int64_t group, bool exact, ffi::RemainingArgs args,
+ffi::Error AllToAllvFfi(cudaStream_t stream, int64_t group, int64_t site,
+                        std::string_view check, bool exact, ffi::RemainingArgs args,
                         ffi::RemainingRets rets) {
   Call call("all_to_allv (GPU)");
-  if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
+  if (ffi::Error e = call.Start(stream, group, site, check, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
   const int n = g.size;
@@ -408,10 +417,11 @@ ffi::Error AllToAllvFfi(cudaStream_t stream, int64_t group, bool exact, ffi::Rem
 // -- point to point, barrier ------------------------------------------------------------------
 
 // send: src < 0 and no result; recv: dst < 0 and no operand.
-ffi::Error SendRecvFfi(cudaStream_t stream, int64_t group, int64_t src, int64_t dst,
+ffi::Error SendRecvFfi(cudaStream_t stream, int64_t group, int64_t site,
+                       std::string_view check, int64_t src, int64_t dst,
                        ffi::RemainingArgs args, ffi::RemainingRets rets) {
   Call call("sendrecv (GPU)");
-  if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
+  if (ffi::Error e = call.Start(stream, group, site, check, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
   std::lock_guard<std::mutex> lock(g.mu);
@@ -431,10 +441,11 @@ ffi::Error SendRecvFfi(cudaStream_t stream, int64_t group, int64_t src, int64_t 
 }
 
 // A one-byte allreduce: every rank's later work on this stream waits for every rank.
-ffi::Error BarrierFfi(cudaStream_t stream, int64_t group, ffi::RemainingArgs args,
+ffi::Error BarrierFfi(cudaStream_t stream, int64_t group, int64_t site,
+                      std::string_view check, ffi::RemainingArgs args,
                       ffi::RemainingRets rets) {
   Call call("barrier (GPU)");
-  if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
+  if (ffi::Error e = call.Start(stream, group, site, check, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
   std::lock_guard<std::mutex> lock(g.mu);
@@ -446,10 +457,11 @@ ffi::Error BarrierFfi(cudaStream_t stream, int64_t group, ffi::RemainingArgs arg
 
 // Operands x, residual, weight; results normed, residual_out. algo: 1 or 2 = the fused kernel
 // (one-shot or two-shot by rows), 0 = NCCL all-reduce into residual_out, then the norm kernel.
-ffi::Error AllreduceRmsNormFfi(cudaStream_t stream, int64_t group, float eps, int32_t algo,
+ffi::Error AllreduceRmsNormFfi(cudaStream_t stream, int64_t group, int64_t site,
+                               std::string_view check, float eps, int32_t algo,
                                ffi::RemainingArgs args, ffi::RemainingRets rets) {
   Call call("allreduce_rmsnorm (GPU)");
-  if (ffi::Error e = call.Start(stream, group, args, rets); e.failure()) return e;
+  if (ffi::Error e = call.Start(stream, group, site, check, args, rets); e.failure()) return e;
   CudaGroup& g = *call.group;
   if (call.in.size() != 3 || call.out.size() != 2) {
     return call.Fail("expected operands x, residual, weight and results normed, residual_out");
@@ -500,6 +512,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllreduce, AllreduceFfi,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Attr<int64_t>("group")
+                                  .Attr<int64_t>("site")
+                                  .Attr<std::string_view>("check")
                                   .Attr<int32_t>("op")
                                   .Attr<ffi::Span<const int64_t>>("algos")
                                   .Attr<int32_t>("codec")
@@ -510,6 +524,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllgather, AllgatherFfi,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Attr<int64_t>("group")
+                                  .Attr<int64_t>("site")
+                                  .Attr<std::string_view>("check")
                                   .Attr<ffi::Span<const int64_t>>("sizes")
                                   .RemainingArgs()
                                   .RemainingRets());
@@ -518,6 +534,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaReduceScatter, ReduceScatterFfi,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Attr<int64_t>("group")
+                                  .Attr<int64_t>("site")
+                                  .Attr<std::string_view>("check")
                                   .Attr<int32_t>("op")
                                   .Attr<ffi::Span<const int64_t>>("sizes")
                                   .RemainingArgs()
@@ -527,6 +545,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaBroadcast, BroadcastFfi,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Attr<int64_t>("group")
+                                  .Attr<int64_t>("site")
+                                  .Attr<std::string_view>("check")
                                   .Attr<int64_t>("root")
                                   .RemainingArgs()
                                   .RemainingRets());
@@ -535,6 +555,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllToAll, AllToAllFfi,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Attr<int64_t>("group")
+                                  .Attr<int64_t>("site")
+                                  .Attr<std::string_view>("check")
                                   .RemainingArgs()
                                   .RemainingRets());
 
@@ -542,6 +564,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllToAllv, AllToAllvFfi,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Attr<int64_t>("group")
+                                  .Attr<int64_t>("site")
+                                  .Attr<std::string_view>("check")
                                   .Attr<bool>("exact")
                                   .RemainingArgs()
                                   .RemainingRets());
@@ -550,6 +574,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaSendRecv, SendRecvFfi,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Attr<int64_t>("group")
+                                  .Attr<int64_t>("site")
+                                  .Attr<std::string_view>("check")
                                   .Attr<int64_t>("src")
                                   .Attr<int64_t>("dst")
                                   .RemainingArgs()
@@ -559,6 +585,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaBarrier, BarrierFfi,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Attr<int64_t>("group")
+                                  .Attr<int64_t>("site")
+                                  .Attr<std::string_view>("check")
                                   .RemainingArgs()
                                   .RemainingRets());
 
@@ -566,6 +594,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllreduceRmsNorm, AllreduceRmsNormFfi,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Attr<int64_t>("group")
+                                  .Attr<int64_t>("site")
+                                  .Attr<std::string_view>("check")
                                   .Attr<float>("eps")
                                   .Attr<int32_t>("algo")
                                   .RemainingArgs()

@@ -209,6 +209,13 @@ PyObject* GroupShmHopNs(PyObject*, PyObject* args) {
 }
 
 // group_destroy(id) -> None; waits for a collective of the group still running.
+// signature_check() -> PyCapsule "spmd.CheckSignatureFn" of the function through which the GPU
+// handlers compare their calls on a group's CPU transport (spmd/signature.h).
+PyObject* SignatureCheck(PyObject*, PyObject*) {
+  spmd::CheckSignatureFn fn = &spmd::CheckSignatureForGpu;
+  return PyCapsule_New(reinterpret_cast<void*>(fn), "spmd.CheckSignatureFn", nullptr);
+}
+
 PyObject* GroupDestroy(PyObject*, PyObject* args) {
   long long id;
   if (!PyArg_ParseTuple(args, "L", &id)) return nullptr;
@@ -301,6 +308,8 @@ PyMethodDef kMethods[] = {
      "Say whether this process prints its Python stack on SIGUSR1."},
     {"shm_mark_leaving", ShmMarkLeaving, METH_NOARGS,
      "Mark this process's ranks of every shared-memory group as leaving."},
+    {"signature_check", SignatureCheck, METH_NOARGS,
+     "The function through which the GPU handlers compare their calls (a capsule)."},
     {"group_destroy", GroupDestroy, METH_VARARGS, "Unregister a group."},
     {"quant_roundtrip", QuantRoundtrip, METH_VARARGS, "Encode and decode with a GPU codec."},
     {"quant_allreduce_reference", QuantAllreduceReference, METH_VARARGS,

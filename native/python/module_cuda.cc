@@ -215,6 +215,18 @@ PyObject* CarReadCheck(PyObject*, PyObject* args) {
   return list;
 }
 
+// set_signature_check(capsule, every_call) -> None: the CPU module's signature_check(), through
+// which the handlers compare their calls (groups.h, SetSignatureCheck).
+PyObject* SetSignatureCheck(PyObject*, PyObject* args) {
+  PyObject* capsule;
+  int every_call;
+  if (!PyArg_ParseTuple(args, "Op", &capsule, &every_call)) return nullptr;
+  void* fn = PyCapsule_GetPointer(capsule, "spmd.CheckSignatureFn");
+  if (fn == nullptr) return nullptr;
+  spmd::SetSignatureCheck(reinterpret_cast<spmd::CheckSignatureFn>(fn), every_call != 0);
+  Py_RETURN_NONE;
+}
+
 PyObject* GroupDestroy(PyObject*, PyObject* args) {
   long long id;
   if (!PyArg_ParseTuple(args, "L", &id)) return nullptr;
@@ -308,6 +320,8 @@ PyMethodDef kMethods[] = {
     {"car_open", CarOpen, METH_VARARGS, "Map the peers' custom all-reduce buffers."},
     {"car_write_check", CarWriteCheck, METH_VARARGS, "Write the peer-access check pattern."},
     {"car_read_check", CarReadCheck, METH_VARARGS, "Read every peer's pattern; failing ranks."},
+    {"set_signature_check", SetSignatureCheck, METH_VARARGS,
+     "Compare the handlers' calls through the CPU module's signature_check()."},
     {"group_destroy", GroupDestroy, METH_VARARGS, "Unregister a GPU group."},
     {"sim_allreduce", SimAllreduce, METH_VARARGS, "Custom all-reduce over simulated ranks."},
     {"sim_allreduce_rmsnorm", SimAllreduceRmsNorm, METH_VARARGS,

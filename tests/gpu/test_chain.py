@@ -287,3 +287,62 @@ def test_a_pack_never_grows_past_the_buffer_where_nccl_is_down():
     cfg = ChainConfig(custom_max_bytes=512 * KB, one_shot_max_bytes=4 * MB)
     leaves = [(75 << 10, F32), (75 << 10, F32), (5, F32)]
     assert _gpu_chain.pack_allreduce(leaves, "sum", no_nccl, cfg) == [[1, 2]]
+
+
+def _gpu_call_comparison(comm):
+    import ctypes
+
+    from spmd._native_lib import native
+    from spmd.ops._primitive import describe_call, resolve
+
+    r = comm.rank
+    x = jnp.ones((4, 4), jnp.float32)
+
+    def texts(f):
+        eqns = [e for e in jax.make_jaxpr(f)(x).eqns if e.primitive.name.startswith("spmd_")]
+        return [describe_call(e.primitive.name.removeprefix("spmd_"), [v.aval for v in e.invars],
+                              e.params) for e in eqns]  # fmt: skip
+
+    # What the lowering writes out: the call as the user wrote it, not as it runs.
+    assert texts(lambda x: spmd.allreduce(x)) == ["allreduce(op=sum) of float32[4,4]"]
+    assert texts(lambda x: spmd.allreduce(x, op="avg")) == ["allreduce(op=avg) of float32[4,4]"]
+    assert texts(lambda x: spmd.allgather(x, axis=1)) == ["allgather(axis=1) of float32[4,4]"]
+    assert texts(lambda x: spmd.allgatherv(x, sizes=[4, 4])) == [
+        "allgather(sizes=[4,4]) of float32[*,4]"  # the rows differ from rank to rank
+    ]
+    assert texts(lambda x: spmd.broadcast(x, root=1)) == ["broadcast(root=1) of float32[4,4]"]
+    grad = texts(lambda x: jax.grad(lambda x: spmd.allreduce(x).sum())(x))
+    assert grad == ["allreduce(op=sum) of float32[4,4]",
+                    "allreduce(op=sum) of float32[4,4] [backward pass]"]  # fmt: skip
+    # Two ranks of the group take part: not compared.
+    assert texts(lambda x: spmd.sendrecv(x, src=1 - r, dst=1 - r)) == [""]
+
+    # The CPU module's comparison, as the GPU handlers call it through the capsule.
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    kind = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_char_p, ctypes.c_char_p,
+                            ctypes.c_size_t)  # fmt: skip
+    check = kind(get(native().signature_check(), b"spmd.CheckSignatureFn"))
+    gid = resolve().gid
+    error = ctypes.create_string_buffer(2048)
+    assert check(gid, b"allreduce(op=sum) of float32[4]", error, 2048) == 0
+    mine = f"allreduce(op={'sum' if r == 0 else 'avg'}) of float32[4]".encode()
+    assert check(gid, mine, error, 2048) == 1
+    text = error.value.decode()
+    assert "ranks of the group [0, 1] made different collective calls" in text, text
+    assert "rank 0: allreduce(op=sum) of float32[4]" in text, text
+    assert "rank 1: allreduce(op=avg) of float32[4]" in text, text
+    assert check(123456789, b"anything", error, 2048) == 0  # no such group here: nothing to compare
+    np.testing.assert_array_equal(spmd.allreduce(np.ones(2, np.float32)), [2.0, 2.0])
+
+
+@multirank(nprocs=(2,))
+def test_what_the_gpu_handlers_compare_and_how(comm):
+    """The GPU handlers' call comparison, checked without a GPU: the text the lowering writes for
+    each call, and the CPU module's comparison they call (a difference names each rank's call)."""
+    _gpu_call_comparison(comm)
+
+
+@multirank(nprocs=(2,), env={"SPMD_TRANSPORT": "mpi"})
+def test_what_the_gpu_handlers_compare_and_how_over_mpi(comm):
+    _gpu_call_comparison(comm)

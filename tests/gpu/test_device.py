@@ -361,3 +361,65 @@ def test_data_parallel_between_processes_sharing_the_gpu(nprocs):
     done = _run(_DATA_PARALLEL, env, nprocs)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("ok") == nprocs
+
+
+_MISMATCH = """
+    import os
+    import jax, jax.numpy as jnp, numpy as np, spmd
+    comm = spmd.init()
+    r = comm.rank
+    debug = os.environ.get("SPMD_DEBUG") == "1"
+
+    def fails(f, x, *needles):
+        try:
+            jax.block_until_ready(f(x))
+        except Exception as e:  # JaxRuntimeError inside jit
+            text = str(e)
+            assert f"rank {r}: allreduce" in text, text  # names this rank and the op
+            for needle in needles:
+                assert needle in text, (needle, text)
+            return
+        raise AssertionError(f"rank {r}: no error")
+
+    x = jnp.ones(4096, jnp.float32)
+    # sum on one rank, avg on the other: the same native call, another meaning.
+    op = "sum" if r == 0 else "avg"
+    fails(jax.jit(lambda x: spmd.allreduce(x, op=op)), x,
+          "made different collective calls", "rank 0: allreduce(op=sum) of float32[4096]",
+          "rank 1: allreduce(op=avg) of float32[4096]")
+    # Other shapes: compared before a kernel runs, so no rank reads past a peer's buffer.
+    fails(jax.jit(spmd.allreduce), x[: 4096 - 1024 * r],
+          "rank 1: allreduce(op=sum) of float32[3072]")
+    # The fused all-reduce + RMSNorm with another eps.
+    h = jnp.ones((8, 4096), jnp.bfloat16)
+    fails(jax.jit(lambda h: spmd.ops.allreduce_rmsnorm(h, h, h[0], eps=1e-6 * (1 + r))), h,
+          "allreduce_rmsnorm(eps=1e-06)", "allreduce_rmsnorm(eps=2e-06)")
+    # The group still works, and a call site that ran once runs again without a comparison.
+    f = jax.jit(lambda x: spmd.allreduce(x * (r + 1)))
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(f(x)), np.full(4096, 3.0, np.float32))
+    if debug:  # every call is compared: a rank running another program fails at once
+        g = jax.jit(lambda x: spmd.allreduce(x[:2048]))
+        fails(f if r == 0 else g, x, "rank 0: allreduce(op=sum) of float32[4096]",
+              "rank 1: allreduce(op=sum) of float32[2048]")
+    print("ok", r, flush=True)
+    spmd.finalize()
+"""
+
+
+@pytest.mark.parametrize(
+    "debug,xla_flags",
+    [("0", ""), ("1", ""), ("0", _GRAPHS)],
+    ids=["first-runs", "every-call", "first-runs-cuda-graphs"],
+)
+def test_gpu_calls_that_differ_between_ranks_fail_on_every_rank(debug, xla_flags):
+    """The GPU handlers compare each call site's first run across the ranks (every call under
+    SPMD_DEBUG=1) on the group's CPU transport: a different op, shape or parameter is a
+    mismatch error on every rank naming each rank's call, before any kernel runs."""
+    env = {"SPMD_CUSTOM_AR": "force", "SPMD_BIND_DEVICE": "0", "SPMD_TIMEOUT": "60",
+           "SPMD_DEBUG": debug}  # fmt: skip
+    if xla_flags:
+        env["XLA_FLAGS"] = xla_flags
+    done = _run(_MISMATCH, env, 2)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("ok") == 2

@@ -9,6 +9,7 @@ extra operand and result, the order value of :mod:`._ordering`.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -175,6 +176,49 @@ def lower_collective(
     return list(results[1:])
 
 
+# -- what the GPU handlers compare ----------------------------------------------------------------
+
+# Point-to-point calls involve two ranks of their group: no group-wide comparison (on CPU, recv
+# checks the sender's shape and dtype instead).
+_NOT_COMPARED = frozenset({"sendrecv"})
+# Ops whose arrays may differ in their first dimension from rank to rank.
+_ROWS_VARY = frozenset({"all_to_allv"})
+_sites = itertools.count(1)
+
+
+def describe_call(op: str, avals: Sequence[Any], params: dict[str, Any]) -> str:
+    """One call written out as the ranks compare it on GPU: the op, its parameters (the call's
+    meaning as written, e.g. ``op=avg``, and every static parameter), its arrays' dtypes and
+    shapes, and where it comes from in differentiation; "" for calls that are not compared."""
+    if op in _NOT_COMPARED:
+        return ""
+    group: GroupRef = params["group"]
+    vary = op in _ROWS_VARY or (op == "allgather" and bool(params.get("sizes")))
+    # Not compared: the op where the meaning says it (avg runs as a sum), and the output rows
+    # where the rows vary (each rank receives its own number).
+    skip = {"group", *(["op"] if "op=" in group.meaning else []), *(["out_rows"] if vary else [])}
+    parts = [group.meaning] if group.meaning else []
+    for k, v in sorted(params.items()):
+        if k not in skip and v is not None and v != ():
+            parts.append(f"{k}=[{','.join(map(str, v))}]" if isinstance(v, tuple) else f"{k}={v}")
+
+    def leaf(a: Any) -> str:
+        dims = [str(d) for d in a.shape]
+        if vary and dims:
+            dims[0] = "*"
+        return f"{np.dtype(a.dtype).name}[{','.join(dims)}]"
+
+    text = f"{op}({', '.join(parts)}) of {', '.join(map(leaf, avals)) or 'no arrays'}"
+    return text + {"forward": "", "jvp": " [JVP]", "backward": " [backward pass]"}[group.role]
+
+
+def check_attrs(op: str, avals: Sequence[Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The GPU handler's ``site`` (this call of this program, numbered at lowering; the ranks
+    compare each site the first time it runs, or every call under ``SPMD_DEBUG=1``) and
+    ``check`` (:func:`describe_call`) attributes."""
+    return {"site": next(_sites), "check": describe_call(op, avals, params)}
+
+
 _targets: set[str] = set()
 # GPU handlers that wait for their stream (all_to_allv reads its counts on the host): a CUDA
 # graph cannot hold them, so XLA must never capture them in one.
@@ -254,7 +298,7 @@ def collective_rules(
     def cuda_rule(ctx: mlir.LoweringRuleContext, *operands: Any, **params: Any) -> list[Any]:
         if not pass_operands:
             ctx, operands = ctx.replace(avals_in=[]), ()
-        attrs = attributes(params)
+        attrs = {**attributes(params), **check_attrs(op, ctx.avals_in, params)}
         if cuda_attrs is not None:
             attrs.update(cuda_attrs(ctx, **params))
         else:  # everything but the all-reduce runs on NCCL

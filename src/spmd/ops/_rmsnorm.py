@@ -30,6 +30,7 @@ from ._primitive import (
     GroupRef,
     alone,
     bind,
+    check_attrs,
     collective_primitive,
     gpu_side,
     lower_collective,
@@ -138,6 +139,7 @@ def _cuda_rule(
         group=group.attr,
         eps=np.float32(eps),
         algo=np.int32(_gpu_chain.ALGOS[path]),
+        **check_attrs("allreduce_rmsnorm", ctx.avals_in, {"group": group, "eps": eps}),
     )
 
 

@@ -166,3 +166,11 @@ def stall_warn_seconds(env: Mapping[str, str] = os.environ) -> float:
 def timeout_seconds(env: Mapping[str, str] = os.environ) -> float:
     """Seconds a bootstrap exchange waits for its peers before it fails (``SPMD_TIMEOUT``)."""
     return _seconds(env, "SPMD_TIMEOUT", 300.0, zero_ok=False)
+
+
+def debug_checks(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the checks too costly to run always are on (``SPMD_DEBUG``: ``0`` or ``1``)."""
+    value = env.get("SPMD_DEBUG", "0").strip()
+    if value not in ("", "0", "1"):
+        raise SpmdError(f"SPMD_DEBUG={value!r}; expected 0 or 1", rank=None)
+    return value == "1"

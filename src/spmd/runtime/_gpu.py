@@ -21,8 +21,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._errors import SpmdError
-from .._native_lib import native_cuda, require_native_cuda
-from ._env import timeout_seconds
+from .._native_lib import native, native_cuda, require_native_cuda
+from ._env import debug_checks, timeout_seconds
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -124,6 +124,8 @@ def set_up(comm: Communicator, gid: int, settings: Callable[[], Any]) -> GpuGrou
     ``settings()`` gives the chain's settings on this rank (their ``custom_max_bytes`` sizes the
     custom all-reduce's buffer)."""
     mod = require_native_cuda()
+    # The handlers compare their calls on the group's CPU transport (prepared with the group).
+    mod.set_signature_check(native().signature_check(), debug_checks())
     cfgs, error = comm._try_agree(settings)
     if cfgs is None:
         raise SpmdError(error, rank=None)
