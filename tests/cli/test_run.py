@@ -1,6 +1,7 @@
 """spmd-run under the real mpiexec: output, exit codes, failing and hanging ranks, pinning."""
 
 import ast
+import glob
 import os
 import signal
 import subprocess
@@ -161,6 +162,28 @@ def test_a_python_rank_that_dies_is_named_fast_and_leaves_nothing(tmp_path, faul
     assert _mpich_files() - before == set(), "MPICH's files were left behind"
 
 
+def test_a_group_segment_whose_creator_was_killed_is_removed(tmp_path):
+    """spmd's creator of a group's shared memory unlinks it once every rank mapped it; killed in
+    that window (a peer's MPI_Abort right after spmd.init), it left 16 MiB in /dev/shm. The
+    window is reproduced here: each rank makes an unmapped segment named as spmd names them, then
+    rank 1 is killed and the launcher ends rank 0."""
+    script = tmp_path / "window.py"
+    script.write_text(
+        "import os, signal, time\nimport spmd\n"
+        "comm = spmd.init()\n"
+        "with open(f'/dev/shm/spmd-{os.getpid()}-window', 'wb') as f:\n"
+        "    f.write(bytes(4096))\n"
+        "spmd.barrier()\n"
+        "if comm.rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(60)\n"
+    )
+    before = set(glob.glob("/dev/shm/spmd-*"))
+    out, took = spmd_run("-n", "2", sys.executable, str(script))
+    assert out.returncode == 137, out.stderr
+    assert took < 15, f"the job took {took:.1f} s"
+    assert set(glob.glob("/dev/shm/spmd-*")) - before == set(), "a group segment was left behind"
+
+
 @pytest.mark.parametrize("leave", ["sys.exit(0)", "os._exit(0)"])
 def test_a_rank_that_leaves_early_is_named_at_once_not_after_the_timeout(tmp_path, leave):
     """A rank that makes one collective fewer and exits cleanly left its peers waiting for
@@ -271,7 +294,9 @@ def test_a_second_interrupt_does_not_cut_the_stop_short(tmp_path):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_the_job_ends_when_spmd_run_is_killed(tmp_path):
     """SIGKILL gives spmd-run no chance to stop the job (a notebook kernel killed mid-cell, the
-    out-of-memory killer): the launcher used to run on, and its ranks with it."""
+    out-of-memory killer): the launcher used to run on, and its ranks with it. Nor can it
+    remove its status directory and what the job left: the next spmd-run does."""
+    before = _mpich_files()
     proc, pids = _sleeping_job(tmp_path)
     proc.kill()
     proc.communicate(timeout=30)
@@ -279,6 +304,11 @@ def test_the_job_ends_when_spmd_run_is_killed(tmp_path):
     while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in pids)
+    assert len(list(tmp_path.glob("spmd-run-*"))) == 1  # the killed spmd-run's
+    out, _ = spmd_run("-n", "1", "true", env={"TMPDIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert list(tmp_path.glob("spmd-run-*")) == []
+    assert _mpich_files() - before == set(), "the killed job's MPICH files were left behind"
 
 
 def _alive(pid: int) -> bool:

@@ -73,6 +73,49 @@ def wrap_command(command: list[str]) -> list[str]:
     return [sys.executable, "-m", "spmd.launch._rank", "--exec", *command]
 
 
+_STATUS_PREFIX = "spmd-run-"
+
+
+def _make_status_dir() -> Path:
+    """The job's status directory, named after this process, with the job's start time in it."""
+    directory = Path(tempfile.mkdtemp(prefix=f"{_STATUS_PREFIX}{os.getpid()}-"))
+    (directory / "started").write_text(repr(time.time()))
+    return directory
+
+
+def _remove_status_dir(directory: Path) -> None:
+    """Remove the status directory, also when a rank still dying writes into it meanwhile."""
+    for _ in range(20):
+        shutil.rmtree(directory, ignore_errors=True)
+        if not directory.exists():
+            return
+        time.sleep(0.05)
+
+
+def _remove_stale_status_dirs() -> None:
+    """A spmd-run killed by SIGKILL could not remove its status directory, nor what its job
+    left in /dev/shm and /tmp: the next spmd-run of the same user does, for every such
+    directory whose spmd-run is gone."""
+    for directory in Path(tempfile.gettempdir()).glob(f"{_STATUS_PREFIX}*-*"):
+        try:
+            pid = int(directory.name[len(_STATUS_PREFIX) :].split("-", 1)[0])
+            if directory.stat().st_uid != os.getuid():
+                continue
+            os.kill(pid, 0)
+            continue  # its spmd-run is still running
+        except ProcessLookupError:
+            pass
+        except (ValueError, OSError):
+            continue  # not ours, or another user's process
+        try:
+            since: float | None = float((directory / "started").read_text())
+        except (OSError, ValueError):
+            since = None
+        _remove_status_dir(directory)
+        if since is not None:
+            remove_leftovers(since, settle_s=0)
+
+
 def _read_status(directory: Path) -> dict[int, dict[str, object]]:
     status: dict[int, dict[str, object]] = {}
     for path in directory.glob("rank*.json"):
@@ -176,7 +219,8 @@ def launch(
     out = None if output_dir is None else _output_dir(output_dir)
     if out is not None:
         child_env["SPMD_RUN_OUTPUT_DIR"] = str(out)
-    status_dir = Path(tempfile.mkdtemp(prefix="spmd-run-"))
+    _remove_stale_status_dirs()
+    status_dir = _make_status_dir()
     child_env["SPMD_RUN_STATUS_DIR"] = str(status_dir)
     if _launcher_binds(mpi_args or []) and child_env.get("SPMD_BIND", "auto") == "auto":
         child_env["SPMD_BIND"] = "none"  # -bind-to none included: the launcher's choice
@@ -191,7 +235,7 @@ def launch(
         started = time.time()
         proc = subprocess.Popen(argv, env=child_env, start_new_session=True, stdin=stdin, **streams)
     except BaseException:
-        shutil.rmtree(status_dir, ignore_errors=True)
+        _remove_status_dir(status_dir)
         raise
     finally:
         for log in logs:  # the launcher holds its own copies
@@ -218,19 +262,19 @@ def launch(
                 _stop(proc)
     except KeyboardInterrupt:
         _stop(proc)
-        shutil.rmtree(status_dir, ignore_errors=True)
+        _remove_status_dir(status_dir)
         remove_leftovers(started)
         return 130
     except _Terminated as e:
         _stop(proc)
-        shutil.rmtree(status_dir, ignore_errors=True)
+        _remove_status_dir(status_dir)
         print(f"spmd-run: stopped the job on {e.name}", file=report, flush=True)
         remove_leftovers(started)
         return 128 + e.signum
     finally:
         _restore(previous)
     status = _read_status(status_dir)
-    shutil.rmtree(status_dir, ignore_errors=True)
+    _remove_status_dir(status_dir)
     remove_leftovers(started)
     return _summarize(nprocs, status, proc.returncode, stopped, timed_out, timeout, report)
 

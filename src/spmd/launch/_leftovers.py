@@ -1,9 +1,12 @@
-"""What MPICH leaves behind when a job does not end cleanly, removed by ``spmd-run``.
+"""What MPICH and spmd leave behind when a job does not end cleanly, removed by ``spmd-run``.
 
 A rank that is killed, or that stops its job with ``MPI_Abort``, leaves MPICH's shared-memory
 segments (``/dev/shm/mpich_shm_*``) and the launcher's topology file
 (``hydra_hwloc_xmlfile_*`` in the temporary directory) in place: nothing of MPICH runs any more
-to remove them, and a machine that runs many failing jobs fills ``/dev/shm``. After each job,
+to remove them, and a machine that runs many failing jobs fills ``/dev/shm``. spmd's own group
+segments (``/dev/shm/spmd-<pid>-*``) are removed by their creator once every rank has mapped
+them, so only a creator killed in that window leaves one (a peer's ``MPI_Abort`` right after
+``spmd.init`` on 4 ranks did, in about half of the runs). After each job,
 ``spmd-run`` removes those that appeared while the job ran, that belong to this user and that
 no process has open or mapped (a concurrent job's segments are in use by its processes). The
 launcher writes its topology file as it starts, and its ranks read it at once: only such a file
@@ -18,7 +21,7 @@ import os
 import tempfile
 import time
 
-_SEGMENTS = "/dev/shm/mpich_shm_*"
+_SEGMENTS = ("/dev/shm/mpich_shm_*", "/dev/shm/spmd-*")
 _TOPOLOGY = "hydra_hwloc_xmlfile_*"
 _TOPOLOGY_WINDOW_S = 3.0  # after the job's start
 
@@ -27,7 +30,8 @@ def _candidates(since: float) -> list[str]:
     uid = os.getuid()
     found = []
     dirs = {tempfile.gettempdir(), "/tmp"}
-    paths = glob.glob(_SEGMENTS) + [p for d in dirs for p in glob.glob(os.path.join(d, _TOPOLOGY))]
+    paths = [p for pattern in _SEGMENTS for p in glob.glob(pattern)]
+    paths += [p for d in dirs for p in glob.glob(os.path.join(d, _TOPOLOGY))]
     for path in paths:
         try:
             st = os.lstat(path)
@@ -67,7 +71,7 @@ def _in_use() -> set[str]:
 
 
 def remove_leftovers(since: float, settle_s: float = 1.0) -> list[str]:
-    """Remove MPICH's files that appeared since ``since`` (a ``time.time()``) and that no
+    """Remove MPICH's and spmd's files that appeared since ``since`` (a ``time.time()``) and that no
     process uses; returns their paths. A rank killed with its launcher may take a moment to
     die and unmap its segments: files still in use are looked at again for up to ``settle_s``
     seconds (a concurrent job's stay in use and stay). Linux only (elsewhere: nothing)."""
