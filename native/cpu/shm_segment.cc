@@ -186,6 +186,25 @@ ShmGroup::Wait ShmGroup::WaitFor(int r, const std::atomic<uint64_t>& a, uint64_t
   return Wait::kArrived;
 }
 
+namespace {
+
+// Whether process `pid` is stopped (SIGSTOP, Ctrl-Z, a debugger): Linux's /proc state T or t.
+bool IsStopped(int32_t pid) {
+  if (pid <= 0) return false;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", static_cast<int>(pid));
+  FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return false;
+  char buf[512];
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  const char* close = std::strrchr(buf, ')');  // the state follows the command name
+  return close != nullptr && close[1] == ' ' && (close[2] == 'T' || close[2] == 't');
+}
+
+}  // namespace
+
 void ShmGroup::ReportStall(int r, double waited_s) const {
   const uint64_t theirs = ctrl(r)->calls.load(std::memory_order_relaxed);
   const std::string what = current_ != nullptr ? current_->Describe() : "a collective";
@@ -195,13 +214,19 @@ void ShmGroup::ReportStall(int r, double waited_s) const {
   // One rank asks for the stack: the lowest rank other than the stalled one.
   const bool ask = ctrl(r)->dumps.load() != 0 && rank_ == (r == 0 ? 1 : 0);
   const int32_t pid = ctrl(r)->pid.load();
+  const bool stopped = IsStopped(pid);
+  if (stopped) {
+    where += "; its process " + std::to_string(pid) +
+             " is stopped (SIGSTOP, Ctrl-Z or a debugger) and runs on only when continued " +
+             "(kill -CONT " + std::to_string(pid) + ")";
+  }
   std::string msg = "[rank " + std::to_string(world_ranks_[rank_]) + "] spmd: stalled: " +
                     "this rank has waited " + std::to_string(static_cast<int>(waited_s)) +
                     " s in " + what + " (collective #" + std::to_string(calls_) +
                     " of the group " + RankList(world_ranks_) + ") for rank " +
                     std::to_string(world_ranks_[r]) + ", which has started " +
                     std::to_string(theirs) + " collectives on the group: " + where + "." +
-                    (ask ? " Its Python stack follows in its output." : "") +
+                    (ask && !stopped ? " Its Python stack follows in its output." : "") +
                     " (SPMD_STALL_WARN; the wait ends with an error after SPMD_TIMEOUT.)\n";
   std::fputs(msg.c_str(), stderr);
   std::fflush(stderr);

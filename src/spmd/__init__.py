@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from .ops import sendrecv as sendrecv
     from .parallel import Program as Program
     from .parallel import broadcast_params as broadcast_params
+    from .parallel import check as check
     from .parallel import data_parallel as data_parallel
     from .parallel import grad as grad
     from .parallel import moe as moe
@@ -76,6 +77,7 @@ _OPS = (
 _PARALLEL = (
     "Program",
     "broadcast_params",
+    "check",
     "data_parallel",
     "grad",
     "no_sync",

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard
 from jax._src import config as _config
 from jax._src import core as core
 from jax._src import dispatch as dispatch
+from jax._src import source_info_util as _source_info
 from jax._src import xla_bridge as _xla_bridge
 from jax._src.ad_util import Zero as Zero
 from jax._src.interpreters import ad as ad
@@ -45,6 +46,7 @@ __all__ = [
     "lowering_rule",
     "mlir",
     "pe",
+    "user_frames",
 ]
 
 # JAX 0.12 merged ClosedJaxpr into Jaxpr (a jaxpr carries its consts; ``.jaxpr`` is itself, and
@@ -144,3 +146,12 @@ def command_buffer_traits(enabled: bool) -> Any:
 def backends_are_initialized() -> bool:
     """Whether JAX has started its backends (then its devices are chosen for good)."""
     return bool(_xla_bridge.backends_are_initialized())
+
+
+def user_frames(eqn: Any) -> list[tuple[str, int, str]]:
+    """The frames of the Python code that made ``eqn`` (file, line, function), innermost first,
+    JAX's own frames left out."""
+    return [
+        (f.file_name, f.start_line, f.function_name)
+        for f in _source_info.user_frames(eqn.source_info.traceback)
+    ]

@@ -162,6 +162,23 @@ def test_a_python_rank_that_dies_is_named_fast_and_leaves_nothing(tmp_path, faul
     assert _mpich_files() - before == set(), "MPICH's files were left behind"
 
 
+def test_the_job_exits_with_the_code_of_the_rank_killed_not_of_its_waiting_peer(tmp_path):
+    """Rank 0, waiting in a collective, fails at once naming rank 1, which a SIGKILL ended: the
+    job's code is rank 1's 137, not rank 0's 1."""
+    script = tmp_path / "killed.py"
+    script.write_text(
+        "import os, signal\nimport jax.numpy as jnp\nimport spmd\n"
+        "comm = spmd.init()\nspmd.allreduce(jnp.ones(3))\n"
+        "if comm.rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "spmd.allreduce(jnp.ones(3))\n"
+    )
+    out, took = spmd_run("-n", "2", sys.executable, str(script))
+    assert out.returncode == 137, out.stderr
+    assert "spmd-run: rank 1 failed: killed by SIGKILL" in out.stderr
+    assert "rank 0: allreduce: rank 1 has ended" in out.stderr
+    assert took < 15, f"the job took {took:.1f} s"
+
+
 def test_a_group_segment_whose_creator_was_killed_is_removed(tmp_path):
     """spmd's creator of a group's shared memory unlinks it once every rank mapped it; killed in
     that window (a peer's MPI_Abort right after spmd.init), it left 16 MiB in /dev/shm. The
@@ -202,6 +219,28 @@ def test_a_rank_that_leaves_early_is_named_at_once_not_after_the_timeout(tmp_pat
     assert f"spmd-run: rank 0 failed: SpmdError: rank 0: allreduce: rank 1 {gone}" in out.stderr
     assert "while this rank waited for it in collective #2 of the group [0, 1]" in out.stderr
     assert took < 15, f"the job took {took:.1f} s"
+
+
+def test_a_sigstopped_peer_is_reported_as_stopped_and_the_job_ends_at_the_timeout(tmp_path):
+    """A SIGSTOPped rank is alive but cannot run, nor print its stack: the stall report says it
+    is stopped, and the waiting rank's timeout ends the job, stopped rank included."""
+    script = tmp_path / "stop.py"
+    script.write_text(
+        "import os, signal\nimport jax.numpy as jnp\nimport spmd\n"
+        "comm = spmd.init()\nspmd.allreduce(jnp.ones(3))\n"
+        "if comm.rank == 1:\n    os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "spmd.allreduce(jnp.ones(3))\n"
+    )
+    before = _mpich_files()
+    out, took = spmd_run("-n", "2", sys.executable, str(script),
+                         env={"SPMD_STALL_WARN": "1", "SPMD_TIMEOUT": "4"})  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert "for rank 1, which has started 1 collectives on the group" in out.stderr, out.stderr
+    assert "is stopped (SIGSTOP, Ctrl-Z or a debugger)" in out.stderr, out.stderr
+    assert "Its Python stack follows" not in out.stderr
+    assert "timed out after 4 s waiting for ranks [1]" in out.stderr, out.stderr
+    assert took < 15, f"the job took {took:.1f} s"
+    assert _mpich_files() - before == set(), "MPICH's files were left behind"
 
 
 def test_a_stalled_peer_is_reported_with_its_python_stack(tmp_path):

@@ -344,9 +344,15 @@ def _summarize(
         say(f"timed out after {timeout:g} s; ranks that had not finished: {unfinished}")
         return 124
     if failed:
+        # A rank killed by a signal is the cause of its peers' errors ("rank 1 has ended"):
+        # its code is the job's; otherwise the lowest failed rank's.
+        first = next(
+            (r for r in failed if str(status[r].get("error", "")).startswith("killed by")),
+            failed[0],
+        )
         if stopped and unfinished:
-            say(f"stopped ranks {unfinished} after rank {failed[0]} failed")
-        code = status[failed[0]].get("exit_code", 1)
+            say(f"stopped ranks {unfinished} after rank {first} failed")
+        code = status[first].get("exit_code", 1)
         return code if isinstance(code, int) and code != 0 else 1
     if returncode != 0:
         say(f"the launcher exited with code {returncode}; ranks without a clean end: {unfinished}")

@@ -8,7 +8,8 @@ convention and the ordering guarantees are described in ``docs/collectives.md``.
 
 ``set_transport``/``get_transport`` choose and report how collectives move data (shared memory,
 MPI or both on CPU; the custom all-reduce or NCCL on GPU). ``ARRAY_LIKE``, ``SUPPORTED_DTYPES``,
-``chain_config``, ``holds_collective`` and ``all_to_allv_indexed`` serve the layers above
+``chain_config``, ``holds_collective``, ``collective_calls`` (with ``ScheduledCall``) and
+``all_to_allv_indexed`` serve the layers above
 (spmd.parallel, spmd.cli) and are not in ``__all__``.
 """
 
@@ -32,6 +33,8 @@ from ._p2p import recv as recv
 from ._p2p import send as send
 from ._p2p import sendrecv as sendrecv
 from ._rmsnorm import allreduce_rmsnorm as allreduce_rmsnorm
+from ._schedule import ScheduledCall as ScheduledCall
+from ._schedule import collective_calls as collective_calls
 from ._transport import get_transport as get_transport
 from ._transport import set_transport as set_transport
 

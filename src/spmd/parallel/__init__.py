@@ -6,6 +6,7 @@ A transform is a :class:`Step` with a chain of passes (functions ``Program -> Pr
 docs/architecture.md, "Writing a pass", shows how to add one.
 """
 
+from ._check import check as check
 from ._data_parallel import DataParallel as DataParallel
 from ._data_parallel import broadcast_params as broadcast_params
 from ._data_parallel import data_parallel as data_parallel
@@ -40,6 +41,7 @@ __all__ = [
     "ZeroShard",
     "broadcast_params",
     "chain",
+    "check",
     "data_parallel",
     "eval_eqn",
     "grad",

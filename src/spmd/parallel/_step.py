@@ -7,7 +7,8 @@ A :class:`Step` wraps a training step ``fn``. On a call it
 2. traces ``fn`` once per input signature (pytree structure, shapes and dtypes, the active
    mesh) into a :class:`~spmd.parallel.Program`, with ``spmd.grad``'s marks;
 3. on its first call, checks that the parameters ``spmd.grad`` differentiates are the same on
-   every rank of the group (CRC32 checksums; ``check_params=False`` skips it);
+   every rank of the group (CRC32 checksums; ``check_params=False`` skips it), and that the
+   ranks of the group would make the same collectives (:mod:`._check`);
 4. applies its chain of passes to the program, once per signature and *variant* (a transform
    may run several programs from one trace, e.g. data_parallel inside ``spmd.no_sync()``), and
    runs the result compiled, on jit's fast path.
@@ -35,6 +36,7 @@ from .._jax_compat import core
 from ..mesh import mesh_key, resolve_group
 from ..runtime import Communicator
 from ..sharded import is_sharded
+from ._check import compare, schedule
 from ._grad import marking, shard_groups
 from ._passes import Pass, marked_params, shard_coordinate
 from ._program import Program, arg_names, trace_program
@@ -203,17 +205,20 @@ class Step:
         if any(isinstance(x, core.Tracer) for x in leaves):
             raise SpmdError(TRACED_CALL, op=self.name)
         traced = self._traced(args, kwargs, leaves, tree)
-        if self.check_params and not self._checked:
-            named = [(traced.program.in_names[i], leaves[i]) for i in traced.param_inputs]
-            comm = self.comm()
-            objs = jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_sharded)
-            blocks = [
-                shard_coordinate(shard_groups(objs[i]), comm.world_rank)
-                for i in traced.param_inputs
-            ]
-            check_same(comm, named, self.name, blocks)
-            self._checked = True
         variant = self.variant(traced)
+        if not self._checked:
+            comm = self.comm()
+            if self.check_params:
+                named = [(traced.program.in_names[i], leaves[i]) for i in traced.param_inputs]
+                objs = jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_sharded)
+                blocks = [
+                    shard_coordinate(shard_groups(objs[i]), comm.world_rank)
+                    for i in traced.param_inputs
+                ]
+                check_same(comm, named, self.name, blocks)
+            # The pre-flight schedule check, before the first program runs.
+            compare(comm, schedule(self.program(traced, variant)), self.name)
+            self._checked = True
         run = traced.runs.get(variant)
         if run is None:
             run = traced.runs[variant] = self.program(traced, variant)._compiled
