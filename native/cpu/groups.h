@@ -37,6 +37,9 @@ struct Group {
   std::unique_ptr<Transport> transport;
   TransportKind transport_kind = TransportKind::kShm;
   std::mutex mu;  // one collective at a time per group and process
+  // Calls made on the group by this process (under mu), as the flight recorder numbers them.
+  uint64_t calls = 0;      // collectives
+  uint64_t p2p_calls = 0;  // point-to-point
 
   int world_rank() const { return world_ranks[rank]; }
 };

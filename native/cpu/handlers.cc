@@ -11,6 +11,7 @@
 
 #include "groups.h"
 #include "messages.h"
+#include "recorder.h"
 #include "reduce.h"
 #include "spmd/alltoallv.h"
 #include "spmd/call.h"
@@ -25,22 +26,11 @@ namespace spmd {
 namespace {
 
 // Op codes: hashed into the signature, and named in messages.
-enum Code : uint64_t {
-  kAllreduce = 1,
-  kAllgather,
-  kReduceScatter,
-  kBroadcast,
-  kAllToAll,
-  kSendRecv,
-  kBarrier,
-  kAllToAllv
-};
-const char* const kNames[] = {"?", "allreduce", "allgather", "reduce_scatter", "broadcast",
-                              "all_to_all", "sendrecv", "barrier", "all_to_allv"};
+using Code = CallCode;  // recorder.h
 
 // A CPU call: its group, its leaves, and what every rank must agree on.
 struct Call : CallBase {
-  explicit Call(Code c) : CallBase(kNames[c]), code(c) {}
+  explicit Call(Code c) : CallBase(NameOf(kCallCodes, c)), code(c) {}
 
   Code code;
   std::shared_ptr<Group> group;  // held for the whole call (spmd/registry.h)
@@ -123,7 +113,7 @@ struct Call : CallBase {
   }
 
   std::string Describe() const {
-    std::string s = std::string(kNames[code]) + "(" + Params() + ") of ";
+    std::string s = std::string(NameOf(kCallCodes, code)) + "(" + Params() + ") of ";
     if (in.empty()) s += "no arrays";
     for (size_t i = 0; i < in.size(); ++i) {
       s += (i ? ", " : "") + std::string(DtypeName(in[i].dtype)) + "[";
@@ -149,7 +139,13 @@ struct Call : CallBase {
       return Fail("this group has no transport: the Python group layer (spmd.runtime) chooses "
                   "one at the group's first collective, which has not happened in this process");
     }
-    return FromStatus(fn(*group->transport));
+    uint64_t bytes = 0;
+    for (const Leaf& l : in) bytes += l.bytes;
+    const size_t slot = RecorderBegin(group->id, ++group->calls, hash, bytes, code,
+                                      static_cast<int8_t>(group->transport_kind));
+    const Status s = fn(*group->transport);
+    RecorderEnd(slot, !s.ok());
+    return FromStatus(s);
   }
 };
 
@@ -312,9 +308,12 @@ ffi::Error SendRecvFfi(int64_t group, std::string_view meaning, int64_t src, int
   const MessageShape none;
   const MessageShape sent = in ? MessageShape::Of(in->bytes, in->dtype, in->dims) : none;
   const MessageShape expected = out ? MessageShape::Of(out->bytes, out->dtype, out->dims) : none;
-  return call.FromStatus(g.mpi.SendRecv(in ? in->data : nullptr, sent, static_cast<int>(dst),
-                                        out ? out->data : nullptr, expected,
-                                        static_cast<int>(src)));
+  const size_t slot = RecorderBegin(g.id, ++g.p2p_calls, call.hash, in ? in->bytes : out->bytes,
+                                    kSendRecv, -1);
+  const Status s = g.mpi.SendRecv(in ? in->data : nullptr, sent, static_cast<int>(dst),
+                                  out ? out->data : nullptr, expected, static_cast<int>(src));
+  RecorderEnd(slot, !s.ok());
+  return call.FromStatus(s);
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "../cpu/groups.h"
 #include "../cpu/handlers.h"
 #include "../cpu/mpi.h"
+#include "../cpu/recorder.h"
 #include "../cuda/codec.h"
 #include "../cuda/custom_ar.h"
 #include "args.h"
@@ -52,6 +53,7 @@ PyObject* Tables(PyObject*, PyObject*) {
             SetNew(d, "staging", CodeDict(spmd::ShmGroup::kStagingModes)) &&
             SetNew(d, "roles", CodeDict(spmd::kRoles)) &&
             SetNew(d, "role_shift", PyLong_FromLong(spmd::kRoleShift)) &&
+            SetNew(d, "call_codes", CodeDict(spmd::kCallCodes)) &&
             SetNew(d, "error_marker", PyUnicode_FromString(spmd::kErrorMarker)) &&
             SetNew(d, "dtypes", dtypes) &&
             // The GPU all-reduce chain's codes, here too: Python chooses algorithms without a
@@ -209,6 +211,30 @@ PyObject* GroupShmHopNs(PyObject*, PyObject* args) {
 }
 
 // group_destroy(id) -> None; waits for a collective of the group still running.
+// recorder_open(path, capacity) -> None: record this process's calls in a ring of `capacity`
+// (0: stop), in the file `path` ("": in memory); see native/cpu/recorder.h.
+PyObject* RecorderOpen(PyObject*, PyObject* args) {
+  const char* path;
+  long long capacity;
+  if (!PyArg_ParseTuple(args, "sL", &path, &capacity)) return nullptr;
+  if (capacity < 0) {
+    PyErr_SetString(PyExc_ValueError, "capacity must be >= 0");
+    return nullptr;
+  }
+  spmd::Status s = spmd::RecorderOpen(path, static_cast<size_t>(capacity));
+  if (!s.ok()) return Raise(s);
+  Py_RETURN_NONE;
+}
+
+// recorder_snapshot() -> bytes: the ring's header and records (b"" when none is open).
+PyObject* RecorderSnapshot(PyObject*, PyObject*) {
+  std::string bytes;
+  Py_BEGIN_ALLOW_THREADS;
+  bytes = spmd::RecorderSnapshot();
+  Py_END_ALLOW_THREADS;
+  return PyBytes_FromStringAndSize(bytes.data(), static_cast<Py_ssize_t>(bytes.size()));
+}
+
 // signature_check() -> PyCapsule "spmd.CheckSignatureFn" of the function through which the GPU
 // handlers compare their calls on a group's CPU transport (spmd/signature.h).
 PyObject* SignatureCheck(PyObject*, PyObject*) {
@@ -308,6 +334,8 @@ PyMethodDef kMethods[] = {
      "Say whether this process prints its Python stack on SIGUSR1."},
     {"shm_mark_leaving", ShmMarkLeaving, METH_NOARGS,
      "Mark this process's ranks of every shared-memory group as leaving."},
+    {"recorder_open", RecorderOpen, METH_VARARGS, "Record this process's calls in a ring."},
+    {"recorder_snapshot", RecorderSnapshot, METH_NOARGS, "The recorder's ring as bytes."},
     {"signature_check", SignatureCheck, METH_NOARGS,
      "The function through which the GPU handlers compare their calls (a capsule)."},
     {"group_destroy", GroupDestroy, METH_VARARGS, "Unregister a group."},

@@ -550,3 +550,63 @@ def test_output_dir_keeps_each_ranks_output_apart(tmp_path):
     out, _ = spmd_run("--output", str(bad / "sub"), "-n", "1", "true")
     assert out.returncode == 2 and "spmd-run: --output" in out.stderr
     assert "cannot create the directory" in out.stderr
+
+
+_FLIGHT = (
+    "import os, time\nimport jax.numpy as jnp\nimport spmd\n"
+    "comm = spmd.init()\n"
+    "for _ in range(3):\n    spmd.allreduce(jnp.ones(3))\n"
+    "spmd.allgather(jnp.ones(4))\n"
+    "if comm.rank == 1:\n    {rank1}\n"
+    "spmd.allreduce(jnp.ones(5), op='sum' if comm.rank == 0 else 'max')\n"
+)
+
+
+@pytest.mark.parametrize("rank1", ["time.sleep(30)", "pass"], ids=["stall", "mismatch"])
+def test_the_flight_recorder_says_where_each_rank_stood(tmp_path, rank1):
+    """When a job fails, spmd-run reads each rank's ring of recent collectives (a file in its
+    status directory, so a killed rank's too) and prints, for each group whose ranks did not
+    end alike, each rank's last collective and the first one whose signature differs."""
+    script = tmp_path / "flight.py"
+    script.write_text(_FLIGHT.format(rank1=rank1))
+    out, took = spmd_run("-n", "2", sys.executable, str(script), env={"SPMD_TIMEOUT": "3"})
+    assert out.returncode == 1, out.stderr
+    assert "spmd-run: flight recorder: the group [0, 1] when the job ended:" in out.stderr
+    if rank1 == "pass":
+        assert "spmd-run:   rank 0: collective #5 allreduce of 20 bytes, failed" in out.stderr
+        assert "spmd-run:   rank 1: collective #5 allreduce of 20 bytes, failed" in out.stderr
+        assert "first collective whose signature differs: #5" in out.stderr, out.stderr
+    else:
+        assert "spmd-run:   rank 0: collective #5 allreduce of 20 bytes, failed" in out.stderr
+        assert "spmd-run:   rank 1: collective #4 allgather of 16 bytes, done" in out.stderr
+    assert took < 15, f"the job took {took:.1f} s"
+
+
+def test_the_timeline_has_a_track_per_rank_with_every_collective(tmp_path):
+    """SPMD_TIMELINE=dir: each rank writes its collectives as Chrome trace events at exit, and
+    spmd-run merges them into dir/timeline.json."""
+    import json
+
+    timeline = tmp_path / "timeline"
+    code = (
+        "import jax.numpy as jnp, spmd\nc = spmd.init()\n"
+        "for i in range(4):\n    spmd.allreduce(jnp.ones(1000 * (i + 1)))\n"
+        "spmd.allgather(jnp.ones(8))\n"
+    )
+    out, _ = spmd_run("-n", "2", sys.executable, "-c", code, env={"SPMD_TIMELINE": str(timeline)})
+    assert out.returncode == 0, out.stderr
+    merged = timeline / "timeline.json"
+    assert f"spmd-run: timeline of the job's collectives: {merged}" in out.stderr
+    events = json.loads((timeline / "timeline.json").read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1"}
+    for rank in (0, 1):
+        calls = sorted((e for e in events if e["ph"] == "X" and e["pid"] == rank),
+                       key=lambda e: e["args"]["call"])  # fmt: skip
+        assert [e["name"] for e in calls] == ["allreduce"] * 4 + ["allgather"]
+        assert [e["args"]["bytes"] for e in calls] == [4000, 8000, 12000, 16000, 32]
+        assert [e["args"]["call"] for e in calls] == [1, 2, 3, 4, 5]
+        assert all(e["tid"] == "group [0, 1]" and e["args"]["state"] == "done" for e in calls)
+        assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in calls)
+        starts = [e["ts"] for e in calls]
+        assert starts == sorted(starts)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .._errors import SpmdError
-from ..runtime import bind_mode, record_cpus
+from ..runtime import bind_mode, flight_report, merge_timeline, record_cpus, timeline_dir
 from ._leftovers import remove_leftovers
 from ._mpiexec import mpiexec_argv
 from ._protocol import output_file
@@ -274,9 +274,16 @@ def launch(
     finally:
         _restore(previous)
     status = _read_status(status_dir)
+    code = _summarize(nprocs, status, proc.returncode, stopped, timed_out, timeout, report)
+    if code != 0:  # where each group's ranks stood: who waited for whom, in which collective
+        for line in flight_report(status_dir):
+            print(f"spmd-run: {line}", file=report, flush=True)
+    timeline = timeline_dir(child_env)
+    if timeline and (merged := merge_timeline(timeline)) is not None:
+        print(f"spmd-run: timeline of the job's collectives: {merged}", file=report, flush=True)
     _remove_status_dir(status_dir)
     remove_leftovers(started)
-    return _summarize(nprocs, status, proc.returncode, stopped, timed_out, timeout, report)
+    return code
 
 
 # Run before the launcher, in its process: SIGTERM when spmd-run dies, whatever kills it (a

@@ -32,6 +32,9 @@ from ._groups import shm_hop_ns as shm_hop_ns
 from ._groups import shm_staging as shm_staging
 from ._groups import transport_names as transport_names
 from ._malloc import tune as tune_malloc
+from ._recorder import flight_report as flight_report
+from ._recorder import merge_timeline as merge_timeline
+from ._recorder import timeline_dir as timeline_dir
 from ._state import finalize as finalize
 from ._state import get_communicator as get_communicator
 from ._state import init as init
@@ -51,11 +54,13 @@ __all__ = [
     "detect",
     "finalize",
     "find_native_group",
+    "flight_report",
     "format_rank_traceback",
     "get_communicator",
     "gpu_active",
     "init",
     "is_initialized",
+    "merge_timeline",
     "mpi_rank_size",
     "must_abort",
     "nccl_library",
@@ -70,6 +75,7 @@ __all__ = [
     "shm_hop_ns",
     "shm_staging",
     "this_rank",
+    "timeline_dir",
     "timeout_seconds",
     "transport_names",
     "tune_malloc",

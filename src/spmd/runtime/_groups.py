@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import SpmdError
 from .._native_lib import native, tables
-from . import _gpu
+from . import _gpu, _recorder
 from ._device import gpu_active
 from ._env import timeout_seconds
 
@@ -214,6 +214,7 @@ def _register(comm: Communicator, ng: NativeGroup) -> None:
     native().group_create(
         ng.gid, comm.rank, comm.size, list(comm.ranks), timeout_seconds(), ONE_SHOT_MAX
     )
+    _recorder.note_group(ng.gid, list(comm.ranks))
     try:
         if comm.mpi_comm() is not None:
             _load_mpi()

@@ -8,7 +8,7 @@ from typing import Any
 
 from .._errors import SpmdError, set_rank
 from .._errors import this_rank as this_rank
-from . import _groups
+from . import _groups, _recorder
 from ._channel import (
     SETUP_WHAT,
     Channel,
@@ -225,6 +225,7 @@ def init(backend: str | None = None) -> Communicator:
         if runtime.size > 1:
             install_abort_hook(runtime.rank)
         _runtime = runtime
+        _recorder.start(runtime.rank)
         _groups.prepare_world(runtime.world)
         if runtime.size > 1:
             _groups.watch_peers()

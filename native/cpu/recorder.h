@@ -1,0 +1,74 @@
+// The flight recorder: the last collectives of this process, each with its group, its number on
+// the group, its signature hash, its size and its start and end time, in a ring of fixed size.
+// The ring lives in a file mapped shared when the Python layer names one (spmd-run's status
+// directory), so that what a rank was doing can be read after it died or was killed; otherwise in
+// this process's memory. Recording a call costs two clock reads, an atomic add and a few stores.
+#ifndef SPMD_CPU_RECORDER_H_
+#define SPMD_CPU_RECORDER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "spmd/status.h"
+#include "spmd/tables.h"
+
+namespace spmd {
+
+// The CPU handlers, as records and errors name them.
+enum CallCode : int32_t {
+  kAllreduce = 1,
+  kAllgather,
+  kReduceScatter,
+  kBroadcast,
+  kAllToAll,
+  kSendRecv,
+  kBarrier,
+  kAllToAllv
+};
+inline constexpr NamedCode kCallCodes[] = {
+    {"allreduce", kAllreduce}, {"allgather", kAllgather},  {"reduce_scatter", kReduceScatter},
+    {"broadcast", kBroadcast}, {"all_to_all", kAllToAll},  {"sendrecv", kSendRecv},
+    {"barrier", kBarrier},     {"all_to_allv", kAllToAllv}};
+
+// One call, 64 bytes; the layout Python reads (spmd.runtime's recorder).
+struct Record {
+  uint64_t seq;       // this process's call number, from 1
+  int64_t group;      // the group's id
+  uint64_t call;      // the call's number on its group in this process, from 1
+  uint64_t hash;      // the signature the ranks compare
+  int64_t start_ns;   // CLOCK_MONOTONIC
+  int64_t end_ns;     // 0 while the call runs
+  uint64_t bytes;     // the bytes of its inputs (its outputs for recv)
+  int32_t code;       // the handler (kCallCodes)
+  int8_t state;       // kRunning, kDone, kFailed
+  int8_t transport;   // the group's TransportKind; -1 for point-to-point over MPI
+  int16_t unused;
+};
+static_assert(sizeof(Record) == 64, "Python reads 64-byte records");
+
+// The file's header, then `capacity` records; record k of the process is at slot (k - 1) % capacity.
+struct RecorderHeader {
+  uint64_t magic;     // kRecorderMagic
+  uint64_t capacity;  // records
+  uint64_t count;     // records written so far (the last is count)
+  uint64_t pad[5];
+};
+static_assert(sizeof(RecorderHeader) == 64, "Python reads a 64-byte header");
+
+inline constexpr uint64_t kRecorderMagic = 0x3130434552444d53ull;  // "SMDREC01"
+enum RecordState : int8_t { kRunning = 0, kDone = 1, kFailed = 2 };
+
+// Starts recording into a ring of `capacity` calls (0: stop), in the file `path` (empty: this
+// process's memory). Replaces an earlier ring.
+Status RecorderOpen(const std::string& path, size_t capacity);
+// Records the start of a call; returns its slot (or SIZE_MAX when nothing is recorded).
+size_t RecorderBegin(int64_t group, uint64_t call, uint64_t hash, uint64_t bytes, int32_t code,
+                     int8_t transport);
+void RecorderEnd(size_t slot, bool failed);
+// The header and records as bytes (what the file holds), for Python.
+std::string RecorderSnapshot();
+
+}  // namespace spmd
+
+#endif  // SPMD_CPU_RECORDER_H_
