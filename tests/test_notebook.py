@@ -45,7 +45,9 @@ def test_a_failing_rank_raises_with_its_traceback_shown(capsys):
     assert '[rank 1]   File "<cell>", line 4, in <module>' in err
     assert "[rank 1]     raise KeyError('lost')" in err  # the line's source is shown
     assert "[rank 1] [rank 1]" not in err  # the wrapper's prefix is not doubled
-    assert err.rstrip().endswith("spmd-run: rank 1 failed: KeyError: 'lost'")
+    assert "spmd-run: rank 1 failed: KeyError: 'lost'" in err
+    # rank 0, waiting in an MPI barrier, is stopped by spmd-run after the grace period
+    assert err.rstrip().endswith("spmd-run: stopped ranks [0] after rank 1 failed"), err
     assert CellFailed("x")._render_traceback_() == ["CellFailed: x"]
 
 

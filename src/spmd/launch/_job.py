@@ -254,7 +254,12 @@ def launch(
             status = _read_status(status_dir)
             if failed_at is None and any(s["state"] == "failed" for s in status.values()):
                 failed_at = now
-            if failed_at is not None and now - failed_at > grace:
+            # Every rank has ended or failed (a failed rank waits to be stopped): no grace left
+            # to give.
+            settled = len(status) == nprocs and all(
+                s["state"] in ("failed", "done") for s in status.values()
+            )
+            if failed_at is not None and (now - failed_at > grace or settled):
                 stopped = True
                 _stop(proc)
             elif timeout is not None and now - start > timeout:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from types import TracebackType
@@ -66,12 +67,32 @@ def _mpi_running() -> Any:
     return None
 
 
+# Longer than any --grace spmd-run is given in practice: a safety net, should it not stop the job.
+_SPMD_RUN_STOPS_WITHIN_S = 600.0
+
+
 def abort_job(code: int) -> None:
-    """Stop every rank now: ``MPI_Abort`` when MPI is running, else exit this process (the
-    launcher, ``spmd-run`` or a torchrun-style agent, stops the rest)."""
+    """Stop this rank, and make sure the job stops. Under ``spmd-run`` with MPI running, this rank
+    is marked as leaving in its shared-memory groups (a peer waiting for it fails at once, naming
+    it) and waits for ``spmd-run``, which stops every rank after ``--grace`` seconds, so that a
+    peer failing on its own meanwhile prints its traceback too. Elsewhere: ``MPI_Abort`` when MPI
+    is running (nothing else would stop the ranks waiting for this one), else exit this process
+    (the launcher, ``spmd-run`` or a torchrun-style agent stops the rest)."""
     sys.stdout.flush()
     sys.stderr.flush()
     mpi = _mpi_running()
+    if mpi is not None and os.environ.get("SPMD_RUN_STATUS_DIR"):
+        try:
+            from .._native_lib import native
+
+            native().shm_mark_leaving()
+        except Exception:  # the native layer never loaded: no group to leave
+            pass
+        # MPICH's launcher ends the whole job at once when a process with MPI running exits, so
+        # this one waits instead: spmd-run has seen its failure and stops the job after --grace.
+        deadline = time.monotonic() + _SPMD_RUN_STOPS_WITHIN_S
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
     if mpi is not None:
         mpi.COMM_WORLD.Abort(code)
     os._exit(code)
