@@ -2,6 +2,7 @@
 the same global batch, and torch DDP (gloo) where torch is installed, in the same run.
 
     python benchmarks/data_parallel.py [--ranks 2] [--rounds 3] [--steps 40] [--zero]
+    python benchmarks/data_parallel.py --deterministic
 
 Model: MLP 784-1024-1024-10 (float32), batch 64 per rank, cross-entropy, SGD with momentum
 (``--optimizer adam`` for Adam). Rounds alternate the implementations so that a noisy
@@ -11,7 +12,9 @@ table quotes the median over rounds. Writes
 given fewer cores than the machine has: ``taskset``, a cpuset).
 
 ``--zero`` adds ``@spmd.zero_shard`` stages 1, 2 and 3 on the same step and reports each
-against ``@data_parallel`` (results tagged ``-zero``).
+against ``@data_parallel`` (results tagged ``-zero``). ``--deterministic`` runs one process,
+``@data_parallel`` and ``@data_parallel(deterministic=True, shards=8)`` (results tagged
+``-deterministic``): what bit-identical results at any world size cost.
 
 Each implementation runs as its own job (this script with ``--worker``): spmd under
 ``spmd-run -n N`` (which pins each rank to its share of the cores; once more with
@@ -152,7 +155,8 @@ def worker_spmd(args: argparse.Namespace) -> dict[str, Any]:
         params, opt_state = step.shard(params, opt_state)
     else:
         compression = "bf16" if args.worker == "spmd-bf16" else None
-        step = spmd.data_parallel(train_step, bucket_mb=args.bucket_mb, compression=compression)
+        step = spmd.data_parallel(train_step, bucket_mb=args.bucket_mb, compression=compression,
+                                  deterministic=args.worker == "spmd-det", shards=8)  # fmt: skip
 
     hop = shm_hop()
     med = _time_steps(step, params, opt_state, args.batch, comm.rank, args)
@@ -239,6 +243,7 @@ def worker_torch_single(args: argparse.Namespace) -> dict[str, Any]:
 
 
 WORKERS = {"spmd": worker_spmd, "spmd-unpinned": worker_spmd, "spmd-bf16": worker_spmd,
+           "spmd-det": worker_spmd,
            "single": worker_single,
            "nocomm": worker_nocomm, "sync": worker_nocomm, "torch": worker_torch,
            "torch-single": worker_torch_single,
@@ -275,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--zero", action="store_true", help="also zero_shard stages 1-3")
+    p.add_argument("--deterministic", action="store_true",
+                   help="one process, data_parallel, deterministic=True")  # fmt: skip
     p.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out-dir", default=str(RESULTS))
     p.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)
@@ -289,12 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     impls = (
         ["single", "spmd", "zero1", "zero2", "zero3"]
         if args.zero
+        else ["single", "spmd", "spmd-det"]
+        if args.deterministic
         else ["single", "nocomm", "sync", "spmd", "spmd-bf16", "spmd-unpinned"]
     )
     skipped = {}
     if package_version("torch") is None:
         skipped["torch DDP"] = "torch is not installed"
-    elif not args.zero:
+    elif not args.zero and not args.deterministic:
         impls += ["torch", "torch-single"]
     runs: dict[str, list[float]] = {i: [] for i in impls}
     errors: dict[str, str] = {}
@@ -315,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         "spmd": f"spmd data_parallel ({args.ranks} ranks)",
         "spmd-unpinned": f"spmd data_parallel ({args.ranks} ranks, SPMD_BIND=none)",
         "spmd-bf16": f"spmd data_parallel ({args.ranks} ranks, compression='bf16')",
+        "spmd-det": f"spmd data_parallel ({args.ranks} ranks, deterministic=True, shards=8)",
         "nocomm": f"{args.ranks} ranks, no communication (ceiling)",
         "sync": f"{args.ranks} ranks, only a 4-byte allreduce per step",
         "torch": f"torch DDP gloo ({args.ranks} ranks)",
@@ -365,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         tag += f"-{args.optimizer}"
     if args.zero:
         tag += "-zero"
+    if args.deterministic:
+        tag += "-deterministic"
     (out / f"{tag}.json").write_text(
         json.dumps({"machine": info, "results": rows, "skipped": skipped, "errors": errors},
                    indent=2) + "\n"

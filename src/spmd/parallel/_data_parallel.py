@@ -139,6 +139,8 @@ def data_parallel(
     overlap: bool = True,
     accumulate_steps: int = 1,
     check_params: bool = True,
+    deterministic: bool = False,
+    shards: int = 8,
 ) -> Any:
     """Data parallelism for a training step; bare (``@data_parallel``) or with options.
 
@@ -163,6 +165,15 @@ def data_parallel(
             micro-batches along axis 0 and accumulates their gradients locally (mean over
             micro-batches) before the one allreduce.
         check_params: on the first call, check that the parameters are identical on every rank.
+        deterministic: the same bits whatever the group's size and transport: the global batch
+            is cut into ``shards`` equal parts (each rank's batch into shards / size of them,
+            in rank order), each part's value and gradient computed alone, gathered over the
+            group and summed in a fixed pairwise order. Every gradient call then returns the
+            global batch's mean value and gradient. Costs an allgather of shards / size
+            gradients per rank instead of an allreduce; no compression, ``no_sync``,
+            ``accumulate_steps`` or ``has_aux`` with it.
+        shards: with ``deterministic=True``, the global batch's part count; group sizes that
+            divide it give the same results.
 
     Example (a world of one; under ``spmd-run -n N`` the same step averages over N ranks)::
 
@@ -183,6 +194,8 @@ def data_parallel(
         overlap=overlap,
         accumulate_steps=accumulate_steps,
         check_params=check_params,
+        deterministic=deterministic,
+        shards=shards,
     )
     if fn is None:
         return functools.partial(DataParallel, **options)
@@ -206,15 +219,32 @@ class DataParallel(Step):
         overlap: bool,
         accumulate_steps: int,
         check_params: bool,
+        deterministic: bool = False,
+        shards: int = 8,
     ) -> None:
         if bucket_mb < 0:
             raise SpmdError(f"bucket_mb={bucket_mb!r}; expected a number >= 0", op=self.transform)
         _check_compression(compression)
+        if deterministic:
+            if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+                raise SpmdError(f"shards={shards!r}; expected an int >= 1", op=self.transform)
+            if compression is not None or accumulate_steps != 1:
+                raise SpmdError(
+                    "deterministic=True sums exact per-shard gradients itself: pass neither "
+                    f"compression (got {compression!r}) nor accumulate_steps (got "
+                    f"{accumulate_steps})",
+                    op=self.transform,
+                )
         super().__init__(
             fn, group=group, accumulate_steps=accumulate_steps, check_params=check_params
         )
+        self.shards = shards if deterministic else 0
         self.options: dict[str, Any] = dict(
-            bucket_mb=bucket_mb, average=average, compression=compression, overlap=overlap
+            bucket_mb=bucket_mb,
+            average=average,
+            compression=compression,
+            overlap=overlap,
+            deterministic=deterministic,
         )
         # no_sync's local gradient sums, and the traced signature they belong to.
         self._pending: list[Any] | None = None
@@ -231,6 +261,13 @@ class DataParallel(Step):
         if pending and self._pending_for is not traced:
             raise SpmdError(PENDING_SHAPES, op=f"{self.transform}({traced.program.name})")
         sync = syncing()
+        if not sync and self.shards:
+            raise SpmdError(
+                "spmd.no_sync() around a data_parallel(deterministic=True) step: its gradients "
+                "are reduced inside each gradient call; accumulate with a larger batch and more "
+                "shards instead",
+                op=self.name,
+            )
         return None if sync and not pending else (sync, pending)
 
     def extra_inputs(self, traced: Traced, variant: Any) -> Sequence[Any]:
@@ -267,6 +304,7 @@ def reduce_gradients(
     overlap: bool = True,
     sync: bool = True,
     pending: bool = False,
+    deterministic: bool = False,
 ) -> Pass:
     """The data-parallel pass: insert bucketed allreduces of the gradients ``spmd.grad`` marked.
 
@@ -286,7 +324,9 @@ def reduce_gradients(
     _check_compression(compression)
 
     def apply(program: Program) -> Program:
-        return _reduce(program, group, bucket_mb, average, compression, overlap, sync, pending)
+        return _reduce(
+            program, group, bucket_mb, average, compression, overlap, sync, pending, deterministic
+        )
 
     return apply
 
@@ -300,6 +340,7 @@ def _reduce(
     overlap: bool,
     sync: bool,
     pending: bool,
+    deterministic: bool = False,
 ) -> Program:
     comm = resolve_group(None, group, op="data_parallel")
     leaves, marks = gradient_leaves(program)
@@ -314,7 +355,7 @@ def _reduce(
     def reduce(values: list[Any]) -> list[Any]:
         from ..ops import allreduce
 
-        if comm.size == 1:
+        if comm.size == 1 or deterministic:  # deterministic: reduced by the gradient call
             return values
         op = "avg" if average else "sum"
         return list(allreduce(values, op, group=comm, compression=compression))
@@ -322,6 +363,11 @@ def _reduce(
     # Blocks split over ranks of the group itself (experts) are reduced over the ranks holding
     # the same block only (reduce_blocks).
     subgroups = [block_groups(comm.groups, leaf.shards) for leaf in leaves]
+    if deterministic and any(sub is not None for sub in subgroups):
+        raise SpmdError(
+            "deterministic=True with parameters split over the group (experts): not supported",
+            op="data_parallel",
+        )
 
     def flush(env: Env, bucket: Bucket, extra: Sequence[Any]) -> None:
         values = [env.read(x.src) for x in bucket.leaves]

@@ -43,6 +43,10 @@ class _Marking:
     calls: int = 0
     accumulate_steps: int = 1
     transform: str = "data_parallel"  # how errors name the transform tracing the step
+    # data_parallel(deterministic=True): the global batch's shard count and the group; each
+    # gradient call then reduces its per-shard gradients itself (_deterministic).
+    shards: int = 0
+    group: Any = None
     # (spmd.grad call, vmap level) where that vmap left some parameter leaf unbatched: its
     # batched gradients are per-example (or a sweep's), not an ensemble's.
     unbatched_params: set[tuple[int, int]] = field(default_factory=set)
@@ -54,9 +58,13 @@ _MARKING: contextvars.ContextVar[_Marking | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def marking(accumulate_steps: int = 1, transform: str = "data_parallel") -> Iterator[None]:
+def marking(
+    accumulate_steps: int = 1, transform: str = "data_parallel", shards: int = 0, group: Any = None
+) -> Iterator[None]:
     """While tracing a step: spmd.grad calls mark their parameters and gradients."""
-    token = _MARKING.set(_Marking(accumulate_steps=accumulate_steps, transform=transform))
+    token = _MARKING.set(
+        _Marking(accumulate_steps=accumulate_steps, transform=transform, shards=shards, group=group)
+    )
     try:
         yield
     finally:
@@ -198,7 +206,9 @@ def value_and_grad(
         for i in marked:
             _check_differentiable(args[i], i, allow_int, holomorphic, ctx.transform)
         args = tuple(mark_tree(a, "param", call) if i in marked else a for i, a in enumerate(args))
-        if ctx.accumulate_steps > 1:
+        if ctx.shards:
+            value, grads = _deterministic(vg, args, kwargs, marked, has_aux, ctx)
+        elif ctx.accumulate_steps > 1:
             value, grads = _accumulate(vg, args, kwargs, marked, has_aux, ctx.accumulate_steps)
         else:
             value, grads = vg(*args, **kwargs)
@@ -281,7 +291,7 @@ def _add(a: Any, b: Any) -> Any:
     return a if _is_float0(a) else a + b
 
 
-def _split(x: Any, k: int, where: str, transform: str) -> Any:
+def _split(x: Any, k: int, where: str, transform: str, option: str = "") -> Any:
     """``x`` as k micro-batches along axis 0; None for what is not split: scalars and leaves
     that are not arrays (a string or a flag passed through to the loss)."""
     if not getattr(x, "shape", ()):
@@ -289,7 +299,7 @@ def _split(x: Any, k: int, where: str, transform: str) -> Any:
     x = jnp.asarray(x)
     if x.shape[0] % k:
         raise SpmdError(
-            f"{transform}(accumulate_steps={k}): {where} has {x.shape[0]} "
+            f"{transform}({option or f'accumulate_steps={k}'}): {where} has {x.shape[0]} "
             f"rows, which do not split into {k} micro-batches; pass a batch whose leading "
             f"dimension is a multiple of {k}"
         )
@@ -352,3 +362,80 @@ def _accumulate(
         for a0, rest, w in zip(firsts, jax.tree_util.tree_leaves(auxs), whole, strict=True)
     ]  # (the scan stacks aux0's structure: the same leaves in the same order)
     return (value, jax.tree_util.tree_unflatten(treedef, combined)), grads
+
+
+# -- deterministic reduction ----------------------------------------------------------------------
+
+
+def tree_sum(stacked: Any) -> Any:
+    """The sum over axis 0 of ``stacked`` in a fixed pairwise order that depends only on its
+    length: (x0 + x1) + (x2 + x3), ..., an odd one out carried to the next level. Elementwise
+    additions only, which XLA neither reorders nor reassociates."""
+    parts = [stacked[i] for i in range(stacked.shape[0])]
+    while len(parts) > 1:
+        pairs = [parts[i] + parts[i + 1] for i in range(0, len(parts) - 1, 2)]
+        parts = pairs + ([parts[-1]] if len(parts) % 2 else [])
+    return parts[0]
+
+
+def _deterministic(
+    vg: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    nums: tuple[int, ...],
+    has_aux: bool,
+    ctx: _Marking,
+) -> tuple[Any, Any]:
+    """The value and gradient over the global batch, the same bits whatever the group's size:
+    this rank's batch is its k = shards / size consecutive shards of the global batch; each
+    shard's value and gradient are computed alone (a lax.scan, the same program for any k), the
+    group's shards gathered in global order, and summed in :func:`tree_sum`'s order."""
+    from ..ops import allgather
+
+    transform = ctx.transform
+    comm = ctx.group
+    if has_aux:
+        raise SpmdError(
+            f"{transform}(deterministic=True) does not take has_aux=True gradients yet; return "
+            "the auxiliary values from the step instead",
+            op="spmd.value_and_grad",
+        )
+    if ctx.shards % comm.size:
+        raise SpmdError(
+            f"{transform}(deterministic=True, shards={ctx.shards}) on a group of {comm.size} "
+            f"ranks: the shard count must be a multiple of the group size (pass shards=, e.g. "
+            f"{comm.size * max(1, round(ctx.shards / comm.size))})",
+            op="spmd.value_and_grad",
+        )
+    k = ctx.shards // comm.size
+    data = ([a for i, a in enumerate(args) if i not in nums], kwargs)
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(data)
+    leaves = [x for _, x in with_path]
+    option = f"deterministic=True, shards={ctx.shards}: {k} per rank of {comm.size}"
+    split = [_split(x, k, "argument" + jax.tree_util.keystr(p), transform, option)
+             for p, x in with_path]  # fmt: skip
+    if all(s is None for s in split):
+        raise SpmdError(
+            f"{transform}(deterministic=True): the gradient call has no batch to split into "
+            "shards (no argument but the differentiated ones has a leading dimension)",
+            op="spmd.value_and_grad",
+        )
+
+    def one(_: Any, i: Any) -> Any:
+        micro = [x if sp is None else sp[i] for x, sp in zip(leaves, split, strict=True)]
+        rest, kw = jax.tree_util.tree_unflatten(treedef, micro)
+        it = iter(rest)
+        full = [a if j in nums else next(it) for j, a in enumerate(args)]
+        return None, vg(*full, **kw)
+
+    _, (values, grads) = jax.lax.scan(one, None, jnp.arange(k))
+    summed = []
+    for leaf in jax.tree_util.tree_leaves((values, grads)):
+        if _is_float0(leaf):
+            summed.append(leaf[0])
+            continue
+        every = leaf if comm.size == 1 else allgather(leaf, axis=0, group=comm)
+        summed.append(tree_sum(every) / ctx.shards)
+    value, grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure((values, grads)),
+                                                summed)  # fmt: skip
+    return value, grads

@@ -126,6 +126,7 @@ class Step:
         self.check_params = check_params
         self._cache: dict[Any, Traced] = {}
         self._checked = False
+        self.shards = 0  # data_parallel(deterministic=True): the global batch's shard count
 
     @property
     def name(self) -> str:
@@ -144,7 +145,8 @@ class Step:
 
     def trace(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
         """Trace ``fn`` for these arguments (with ``spmd.grad``'s marks)."""
-        with marking(self.accumulate_steps, self.transform):
+        group = self.comm() if self.shards else None
+        with marking(self.accumulate_steps, self.transform, self.shards, group):
             program = trace_program(self.fn, args, kwargs)
         return Traced(program, marked_params(program))
 
