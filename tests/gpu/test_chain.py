@@ -336,13 +336,13 @@ def _gpu_call_comparison(comm):
     np.testing.assert_array_equal(spmd.allreduce(np.ones(2, np.float32)), [2.0, 2.0])
 
 
-@multirank(nprocs=(2,))
+@multirank(nprocs=(2,), env={"JAX_PLATFORMS": "cpu"})
 def test_what_the_gpu_handlers_compare_and_how(comm):
     """The GPU handlers' call comparison, checked without a GPU: the text the lowering writes for
     each call, and the CPU module's comparison they call (a difference names each rank's call)."""
     _gpu_call_comparison(comm)
 
 
-@multirank(nprocs=(2,), env={"SPMD_TRANSPORT": "mpi"})
+@multirank(nprocs=(2,), env={"JAX_PLATFORMS": "cpu", "SPMD_TRANSPORT": "mpi"})
 def test_what_the_gpu_handlers_compare_and_how_over_mpi(comm):
     _gpu_call_comparison(comm)
