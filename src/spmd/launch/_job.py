@@ -254,10 +254,18 @@ def launch(
             status = _read_status(status_dir)
             if failed_at is None and any(s["state"] == "failed" for s in status.values()):
                 failed_at = now
-            # Every rank has ended or failed (a failed rank waits to be stopped): no grace left
-            # to give.
+            # Every rank has ended, was killed, or failed and waits to be stopped: no grace left
+            # to give (a failed rank that does not wait is ending on its own, flushing files).
             settled = len(status) == nprocs and all(
-                s["state"] in ("failed", "done") for s in status.values()
+                s["state"] == "done"
+                or (
+                    s["state"] == "failed"
+                    and (
+                        str(s.get("error", "")).startswith("killed by")
+                        or (status_dir / f"rank{r}.waiting").exists()
+                    )
+                )
+                for r, s in status.items()
             )
             if failed_at is not None and (now - failed_at > grace or settled):
                 stopped = True

@@ -76,14 +76,14 @@ def _run_python(rank: int, args: list[str]) -> int:
             report_status(rank, {"state": "failed", "exit_code": code, "error": f"exit {code}"})
             sys.stderr.write(f"[rank {rank}] exited with code {code}\n")
             if must_abort():
-                abort_job(code)
+                abort_job(code, rank)
             return code
         report_status(rank, {"state": "done", "exit_code": 0})
         return 0
     except BaseException as e:
         report_exception(rank, e.with_traceback(_user_frames(e.__traceback__)))
         if must_abort():
-            abort_job(1)
+            abort_job(1, rank)
         return 1
     report_status(rank, {"state": "done", "exit_code": 0})
     return 0

@@ -37,6 +37,16 @@ def report_status(rank: int, status: dict[str, object]) -> None:
         pass  # reporting must never mask the rank's own error
 
 
+def report_waiting(rank: int) -> None:
+    """Tell ``spmd-run`` that this failed rank waits to be stopped (no-op outside it)."""
+    directory = os.environ.get("SPMD_RUN_STATUS_DIR")
+    if directory:
+        try:
+            open(os.path.join(directory, f"rank{rank}.waiting"), "w").close()
+        except OSError:
+            pass
+
+
 def report_exception(rank: int, exc: BaseException) -> None:
     """Print the rank-prefixed traceback and record the failure for ``spmd-run``."""
     sys.stderr.write(format_rank_traceback(rank, exc))
@@ -71,7 +81,7 @@ def _mpi_running() -> Any:
 _SPMD_RUN_STOPS_WITHIN_S = 600.0
 
 
-def abort_job(code: int) -> None:
+def abort_job(code: int, rank: int | None = None) -> None:
     """Stop this rank, and make sure the job stops. Under ``spmd-run`` with MPI running, this rank
     is marked as leaving in its shared-memory groups (a peer waiting for it fails at once, naming
     it) and waits for ``spmd-run``, which stops every rank after ``--grace`` seconds, so that a
@@ -89,7 +99,11 @@ def abort_job(code: int) -> None:
         except Exception:  # the native layer never loaded: no group to leave
             pass
         # MPICH's launcher ends the whole job at once when a process with MPI running exits, so
-        # this one waits instead: spmd-run has seen its failure and stops the job after --grace.
+        # this one waits instead: spmd-run has seen its failure and stops the job after --grace,
+        # or at once when every rank has failed or ended (this one says it waits to be stopped;
+        # a rank that failed without saying so is ending on its own, and is left to end).
+        if rank is not None:
+            report_waiting(rank)
         deadline = time.monotonic() + _SPMD_RUN_STOPS_WITHIN_S
         while time.monotonic() < deadline:
             time.sleep(0.05)
@@ -113,7 +127,7 @@ def install_abort_hook(rank: int) -> None:
     def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         report_exception(rank, value.with_traceback(tb))
         if must_abort():
-            abort_job(1)
+            abort_job(1, rank)
 
     sys.excepthook = hook
 
