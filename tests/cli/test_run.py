@@ -368,6 +368,36 @@ def test_the_job_ends_when_spmd_run_is_killed(tmp_path):
     assert _mpich_files() - before == set(), "the killed job's MPICH files were left behind"
 
 
+def test_a_killed_launcher_is_named_and_takes_its_ranks_with_it(tmp_path):
+    """mpiexec killed under spmd-run: its ranks end with it, spmd-run names the signal (it said
+    "exited with code -9") and exits as a shell would, and nothing is left behind."""
+    before = _mpich_files()
+    proc, pids = _sleeping_job(tmp_path)
+    launcher = next(
+        int(p) for p in os.listdir("/proc") if p.isdigit() and _is_launcher_of(int(p), proc.pid)
+    )
+    os.kill(launcher, signal.SIGKILL)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGKILL, err
+    assert "spmd-run: the launcher (mpiexec) was killed by SIGKILL" in err, err
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids)
+    assert _mpich_files() - before == set(), "the job's MPICH files were left behind"
+
+
+def _is_launcher_of(pid: int, parent: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv0 = f.read().split(b"\0")[0]
+    except OSError:
+        return False
+    return int(fields[1]) == parent and argv0.endswith(b"mpiexec")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -375,6 +375,13 @@ def _summarize(
         code = status[first].get("exit_code", 1)
         return code if isinstance(code, int) and code != 0 else 1
     if returncode != 0:
-        say(f"the launcher exited with code {returncode}; ranks without a clean end: {unfinished}")
+        if returncode < 0:
+            try:
+                how = f"was killed by {signal.Signals(-returncode).name}"
+            except ValueError:
+                how = f"was killed by signal {-returncode}"
+        else:
+            how = f"exited with code {returncode}"
+        say(f"the launcher (mpiexec) {how}; ranks without a clean end: {unfinished}")
         return returncode if returncode > 0 else 128 - returncode
     return 0
