@@ -40,6 +40,12 @@ Status MakeTransport(const Group& g, TransportKind kind, std::unique_ptr<Transpo
 
 // A transport holds the parts it was built on: rebuild it when a part is replaced.
 Status Rebuild(Group& g) {
+  // An MPI wait asks the group's segment, where there is one, whether a peer has left.
+  if (g.shm) {
+    g.mpi.peer_gone = [shm = g.shm.get()] { return shm->AnyGone(); };
+  } else {
+    g.mpi.peer_gone = nullptr;
+  }
   if (g.transport == nullptr) return Status::Ok();
   return MakeTransport(g, g.transport_kind, &g.transport);
 }

@@ -245,6 +245,17 @@ Status MpiComm::Wait(H* requests, int n, const char* what) const {
       if (done) break;
       if (++spins % 1024 == 0) {
         sched_yield();
+        if (peer_gone && spins % (1024 * 16) == 0) {
+          const std::string gone = peer_gone();
+          if (!gone.empty()) {
+            broken = true;  // the call cannot complete, and MPI cannot cancel it
+            return Status::Error(gone + " while this rank waited for it in " + what +
+                                 " over MPI on the group " + RankList(world_ranks) +
+                                 ": it made fewer collective calls than this rank. Every rank "
+                                 "of a group must make the same collective calls in the same "
+                                 "order");
+          }
+        }
         std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
         if (waited.count() > timeout_s) {
           broken = true;

@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -82,6 +83,12 @@ struct MpiComm {
   // fails at once instead of matching the abandoned one), and the job should stop (spmd.init's
   // abort hook stops it on an uncaught error).
   mutable bool broken = false;
+
+  // Where the group's ranks share a node: which peer has left ("rank N is exiting ..."; "" if
+  // none), from the group's shared-memory segment (ShmGroup::AnyGone). A wait that outlasts a
+  // millisecond asks it now and then, so that a peer that left is an error at once instead of at
+  // the timeout. Unset: waits run to the timeout.
+  std::function<std::string()> peer_gone;
 
  private:
   Status Usable() const;

@@ -126,8 +126,18 @@ class ShmGroup {
   enum class Wait { kArrived, kTimedOut, kGone };
   Wait WaitFor(int r, const std::atomic<uint64_t>& a, uint64_t v,
                std::chrono::steady_clock::time_point* deadline) const;
-  // Why rank r is gone ("" if it is not).
+  // Why rank r is gone ("" if it is not); GoneSeen: with `seen` saying whose process can be
+  // seen gone (visible_ or watched_).
   std::string Gone(int r) const;
+  std::string GoneSeen(int r, const std::vector<char>& seen) const;
+
+ public:
+  // The first peer that has left, as "rank N is exiting ..." ("" if none): for waits outside
+  // this group's own collectives (the MPI transport's). A peer whose process this process did
+  // not see at the first call is never seen gone (another PID namespace).
+  std::string AnyGone();
+
+ private:
   Status TimedOut(uint64_t t, const std::vector<int>& missing);
   Status PeerGone(uint64_t t, int r);
   // Starts a call moving `bytes`: from kProbeMin bytes, checks the signatures at once (clearing
@@ -169,6 +179,7 @@ class ShmGroup {
   // every rank has published its pid). Only those can be seen gone: a peer in another PID
   // namespace sharing this node's /dev/shm never is, and is left to the deadline.
   std::vector<char> visible_;
+  std::vector<char> watched_;  // AnyGone's own record of which peers' processes it saw
   uint64_t calls_ = 0;                // collectives started on this group (Begin)
   const Signature* current_ = nullptr;  // the collective under way, for a stall report
   double stall_s_ = 30;               // SPMD_STALL_WARN: report a wait longer than this (0: never)

@@ -122,13 +122,31 @@ ShmGroup::~ShmGroup() {
   if (base_ != nullptr) munmap(base_, bytes_);
 }
 
-std::string ShmGroup::Gone(int r) const {  // `visible_`: see shm.h
+std::string ShmGroup::Gone(int r) const { return GoneSeen(r, visible_); }
+
+std::string ShmGroup::GoneSeen(int r, const std::vector<char>& seen) const {
   if (ctrl(r)->leaving.load(std::memory_order_acquire) != 0) {
     return "is exiting (its Python program ended, or called sys.exit)";
   }
   const int32_t pid = ctrl(r)->pid.load(std::memory_order_acquire);
-  if (!visible_.empty() && visible_[r] && pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) {
+  if (!seen.empty() && seen[r] && pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) {
     return "has ended (its process " + std::to_string(pid) + " is gone)";
+  }
+  return "";
+}
+
+std::string ShmGroup::AnyGone() {
+  if (watched_.empty()) {
+    watched_.assign(size_, 0);
+    for (int r = 0; r < size_; ++r) {
+      const int32_t pid = ctrl(r)->pid.load(std::memory_order_acquire);
+      watched_[r] = pid > 0 && (kill(pid, 0) == 0 || errno == EPERM);
+    }
+  }
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    const std::string why = GoneSeen(r, watched_);
+    if (!why.empty()) return "rank " + std::to_string(world_ranks_[r]) + " " + why;
   }
   return "";
 }
