@@ -306,6 +306,33 @@ def _split(x: Any, k: int, where: str, transform: str, option: str = "") -> Any:
     return x.reshape(k, x.shape[0] // k, *x.shape[1:])
 
 
+def _micro_batches(
+    vg: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    nums: tuple[int, ...],
+    k: int,
+    transform: str,
+    option: str = "",
+) -> tuple[Callable[[Any], Any], bool]:
+    """``one(i)``: ``vg`` on micro-batch i of k of the non-differentiated arguments (split along
+    axis 0; the differentiated ones whole); and whether any argument was split at all."""
+    data = ([a for i, a in enumerate(args) if i not in nums], kwargs)
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(data)
+    leaves = [x for _, x in with_path]
+    split = [_split(x, k, "argument" + jax.tree_util.keystr(p), transform, option)
+             for p, x in with_path]  # fmt: skip
+
+    def one(i: Any) -> Any:
+        micro = [x if s is None else s[i] for x, s in zip(leaves, split, strict=True)]
+        rest, kw = jax.tree_util.tree_unflatten(treedef, micro)
+        it = iter(rest)
+        full = [a if j in nums else next(it) for j, a in enumerate(args)]
+        return vg(*full, **kw)
+
+    return one, any(s is not None for s in split)
+
+
 def _accumulate(
     vg: Callable[..., Any],
     args: tuple[Any, ...],
@@ -315,18 +342,8 @@ def _accumulate(
     k: int,
 ) -> tuple[Any, Any]:
     """Mean value and gradient over k micro-batches of the non-differentiated arguments."""
-    data = ([a for i, a in enumerate(args) if i not in nums], kwargs)
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(data)
-    leaves = [x for _, x in with_path]
     transform = ctx.transform if (ctx := _MARKING.get()) is not None else "data_parallel"
-    split = [_split(x, k, "argument" + jax.tree_util.keystr(p), transform) for p, x in with_path]
-
-    def one(i: Any) -> Any:
-        micro = [x if s is None else s[i] for x, s in zip(leaves, split, strict=True)]
-        rest, kw = jax.tree_util.tree_unflatten(treedef, micro)
-        it = iter(rest)
-        full = [a if j in nums else next(it) for j, a in enumerate(args)]
-        return vg(*full, **kw)
+    one, _ = _micro_batches(vg, args, kwargs, nums, k, transform)
 
     def parts(i: Any) -> tuple[Any, Any, Any]:
         value, grads = one(i)
@@ -408,27 +425,16 @@ def _deterministic(
             op="spmd.value_and_grad",
         )
     k = ctx.shards // comm.size
-    data = ([a for i, a in enumerate(args) if i not in nums], kwargs)
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(data)
-    leaves = [x for _, x in with_path]
     option = f"deterministic=True, shards={ctx.shards}: {k} per rank of {comm.size}"
-    split = [_split(x, k, "argument" + jax.tree_util.keystr(p), transform, option)
-             for p, x in with_path]  # fmt: skip
-    if all(s is None for s in split):
+    shard, any_split = _micro_batches(vg, args, kwargs, nums, k, transform, option)
+    if not any_split:
         raise SpmdError(
             f"{transform}(deterministic=True): the gradient call has no batch to split into "
             "shards (no argument but the differentiated ones has a leading dimension)",
             op="spmd.value_and_grad",
         )
 
-    def one(_: Any, i: Any) -> Any:
-        micro = [x if sp is None else sp[i] for x, sp in zip(leaves, split, strict=True)]
-        rest, kw = jax.tree_util.tree_unflatten(treedef, micro)
-        it = iter(rest)
-        full = [a if j in nums else next(it) for j, a in enumerate(args)]
-        return None, vg(*full, **kw)
-
-    _, (values, grads) = jax.lax.scan(one, None, jnp.arange(k))
+    _, (values, grads) = jax.lax.scan(lambda _, i: (None, shard(i)), None, jnp.arange(k))
     summed = []
     for leaf in jax.tree_util.tree_leaves((values, grads)):
         if _is_float0(leaf):
