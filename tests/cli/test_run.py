@@ -219,11 +219,15 @@ def test_a_group_segment_whose_creator_was_killed_is_removed(tmp_path):
     assert set(glob.glob("/dev/shm/spmd-*")) - before == set(), "a group segment was left behind"
 
 
+@pytest.mark.parametrize("transport", ["shm", "mpi"])
 @pytest.mark.parametrize("leave", ["sys.exit(0)", "os._exit(0)"])
-def test_a_rank_that_leaves_early_is_named_at_once_not_after_the_timeout(tmp_path, leave):
+def test_a_rank_that_leaves_early_is_named_at_once_not_after_the_timeout(
+    tmp_path, leave, transport
+):
     """A rank that makes one collective fewer and exits cleanly left its peers waiting for
     SPMD_TIMEOUT (300 s). sys.exit runs Python's exit handlers, which mark the rank as leaving
-    in shared memory; os._exit runs none, and the waiting peer sees its process gone."""
+    in shared memory; os._exit runs none, and the waiting peer sees its process gone. The MPI
+    transport's waits ask the group's shared-memory segment too."""
     script = tmp_path / "leave.py"
     script.write_text(
         "import os, sys\nimport jax.numpy as jnp\nimport spmd\n"
@@ -231,11 +235,17 @@ def test_a_rank_that_leaves_early_is_named_at_once_not_after_the_timeout(tmp_pat
         f"if comm.rank == 1:\n    {leave}\n"
         "spmd.allreduce(jnp.ones(3))\n"
     )
-    out, took = spmd_run("-n", "2", sys.executable, str(script))
+    env = {"SPMD_TRANSPORT": transport, "SPMD_TIMEOUT": "60"}
+    out, took = spmd_run("-n", "2", sys.executable, str(script), env=env)
     assert out.returncode == 1, out.stderr
     gone = "is exiting" if leave.startswith("sys") else "has ended (its process"
     assert f"spmd-run: rank 0 failed: SpmdError: rank 0: allreduce: rank 1 {gone}" in out.stderr
-    assert "while this rank waited for it in collective #2 of the group [0, 1]" in out.stderr
+    where = (
+        "while this rank waited for it in collective #2 of the group [0, 1]"
+        if transport == "shm"
+        else "over MPI on the group [0, 1]"
+    )
+    assert where in out.stderr, out.stderr
     assert took < 15, f"the job took {took:.1f} s"
 
 
@@ -259,26 +269,6 @@ def test_a_sigstopped_peer_is_reported_as_stopped_and_the_job_ends_at_the_timeou
     assert "timed out after 4 s waiting for ranks [1]" in out.stderr, out.stderr
     assert took < 15, f"the job took {took:.1f} s"
     assert _mpich_files() - before == set(), "MPICH's files were left behind"
-
-
-@pytest.mark.parametrize("leave", ["sys.exit(0)", "os._exit(0)"])
-def test_over_mpi_too_a_rank_that_leaves_early_is_named_at_once(tmp_path, leave):
-    """The MPI transport's waits ask the group's shared-memory segment whether a peer left:
-    they waited for SPMD_TIMEOUT (here 60 s) before."""
-    script = tmp_path / "leave.py"
-    script.write_text(
-        "import os, sys\nimport jax.numpy as jnp\nimport spmd\n"
-        "comm = spmd.init()\nspmd.allreduce(jnp.ones(3))\n"
-        f"if comm.rank == 1:\n    {leave}\n"
-        "spmd.allreduce(jnp.ones(3))\n"
-    )
-    env = {"SPMD_TRANSPORT": "mpi", "SPMD_TIMEOUT": "60"}
-    out, took = spmd_run("-n", "2", sys.executable, str(script), env=env)
-    assert out.returncode == 1, out.stderr
-    gone = "is exiting" if leave.startswith("sys") else "has ended (its process"
-    assert f"spmd-run: rank 0 failed: SpmdError: rank 0: allreduce: rank 1 {gone}" in out.stderr
-    assert "over MPI on the group [0, 1]" in out.stderr, out.stderr
-    assert took < 15, f"the job took {took:.1f} s"
 
 
 def test_a_stalled_peer_is_reported_with_its_python_stack(tmp_path):
