@@ -17,13 +17,17 @@ and the compiled program's temp memory (``memory_analysis()``).
 
 **Expert parallel** (2 ranks or more). ``spmd.moe.dispatch`` then ``spmd.moe.combine``
 (dropless, identity experts in between, the routing computed once outside), jitted, in the
-grouped layout (``layout="grouped"``: the rows routed, one expert after another, gathered and
-placed by the exchange) and the padded one (a buffer of ``ep * T`` rows per local expert), against
-bare ``spmd.all_to_all`` of a ``(T * k, D)`` float32 buffer: the same bytes as the token
-payload, ``T * k * D * 4`` per rank. dispatch + combine make two exchanges (there and back), so
-the baseline is two chained all_to_alls of that buffer; the ratio to one is printed too. Also
-timed: the capacity-factor path (``capacity_factor=1.25``: fixed slots, one all_to_all each
-way) and ``spmd.all_to_allv`` alone (dispatch's exchange of the sorted rows, counts given).
+grouped layout (``layout="grouped"``: the rows routed, one expert after another, in a buffer of
+``ep * T * min(k, E / ep)`` rows, zeros past them) and the padded one (a buffer of ``ep * T``
+rows per local expert), against bare ``spmd.all_to_all`` of a ``(T * k, D)`` float32 buffer: the
+same bytes as the token payload, ``T * k * D * 4`` per rank. dispatch + combine make two
+exchanges (there and back), so the baseline is two chained all_to_alls of that buffer; the ratio
+to one is printed too. On CPU both layouts use the native MoE exchange; "composed" is the grouped
+layout the way a GPU runs it (``SPMD_MOE_EXCHANGE=composed``: a counts all_to_all, sorting and
+placement in XLA, ``all_to_allv``), which CPU used before. Also timed: the capacity-factor path
+(``capacity_factor=1.25``: fixed slots of ``ep * C`` rows per expert) and ``spmd.all_to_allv``
+alone (dispatch's exchange of the sorted rows, counts given, into a buffer as large as the
+grouped layout's).
 The implementations are called in turn, call by call, each call timed on its own; per rank the
 median, then the maximum over ranks.
 
@@ -234,10 +238,18 @@ def _moe_calls(comm: Any, t: int, d: int, k: int, e: int) -> dict[str, Callable[
     def dispatch_combine(x: Any, routing: Any) -> Any:
         return moe.combine(moe.dispatch(x, routing, group=comm), routing, group=comm)
 
-    @jax.jit
-    def grouped(x: Any, routing: Any) -> Any:
+    def grouped_step(x: Any, routing: Any) -> Any:
         rows, _ = moe.dispatch(x, routing, group=comm, layout="grouped")
         return moe.combine(rows, routing, group=comm, layout="grouped")
+
+    grouped = jax.jit(grouped_step)
+    grouped.lower(x, dropless)  # traced natively first
+    # The way a GPU runs it: another jit of the same step, traced under the variable.
+    os.environ["SPMD_MOE_EXCHANGE"] = "composed"
+    try:
+        composed = jax.jit(lambda x, r: grouped_step(x, r)).lower(x, dropless).compile()
+    finally:
+        del os.environ["SPMD_MOE_EXCHANGE"]
 
     buf = jax.device_put(rng.standard_normal((t * k, d)).astype(np.float32))
     a2a_once = jax.jit(lambda b: spmd.all_to_all(b, group=comm))
@@ -254,7 +266,7 @@ def _moe_calls(comm: Any, t: int, d: int, k: int, e: int) -> dict[str, Callable[
     a2av = jax.jit(lambda s, a, b: spmd.all_to_allv(s, a, b, group=comm, out_rows=rows))
 
     # Results are checked once: identity experts give back sum(gates) * x = x (dropless).
-    for f in (dispatch_combine, grouped):
+    for f in (dispatch_combine, grouped, composed):
         if not np.allclose(np.asarray(f(x, dropless)), np.asarray(x), atol=1e-5):
             raise AssertionError("dispatch + combine with identity experts did not return x")
     keep_w = jnp.where(capped.keep, capped.gates, 0).sum(1, keepdims=True)
@@ -266,6 +278,7 @@ def _moe_calls(comm: Any, t: int, d: int, k: int, e: int) -> dict[str, Callable[
 
     return {
         "dispatch+combine grouped": run(grouped, x, dropless),
+        "grouped, composed": run(composed, x, dropless),
         "dispatch+combine": run(dispatch_combine, x, dropless),
         "dispatch+combine cf=1.25": run(dispatch_combine, x, capped),
         "2x all_to_all": run(a2a_twice, buf),

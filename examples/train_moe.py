@@ -162,16 +162,21 @@ def main() -> None:
             if comm.rank == 0 and (i % args.print_every == 0 or i <= 5):
                 print(f"step {i:4d}  loss {float(loss):.6f}", flush=True)
 
-        # Test accuracy over the held-out digits, each data rank scoring its share.
+        # Test accuracy over the held-out digits, each data rank scoring an equal share (an MoE
+        # layer routes the same number of tokens on every rank of its group): the last share is
+        # padded with copies of the first digit, which are not scored.
         test_x, test_y = x_all[n_train:], y_all[n_train:]
         share = -(-len(test_x) // data_ranks)
+        pad = share * data_ranks - len(test_x)
+        test_x = np.concatenate([test_x, np.repeat(test_x[:1], pad, axis=0)])
+        test_y = np.concatenate([test_y, np.full(pad, -1, test_y.dtype)])  # never predicted
         mine = slice(me * share, (me + 1) * share)
         logits, _, routed = jax.jit(lambda p, x: forward(p, x, heads, args.k))(params, test_x[mine])
         right = spmd.allreduce(jnp.sum(logits.argmax(-1) == test_y[mine]), group=DATA)
         load = spmd.allreduce(load_expert_counts(params, routed, args.k), group=DATA)
         if comm.rank == 0:
             print(f"expert load (test tokens per expert): {np.asarray(load).tolist()}")
-            print(f"test accuracy {int(right) / len(test_x):.3f}")
+            print(f"test accuracy {int(right) / (len(test_x) - pad):.3f}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 // group's lock. Point-to-point calls go straight to the group's MPI communicator.
 #include "handlers.h"
 
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -11,6 +12,7 @@
 
 #include "groups.h"
 #include "messages.h"
+#include "moe.h"
 #include "recorder.h"
 #include "reduce.h"
 #include "spmd/alltoallv.h"
@@ -270,11 +272,114 @@ ffi::Error AllToAllvFfi(int64_t group, std::string_view meaning, bool exact, int
   a2av::Fill(record.data(), rows_from, call.out[0].dims[0], exact, send, recv, n,
              !bad_rows.empty());
   const Signature sig = call.Sig();
+  const std::vector<int>& world = call.group->world_ranks;
+  const int me = call.group->rank;
+  const a2av::Planner planner = [&](const int64_t* all, size_t, a2av::Plan* plan) {
+    return a2av::CountsPlan(all, n, me, rows.row, world, plan);
+  };
   ffi::Error result = call.Run([&](Transport& t) {
-    return t.AllToAllv(sig, x, call.out[0], rows, record);
+    return t.AllToAllv(sig, x, call.out[0], rows, record, planner);
   });
   // Every rank fails (the records name this one); this rank says what is wrong.
   if (result.failure() && !bad_rows.empty()) return call.Fail(bad_rows);
+  return result;
+}
+
+void CopyRow(char* dst, const char* src, size_t bytes, const char*) {
+  std::memcpy(dst, src, bytes);
+}
+
+// spmd.moe's exchange (moe.h). Operands x, ids (int32 [T * k]) and, when weighted, weights (x's
+// dtype, [T * k]); results: the dispatch's rows and their count per local expert (int32
+// [E / size]), or the combine's output. `tokens`: x (dispatch) or the output (combine) has one
+// row per token, else one per assignment.
+ffi::Error MoeExchangeFfi(int64_t group, std::string_view meaning, bool combine, int64_t k,
+                          int64_t experts, bool tokens, bool weighted, int64_t slots,
+                          int64_t capacity, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  Call call(combine ? kMoeCombine : kMoeDispatch);
+  const bool vary_rows = true;
+  if (ffi::Error e = call.Start(group, meaning, args, rets, vary_rows); e.failure()) return e;
+  const int n = call.group->size;
+  if (call.in.size() != (weighted ? 3u : 2u) || call.out.size() != (combine ? 1u : 2u)) {
+    return call.Fail("expected operands x, ids and (weighted) weights, and the result rows and "
+                     "(dispatch) their counts per expert");
+  }
+  const Leaf& x = call.in[0];
+  const Leaf& ids = call.in[1];
+  const Leaf& y = call.out[0];
+  if (k < 1 || experts < 1 || slots < 0 || capacity < 0 || (capacity > 0 && slots == 0) ||
+      ids.dtype != ffi::DataType::S32 || ids.dims.size() != 1) {
+    return call.Fail("expected k >= 1, experts >= 1, slots and capacity >= 0 (a capacity "
+                     "with slots) and int32 ids [T * k]");
+  }
+  a2av::Rows rows;
+  bool same = x.dims.size() >= 1 && y.dims.size() == x.dims.size() && y.dtype == x.dtype;
+  rows.row = x.elem;
+  for (size_t d = 1; same && d < x.dims.size(); ++d) {
+    same = y.dims[d] == x.dims[d];
+    rows.row *= static_cast<size_t>(x.dims[d]);
+  }
+  if (!same) return call.Fail("the result must have x's dtype and x's shape after axis 0");
+  call.Mix(combine ? 1 : 0);
+  call.Mix(static_cast<uint64_t>(k));
+  call.Mix(static_cast<uint64_t>(experts));
+  call.Mix(tokens ? 1 : 0);
+  call.Mix(weighted ? 1 : 0);
+  call.Mix(capacity > 0 ? 2 : slots > 0 ? 1 : 0);  // the layout (its sizes go in the records)
+  // What only this rank can see goes in its record, so that every rank fails.
+  const int64_t assignments = ids.dims[0];
+  const auto* id = reinterpret_cast<const int32_t*>(ids.data);
+  const int64_t token_rows = (combine ? y : x).dims[0];
+  std::string bad;
+  if (assignments % k != 0 || token_rows != (tokens ? assignments / k : assignments)) {
+    bad = "its ids have " + std::to_string(assignments) + " entries for k=" + std::to_string(k) +
+          ", but its " + (combine ? "output" : "x") + " has " + std::to_string(token_rows) +
+          " rows";
+  }
+  const bool math = weighted || (combine && tokens);
+  if (bad.empty() && math && !moe::RowFns(x.dtype, &rows.scale, &rows.add)) {
+    bad = std::string("weighted or summed rows must be float16, bfloat16, float32 or float64, "
+                      "not ") + DtypeName(x.dtype);
+  }
+  if (bad.empty() && weighted) {
+    const Leaf& w = call.in[2];
+    if (w.dtype != x.dtype || w.dims.size() != 1 || w.dims[0] != assignments) {
+      bad = "its weights must be one per assignment (" + std::to_string(assignments) +
+            ") in x's dtype";
+    }
+    (combine ? rows.recv_weight : rows.send_weight) = w.data;
+    rows.elem = x.elem;
+  }
+  for (int64_t a = 0; bad.empty() && a < assignments; ++a) {
+    if (id[a] < 0 || id[a] > experts) {
+      bad = "ids[" + std::to_string(a) + "] = " + std::to_string(id[a]) + " is out of range; " +
+            "expected an expert from 0 to " + std::to_string(experts - 1) + ", or " +
+            std::to_string(experts) + " for a dropped assignment";
+    }
+  }
+  if (!math) rows.scale = CopyRow;
+  rows.repeat = !combine && tokens ? k : 1;
+  rows.reduce = combine ? (tokens ? k : 1) : 0;
+  rows.targets = static_cast<size_t>(y.dims[0]);
+  thread_local std::vector<uint8_t> touched;
+  rows.touched = &touched;
+  thread_local std::unique_ptr<moe::Exchange> exchange;
+  exchange = std::make_unique<moe::Exchange>(combine, k, experts, slots, capacity, n,
+                                             call.group->rank, call.group->world_ranks);
+  const std::vector<int64_t>& record =
+      exchange->Count(id, assignments, x.dims[0], y.dims[0], bad);
+  int32_t* sizes = combine ? nullptr : reinterpret_cast<int32_t*>(call.out[1].data);
+  if (sizes != nullptr && call.out[1].bytes != static_cast<size_t>(experts / n) * 4) {
+    return call.Fail("the counts per expert must be int32 [experts / group size]");
+  }
+  const a2av::Planner planner = [&](const int64_t* all, size_t, a2av::Plan* plan) {
+    return exchange->Plan(all, plan, &rows, sizes);
+  };
+  const Signature sig = call.Sig();
+  ffi::Error result = call.Run([&](Transport& t) {
+    return t.AllToAllv(sig, x, y, rows, record, planner);
+  });
+  if (result.failure() && !bad.empty()) return call.Fail(bad);
   return result;
 }
 
@@ -380,6 +485,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllv_, AllToAllvFfi,
                                   .Attr<bool>("placed")
                                   .RemainingArgs()
                                   .RemainingRets());
+// spmd_moe_exchange: attrs group, combine, k, experts, tokens, weighted, slots, capacity
+// (MoeExchangeFfi, moe.h).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kMoeExchange_, MoeExchangeFfi,
+                              ffi::Ffi::Bind()
+                                  .Attr<int64_t>("group")
+                                  .Attr<std::string_view>("meaning")
+                                  .Attr<bool>("combine")
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("experts")
+                                  .Attr<bool>("tokens")
+                                  .Attr<bool>("weighted")
+                                  .Attr<int64_t>("slots")
+                                  .Attr<int64_t>("capacity")
+                                  .RemainingArgs()
+                                  .RemainingRets());
 // spmd_barrier: attr group.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBarrier_, BarrierFfi,
                               ffi::Ffi::Bind().Attr<int64_t>("group")
@@ -397,6 +517,7 @@ const HandlerEntry* CpuHandlers() {
       {"spmd_all_to_allv", reinterpret_cast<void*>(kAllToAllv_)},
       {"spmd_sendrecv", reinterpret_cast<void*>(kSendRecv_)},
       {"spmd_barrier", reinterpret_cast<void*>(kBarrier_)},
+      {"spmd_moe_exchange", reinterpret_cast<void*>(kMoeExchange_)},
       {nullptr, nullptr},
   };
   return entries;

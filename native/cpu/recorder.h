@@ -24,12 +24,15 @@ enum CallCode : int32_t {
   kAllToAll,
   kSendRecv,
   kBarrier,
-  kAllToAllv
+  kAllToAllv,
+  kMoeDispatch,
+  kMoeCombine
 };
 inline constexpr NamedCode kCallCodes[] = {
     {"allreduce", kAllreduce}, {"allgather", kAllgather},  {"reduce_scatter", kReduceScatter},
     {"broadcast", kBroadcast}, {"all_to_all", kAllToAll},  {"sendrecv", kSendRecv},
-    {"barrier", kBarrier},     {"all_to_allv", kAllToAllv}};
+    {"barrier", kBarrier},     {"all_to_allv", kAllToAllv},  {"moe.dispatch", kMoeDispatch},
+    {"moe.combine", kMoeCombine}};
 
 // One call, 64 bytes; the layout Python reads (spmd.runtime's recorder).
 struct Record {

@@ -75,11 +75,12 @@ class ShmGroup {
   Status Broadcast(const Signature& sig, int root, const Leaf& in, const Leaf& out);
   // Input and output hold `size` blocks of `block` bytes; output block j = rank j's block rank.
   Status AllToAll(const Signature& sig, const Leaf& in, const Leaf& out, size_t block);
-  // Rows of `row` bytes, as many for each rank as the counts of this rank's `record` say
-  // (spmd/alltoallv.h). The records travel in the first sync, next to the signatures; every rank
-  // checks them all, so every rank fails alike on a bad count.
+  // Rows of `row` bytes, as many for each rank as the plan made from every rank's `record` says
+  // (spmd/alltoallv.h: `planner`). The records travel in the first sync, next to the
+  // signatures; every rank plans from them all, so every rank fails alike on a bad count.
   Status AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out,
-                   const a2av::Rows& rows, const std::vector<int64_t>& record);
+                   const a2av::Rows& rows, const std::vector<int64_t>& record,
+                   const a2av::Planner& planner);
 
   // The staging probe on its own (every rank calls it): *hop_ns, on rank 0, the mean time of
   // one hop of a token passed kProbeLaps times round the ranks; NaN on the others.
@@ -104,8 +105,9 @@ class ShmGroup {
     std::atomic<int32_t> pid;      // the rank's process, for a waiting peer to see it gone
     std::atomic<int32_t> leaving;  // set as the rank's process exits (MarkAllLeaving)
     std::atomic<uint64_t> calls;   // collectives this rank has started on the group
+    std::atomic<uint64_t> mpi_calls;  // those over the group's MPI communicator (MpiComm)
     std::atomic<int32_t> dumps;    // its Python stack is printed on SIGUSR1 (faulthandler)
-    char pad0[36];
+    char pad0[28];
     uint64_t sig[2];
     char pad1[48];
     char desc[512];
@@ -136,6 +138,14 @@ class ShmGroup {
   // this group's own collectives (the MPI transport's). A peer whose process this process did
   // not see at the first call is never seen gone (another PID namespace).
   std::string AnyGone();
+  // For the group's MPI communicator (MpiComm::on_call, behind): publishes that this rank has
+  // started its n-th collective over MPI; names the ranks that have not started collective
+  // `mine` ("rank 3, which has started 41 collectives over MPI on the group: it has not reached
+  // this collective; ..."), or "" when all have. `ask`: the lowest rank that has started it
+  // asks each one named for its Python stack (SIGUSR1), as ReportStall does.
+  void PublishMpiCall(uint64_t n) { ctrl(rank_)->mpi_calls.store(n, std::memory_order_relaxed); }
+  std::string MpiBehind(uint64_t mine, bool ask) const;
+  double stall_s() const { return stall_s_; }
 
  private:
   Status TimedOut(uint64_t t, const std::vector<int>& missing);

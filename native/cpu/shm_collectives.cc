@@ -342,7 +342,8 @@ Status ShmGroup::AllToAll(const Signature& sig, const Leaf& in, const Leaf& out,
 }
 
 Status ShmGroup::AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out,
-                           const a2av::Rows& rows, const std::vector<int64_t>& record) {
+                           const a2av::Rows& rows, const std::vector<int64_t>& record,
+                           const a2av::Planner& planner) {
   const int n = size_, me = rank_;
   const size_t len = record.size() * sizeof(int64_t);
   if (len > chunk_) {  // the same on every rank: n and the chunk are the group's
@@ -357,20 +358,21 @@ Status ShmGroup::AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out
   SPMD_RETURN_IF_ERROR(Begin(sig));
   if (a2av_records.size() < record.size() * n) a2av_records.resize(record.size() * n);
   for (int r = 0; r < n; ++r) std::memcpy(&a2av_records[r * record.size()], slot(r, t), len);
-  std::string bad = a2av::Verdict(a2av_records.data(), n, world_ranks_);
-  if (!bad.empty()) return Status::Error(bad);
   const a2av::Plan& p = a2av_plan;
-  a2av::MakePlan(a2av_records.data(), n, me, rows.row, &a2av_plan);
+  std::string bad = planner(a2av_records.data(), record.size(), &a2av_plan);
+  if (!bad.empty()) return Status::Error(bad);
+  // As AllToAll, with blocks of their own sizes: step by step, each rank stages the next piece
+  // of every block it sends, and copies out the pieces staged for it. Every rank knows every
+  // block, so all take the same number of steps. Summed rows need whole rows per piece.
+  const size_t piece = rows.Piece(chunk_ / n / kAlign * kAlign, kAlign);
+  const size_t cb = piece != 0 ? piece : chunk_ / n / kAlign * kAlign;
   const OutCopy put(out.bytes);
+  rows.Prepare(out.data, out.bytes, p.received, piece != 0,
+               [&put](char* dst, size_t len) { put.Zero(dst, len); });
   auto stage = [this](char* dst, const char* src, size_t len) { Stage(dst, src, len); };
   if (p.send_bytes[me] != 0) {
     rows.Move(in.data, p.send_off[me], out.data, p.recv_off[me], p.send_bytes[me], put);
   }
-  if (out.bytes > p.received) std::memset(out.data + p.received, 0, out.bytes - p.received);
-  // As AllToAll, with blocks of their own sizes: step by step, each rank stages the next piece
-  // of every block it sends, and copies out the pieces staged for it. Every rank knows every
-  // block, so all take the same number of steps.
-  const size_t cb = chunk_ / n / kAlign * kAlign;
   bool first = false;
   SPMD_RETURN_IF_ERROR(Place(sig, p.total, &first));
   for (size_t lo = 0; lo < p.most; lo += cb) {
@@ -389,6 +391,7 @@ Status ShmGroup::AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out
       }
     }
   }
+  rows.Finish(out.data);
   return Status::Ok();
 }
 

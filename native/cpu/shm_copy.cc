@@ -48,6 +48,25 @@ template void StreamCopy<kNoAlso>(char*, const char*, size_t, char*);
 template void StreamCopy<kCachedAlso>(char*, const char*, size_t, char*);
 template void StreamCopy<kStreamedAlso>(char*, const char*, size_t, char*);
 
+void OutCopy::Zero(char* dst, size_t len) const {
+#if defined(__x86_64__)
+  if (stream_) {
+    size_t head = std::min(len, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
+    std::memset(dst, 0, head);
+    dst += head;
+    len -= head;
+    const size_t body = len / 64 * 64;
+    const __m128i z = _mm_setzero_si128();
+    for (size_t i = 0; i < body; i += 64) {
+      for (int k = 0; k < 4; ++k) _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16 * k), z);
+    }
+    std::memset(dst + body, 0, len - body);
+    return;
+  }
+#endif
+  std::memset(dst, 0, len);
+}
+
 void OutCopy::Publish(char* slot, char* dst, const char* src, size_t len, bool far) const {
   if (stream_) {
     if (far && (reinterpret_cast<uintptr_t>(dst) - reinterpret_cast<uintptr_t>(slot)) % 16) {

@@ -55,6 +55,8 @@ class OutCopy {
       std::memcpy(dst, src, len);
     }
   }
+  // Zeros `len` bytes of the output, streaming as the copies do.
+  void Zero(char* dst, size_t len) const;
   // Copies `len` bytes of what this rank publishes both into its slot (`far`: streamed, see
   // ShmGroup::Staging) and into the output.
   void Publish(char* slot, char* dst, const char* src, size_t len, bool far) const;

@@ -98,9 +98,10 @@ Status Transport::AllToAll(const Signature& sig, const Leaves& in, const Leaves&
 }
 
 Status Transport::AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out,
-                            const a2av::Rows& rows, const std::vector<int64_t>& record) {
+                            const a2av::Rows& rows, const std::vector<int64_t>& record,
+                            const a2av::Planner& planner) {
   SPMD_RETURN_IF_ERROR(Check(sig));
-  return AllToAllvNow(sig, in, out, rows, record);
+  return AllToAllvNow(sig, in, out, rows, record, planner);
 }
 
 Status Transport::Barrier(const Signature& sig) {
@@ -142,8 +143,9 @@ Status ShmTransport::AllToAllLeaf(const Signature& sig, const Leaf& in, const Le
 }
 
 Status ShmTransport::AllToAllvNow(const Signature& sig, const Leaf& in, const Leaf& out,
-                                  const a2av::Rows& rows, const std::vector<int64_t>& record) {
-  return shm_.AllToAllv(sig, in, out, rows, record);
+                                  const a2av::Rows& rows, const std::vector<int64_t>& record,
+                                  const a2av::Planner& planner) {
+  return shm_.AllToAllv(sig, in, out, rows, record, planner);
 }
 
 Status ShmTransport::BarrierNow(const Signature& sig) { return shm_.Barrier(sig); }
@@ -210,16 +212,17 @@ Status MpiTransport::AllToAllLeaf(const Signature&, const Leaf& in, const Leaf& 
 }
 
 Status MpiTransport::AllToAllvNow(const Signature&, const Leaf& in, const Leaf& out,
-                                  const a2av::Rows& rows, const std::vector<int64_t>& record) {
+                                  const a2av::Rows& rows, const std::vector<int64_t>& record,
+                                  const a2av::Planner& planner) {
   const int n = size_;
   if (a2av_records.size() < record.size() * n) a2av_records.resize(record.size() * n);
   SPMD_RETURN_IF_ERROR(comm_.Allgatherv(record.data(), a2av_records.data(),
                                         std::vector<size_t>(n, record.size() * sizeof(int64_t))));
-  std::string bad = a2av::Verdict(a2av_records.data(), n, comm_.world_ranks);
-  if (!bad.empty()) return Status::Error(bad);
   const a2av::Plan& p = a2av_plan;
-  a2av::MakePlan(a2av_records.data(), n, comm_.rank, rows.row, &a2av_plan);
-  if (out.bytes > p.received) std::memset(out.data + p.received, 0, out.bytes - p.received);
+  std::string bad = planner(a2av_records.data(), record.size(), &a2av_plan);
+  if (!bad.empty()) return Status::Error(bad);
+  rows.Prepare(out.data, out.bytes, p.received, true,  // rows land whole (below)
+               [](char* dst, size_t len) { std::memset(dst, 0, len); });
   // Indexed rows go through scratch: gathered before MPI sends them, placed after it receives.
   const char* send = in.data;
   char* recv = out.data;
@@ -238,6 +241,7 @@ Status MpiTransport::AllToAllvNow(const Signature&, const Leaf& in, const Leaf& 
   SPMD_RETURN_IF_ERROR(
       comm_.AllToAllv(send, p.send_bytes, p.send_off, recv, p.recv_bytes, p.recv_off));
   if (rows.recv_index != nullptr) rows.Write(out.data, 0, recv, p.received, copy);
+  rows.Finish(out.data);
   return Status::Ok();
 }
 

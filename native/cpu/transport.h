@@ -59,9 +59,11 @@ class Transport {
   Status AllToAll(const Signature& sig, const Leaves& in, const Leaves& out);
   // Rows of `row` bytes: `in` holds record[kSend + j] rows for rank j, peer after peer; `out`
   // gets rank j's rows for this rank in rank order, and zeros past them. `record` is this rank's
-  // (spmd/alltoallv.h): the ranks exchange theirs first and fail alike on any bad count.
+  // (spmd/alltoallv.h): the ranks exchange theirs first and fail alike on any bad count, or on
+  // whatever `planner` (there) finds in them; the planner also says where every row goes.
   Status AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out,
-                   const a2av::Rows& rows, const std::vector<int64_t>& record);
+                   const a2av::Rows& rows, const std::vector<int64_t>& record,
+                   const a2av::Planner& planner);
   Status Barrier(const Signature& sig);
 
  protected:
@@ -86,7 +88,8 @@ class Transport {
   virtual Status AllToAllLeaf(const Signature& sig, const Leaf& in, const Leaf& out,
                               size_t block) = 0;
   virtual Status AllToAllvNow(const Signature& sig, const Leaf& in, const Leaf& out,
-                              const a2av::Rows& rows, const std::vector<int64_t>& record) = 0;
+                              const a2av::Rows& rows, const std::vector<int64_t>& record,
+                              const a2av::Planner& planner) = 0;
   virtual Status BarrierNow(const Signature& sig) = 0;
 
   const int size_;  // ranks in the group
@@ -120,7 +123,8 @@ class ShmTransport final : public Transport {
                       size_t block) override;
   // The counts travel in the sync that starts the op, next to the signature check.
   Status AllToAllvNow(const Signature& sig, const Leaf& in, const Leaf& out,
-                      const a2av::Rows& rows, const std::vector<int64_t>& record) override;
+                      const a2av::Rows& rows, const std::vector<int64_t>& record,
+                      const a2av::Planner& planner) override;
   Status BarrierNow(const Signature& sig) override;
 
  private:
@@ -153,7 +157,8 @@ class MpiTransport : public Transport {
                       size_t block) final;
   // An allgather of the counts, then one MPI_Alltoallv.
   Status AllToAllvNow(const Signature& sig, const Leaf& in, const Leaf& out,
-                      const a2av::Rows& rows, const std::vector<int64_t>& record) final;
+                      const a2av::Rows& rows, const std::vector<int64_t>& record,
+                      const a2av::Planner& planner) final;
   Status BarrierNow(const Signature& sig) final;
 
   const MpiComm& comm_;

@@ -73,6 +73,17 @@ def dense(experts, router, x, k, capacity_factor=None):
 
 @multirank(nprocs=(2, 4))
 def test_layer_matches_dense_reference(comm):
+    _layer_matches_dense_reference(comm)
+
+
+@multirank(nprocs=(2,), env={"SPMD_MOE_EXCHANGE": "composed"})
+def test_composed_exchange_matches_dense_reference(comm):
+    """The way a GPU moves the tokens (all_to_allv and XLA gathers), run on CPU."""
+    assert not spmd.ops.moe_native(comm)
+    _layer_matches_dense_reference(comm)
+
+
+def _layer_matches_dense_reference(comm):
     n, me = comm.size, comm.rank
     full, router = _experts(), _router()
     xs = _tokens(n)

@@ -13,7 +13,10 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "spmd/call.h"
@@ -173,6 +176,10 @@ inline void MakePlan(const int64_t* all, int n, int me, size_t row, Plan* p) {
   }
 }
 
+// dst = w * src over `bytes` of elements of the rows' dtype, or dst += w * src; `w` points to
+// one element of that dtype, or is nullptr for 1 (the moe exchange, spmd/../cpu/moe.h).
+using RowFn = void (*)(char* dst, const char* src, size_t bytes, const char* w);
+
 // The row indices of an indexed all_to_allv (spmd.ops.all_to_allv_indexed). With S rows sent
 // (the send counts' sum) and R received (the receive counts'), the rows a rank sends, in order,
 // are x's first S rows, or with a send_index x[send_index[i] / repeat] for i < S; received row i
@@ -180,13 +187,67 @@ inline void MakePlan(const int64_t* all, int n, int me, size_t row, Plan* p) {
 // send_index[:S] is a permutation of 0 .. S - 1 (S at most x's rows * repeat), recv_index[:R] a
 // permutation of 0 .. R - 1; entries past them are not read. So the rows past R are the zeros of
 // a plain call, and the transpose of each index is the other.
+//
+// The moe exchange adds weights and sums. With a send_weight, the row sent for entry i is
+// scaled by send_weight[send_index[i]]. With reduce > 0, received row i is added, scaled by
+// recv_weight[recv_index[i]] (1 without weights), into output row recv_index[i] / reduce, one
+// of `targets` rows; recv_index need not be a permutation, and targets no row reaches are zeros.
+// The first row to reach a target is written, the others added: with two rows per target the
+// sum is the same whichever comes first.
 struct Rows {
   const int32_t* send_index = nullptr;
   int64_t repeat = 1;
   const int32_t* recv_index = nullptr;
   size_t row = 0;  // bytes per row
 
+  const char* send_weight = nullptr;
+  const char* recv_weight = nullptr;
+  size_t elem = 0;  // bytes per weight: the rows' dtype
+  int64_t reduce = 0;
+  size_t targets = 0;
+  RowFn scale = nullptr, add = nullptr;     // set with weights or reduce
+  std::vector<uint8_t>* touched = nullptr;  // reduce: one flag per target
+  // Where received rows do not fill a prefix of the output: the rows between them, as (first
+  // row, rows), zeroed instead of the rows past the received ones.
+  const std::vector<std::pair<int64_t, int64_t>>* gaps = nullptr;
+
   bool plain() const { return send_index == nullptr && recv_index == nullptr; }
+
+  // The pipeline's piece of each block in bytes, from the transport's `cb`: in reduce mode a
+  // whole number of rows where one fits (and still a multiple of `align`), so that every piece
+  // written is whole rows; 0 where none fits (then Prepare's `whole` is false).
+  size_t Piece(size_t cb, size_t align) const {
+    if (reduce <= 0) return cb;
+    size_t unit = row;
+    while (unit % align != 0) unit += row;  // lcm(row, align): align is a power of two
+    return unit <= cb ? cb / unit * unit : 0;
+  }
+
+  // Before any row lands in y (`bytes` long, `received`: the bytes the counts bring): zeros
+  // past the rows received; in reduce mode, no target reached yet, or, where pieces may split
+  // rows (`whole` false), zeros everywhere and every piece added. zero(dst, len) writes zeros.
+  template <typename Z>
+  void Prepare(char* y, size_t bytes, size_t received, bool whole, const Z& zero) const {
+    if (reduce <= 0 && gaps != nullptr) {
+      for (const auto& g : *gaps) zero(y + g.first * row, g.second * row);
+      return;
+    }
+    if (reduce <= 0) {
+      if (bytes > received) zero(y + received, bytes - received);
+      return;
+    }
+    touched->assign(targets, whole ? 0 : 1);
+    if (!whole) zero(y, bytes);
+  }
+
+  // After the last row: zeros in the targets that no row reached (reduce mode).
+  void Finish(char* y) const {
+    if (reduce <= 0) return;
+    const uint8_t* t = touched->data();
+    for (size_t i = 0; i < targets; ++i) {
+      if (!t[i]) std::memset(y + i * row, 0, row);
+    }
+  }
 
   // Copies bytes [off, off + len) of the sequence of rows sent from x to dst, with
   // copy(dst, src, bytes).
@@ -195,7 +256,13 @@ struct Rows {
     if (send_index == nullptr) return copy(dst, x + off, len);
     while (len != 0) {
       const size_t i = off / row, at = off - i * row, part = std::min(len, row - at);
-      copy(dst, x + static_cast<size_t>(send_index[i] / repeat) * row + at, part);
+      const int32_t a = send_index[i];
+      const char* src = x + static_cast<size_t>(a / repeat) * row + at;
+      if (send_weight != nullptr) {
+        scale(dst, src, part, send_weight + static_cast<size_t>(a) * elem);
+      } else {
+        copy(dst, src, part);
+      }
       dst += part;
       off += part;
       len -= part;
@@ -208,7 +275,16 @@ struct Rows {
     if (recv_index == nullptr) return copy(y + off, src, len);
     while (len != 0) {
       const size_t i = off / row, at = off - i * row, part = std::min(len, row - at);
-      copy(y + static_cast<size_t>(recv_index[i]) * row + at, src, part);
+      const int32_t a = recv_index[i];
+      if (reduce <= 0) {
+        copy(y + static_cast<size_t>(a) * row + at, src, part);
+      } else {
+        const size_t t = static_cast<size_t>(a / reduce);
+        const char* w = recv_weight ? recv_weight + static_cast<size_t>(a) * elem : nullptr;
+        uint8_t& seen = (*touched)[t];
+        (seen ? add : scale)(y + t * row + at, src, part, w);
+        seen = 1;
+      }
       src += part;
       off += part;
       len -= part;
@@ -220,6 +296,13 @@ struct Rows {
   template <typename F>
   void Move(const char* x, size_t from, char* y, size_t to, size_t len, const F& copy) const {
     if (send_index == nullptr) return Write(y, to, x + from, len, copy);
+    if (reduce > 0) {  // the sent rows are not scaled (the combine): straight to their targets
+      for (size_t done = 0; done < len; done += row) {
+        const size_t a = static_cast<size_t>(send_index[(from + done) / row] / repeat);
+        Write(y, to + done, x + a * row, row, copy);
+      }
+      return;
+    }
     for (size_t done = 0; done < len; done += row) Read(x, y + Target(to + done), from + done,
                                                           row, copy);
   }
@@ -229,6 +312,18 @@ struct Rows {
     return recv_index == nullptr ? off : static_cast<size_t>(recv_index[off / row]) * row;
   }
 };
+
+// Given every rank's record (rank after rank, each `len` long): the first problem in them, the
+// same on every rank, or this rank's plan (the moe exchange also fills its rows' indices there).
+using Planner = std::function<std::string(const int64_t* all, size_t len, Plan* plan)>;
+
+// all_to_allv's planner: Verdict, then MakePlan. `world`: the group's world ranks.
+inline std::string CountsPlan(const int64_t* all, int n, int me, size_t row,
+                              const std::vector<int>& world, Plan* plan) {
+  std::string bad = Verdict(all, n, world);
+  if (bad.empty()) MakePlan(all, n, me, row, plan);
+  return bad;
+}
 
 // Why this rank's indices break Rows' rules; empty when they hold. `sent`, `received`: the
 // rows its send and receive counts add up to; `limit`: x's rows * repeat. `seen`: scratch.

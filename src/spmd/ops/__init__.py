@@ -8,8 +8,9 @@ convention and the ordering guarantees are described in ``docs/collectives.md``.
 
 ``set_transport``/``get_transport`` choose and report how collectives move data (shared memory,
 MPI or both on CPU; the custom all-reduce or NCCL on GPU). ``ARRAY_LIKE``, ``SUPPORTED_DTYPES``,
-``chain_config``, ``holds_collective``, ``collective_calls`` (with ``ScheduledCall``) and
-``all_to_allv_indexed`` serve the layers above
+``chain_config``, ``holds_collective``, ``collective_calls`` (with ``ScheduledCall``),
+``all_to_allv_indexed``, ``tree_reduce`` and the MoE exchange (``moe_dispatch``, ``moe_combine``,
+``moe_native``) serve the layers above
 (spmd.parallel, spmd.cli) and are not in ``__all__``.
 """
 
@@ -19,6 +20,7 @@ from ._all_to_all import all_to_all as all_to_all
 from ._all_to_allv import all_to_allv as all_to_allv
 from ._all_to_allv import all_to_allv_indexed as all_to_allv_indexed
 from ._allreduce import allreduce as allreduce
+from ._allreduce import tree_reduce as tree_reduce
 from ._broadcast import broadcast as broadcast
 from ._checks import ARRAY_LIKE as ARRAY_LIKE
 from ._checks import SUPPORTED_DTYPES as SUPPORTED_DTYPES
@@ -27,6 +29,9 @@ from ._gather import allgatherv as allgatherv
 from ._gather import reduce_scatter as reduce_scatter
 from ._gather import reduce_scatterv as reduce_scatterv
 from ._gpu_chain import chain_config as chain_config
+from ._moe_exchange import moe_combine as moe_combine
+from ._moe_exchange import moe_dispatch as moe_dispatch
+from ._moe_exchange import moe_native as moe_native
 from ._ordering import holds_collective as holds_collective
 from ._p2p import barrier as barrier
 from ._p2p import recv as recv

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._errors import SpmdError
+from .._errors import SpmdError, SpmdTypeError
 from .._jax_compat import ad, batching, core, mlir
 from .._native_lib import tables
 from . import _gpu_chain
@@ -44,6 +44,7 @@ def allreduce(
     group: Any = None,
     quantize: str | None = None,
     compression: str | None = None,
+    deterministic: bool = False,
 ) -> Any:
     """Reduce ``x`` over the ranks of the group; every rank gets the result.
 
@@ -68,6 +69,12 @@ def allreduce(
             over memory), for calls of 4 MiB of float32 or more; XLA casts around the exact
             all-reduce for smaller calls (faster in cache) and on GPU: the same bits either way.
             Leaves of other dtypes are reduced exactly.
+        deterministic: the same bits on every transport (shared memory, MPI, hierarchical) and
+            on CPU and GPU: the group's values are gathered in rank order and combined in a
+            fixed pairwise order, ``(x0 + x1) + (x2 + x3)``, ... (an odd one out carried to the
+            next level), by elementwise operations that XLA does not reorder. It moves
+            ``size`` times the bytes of the allreduce (an allgather). Gradients flow through
+            the allgather's transpose. Not with ``quantize`` or ``compression``.
 
     Returns:
         ``x``'s structure, shapes and dtypes, identical on every rank: reduced in rank order
@@ -89,11 +96,52 @@ def allreduce(
     check_reduce_op(op, "allreduce", leaves)
     quantize = _gpu_chain.check_quantize(quantize, "allreduce")
     _check_compression(compression, op)
+    if deterministic not in (True, False):
+        raise SpmdTypeError(f"deterministic={deterministic!r}; expected True or False",
+                            op="allreduce")  # fmt: skip
+    if deterministic and (quantize is not None or compression is not None):
+        raise SpmdError(
+            "deterministic=True reduces exactly, in a fixed order; leave out quantize and "
+            "compression",
+            op="allreduce",
+        )
     if alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
+    if deterministic:
+        return jax.tree_util.tree_unflatten(treedef, _fixed_order(leaves, op, rank_list, group))
     if compression is not None:
         return jax.tree_util.tree_unflatten(treedef, _compressed(leaves, op, ref, compression))
     return jax.tree_util.tree_unflatten(treedef, _exact(leaves, op, ref, quantize))
+
+
+_COMBINE = {"sum": jnp.add, "avg": jnp.add, "prod": jnp.multiply, "max": jnp.maximum,
+            "min": jnp.minimum}  # fmt: skip
+
+
+def tree_reduce(stacked: Any, combine: Any = jnp.add) -> Any:
+    """``combine`` over axis 0 of ``stacked`` in a fixed pairwise order that depends only on its
+    length: (x0 + x1) + (x2 + x3), ..., an odd one out carried to the next level. Elementwise
+    operations only, which XLA neither reorders nor reassociates."""
+    parts = [stacked[i] for i in range(stacked.shape[0])]
+    while len(parts) > 1:
+        pairs = [combine(parts[i], parts[i + 1]) for i in range(0, len(parts) - 1, 2)]
+        parts = pairs + ([parts[-1]] if len(parts) % 2 else [])
+    return parts[0]
+
+
+def _fixed_order(leaves: list[Any], op: str, rank_list: Any, group: Any) -> list[Any]:
+    """allreduce(deterministic=True): one allgather of every leaf, then tree_reduce."""
+    from ._gather import allgather
+
+    stacked = allgather([v[None] for v in leaves], rank_list=rank_list, group=group)
+    outs = []
+    for v, s in zip(leaves, stacked, strict=True):
+        if v.dtype == jnp.bool_:  # logical or (sum, max) and and (prod, min)
+            r = tree_reduce(s, jnp.logical_or if op in ("sum", "max") else jnp.logical_and)
+        else:
+            r = tree_reduce(s, _COMBINE[op])
+        outs.append((r / s.shape[0]).astype(v.dtype) if op == "avg" else r)
+    return outs
 
 
 def _exact(leaves: list[Any], op: str, ref: GroupRef, quantize: str | None) -> list[Any]:

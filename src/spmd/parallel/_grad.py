@@ -386,13 +386,10 @@ def _accumulate(
 
 def tree_sum(stacked: Any) -> Any:
     """The sum over axis 0 of ``stacked`` in a fixed pairwise order that depends only on its
-    length: (x0 + x1) + (x2 + x3), ..., an odd one out carried to the next level. Elementwise
-    additions only, which XLA neither reorders nor reassociates."""
-    parts = [stacked[i] for i in range(stacked.shape[0])]
-    while len(parts) > 1:
-        pairs = [parts[i] + parts[i + 1] for i in range(0, len(parts) - 1, 2)]
-        parts = pairs + ([parts[-1]] if len(parts) % 2 else [])
-    return parts[0]
+    length (``spmd.ops.tree_reduce``, which ``allreduce(deterministic=True)`` uses too)."""
+    from ..ops import tree_reduce
+
+    return tree_reduce(stacked)
 
 
 def _deterministic(

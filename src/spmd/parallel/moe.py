@@ -13,12 +13,16 @@ each leaf of its expert parameters. Every rank routes its own tokens:
 4. :func:`combine` sends the results back and sums each token's k results, weighted by its
    gates.
 
-Without a capacity factor the layer is dropless: the tokens move with ``spmd.all_to_allv`` (only
-the rows routed, counts exchanged first), and each local expert's buffer has room for one row per
-token of every rank (``ep * T`` rows, zero past the tokens received). With
-``capacity_factor=c`` each rank sends at most ``C = ceil(c * T * k / E)`` rows to each expert;
-the rest are dropped (their gates count for nothing), first choices before second choices,
-earlier tokens first; the slots move with a fixed-size ``spmd.all_to_all``.
+Without a capacity factor the layer is dropless: only the rows routed move, and each local
+expert's buffer has room for one row per token of every rank (``ep * T`` rows, zero past the
+tokens received). With ``capacity_factor=c`` each rank sends at most ``C = ceil(c * T * k / E)``
+rows to each expert; the rest are dropped (their gates count for nothing), first choices before
+second choices, earlier tokens first; each expert's buffer holds C slots per rank.
+
+On CPU the tokens move with the native MoE exchange (``spmd.ops.moe_dispatch``/``moe_combine``:
+counts, order and placement worked out natively, the gates applied as combine adds the rows up);
+on a GPU, for a group of one, or with ``SPMD_MOE_EXCHANGE=composed``, with an ``all_to_all`` of
+the counts, ``spmd.all_to_allv`` and XLA gathers (docs/model_parallel.md).
 
 Gradients follow the collectives' convention: the expert parameters' gradients are those of the
 sum of every rank's objective (each rank's tokens contribute to the experts they reached), the
@@ -39,6 +43,7 @@ import jax.numpy as jnp
 
 from .._errors import SpmdError, SpmdTypeError
 from ..mesh import resolve_group
+from ..ops import moe_combine, moe_dispatch, moe_native
 from ..runtime import Communicator
 from ..sharded import PartitionSpec, is_sharded, shard
 from .tensor_parallel import local
@@ -141,6 +146,7 @@ class _Plan:
     per_rank: int  # experts per rank, E / ep
     tokens: int  # T
     slots: int  # rows per local expert's buffer
+    native: bool  # on CPU, over more than one rank: the native exchange
 
 
 def _plan(routing: Any, group: Any, op: str) -> _Plan:
@@ -158,7 +164,7 @@ def _plan(routing: Any, group: Any, op: str) -> _Plan:
         )
     t = routing.experts.shape[0]
     slots = n * (t if routing.capacity is None else routing.capacity)
-    return _Plan(comm, e // n, t, slots)
+    return _Plan(comm, e // n, t, slots, moe_native(comm))
 
 
 @dataclass(frozen=True)
@@ -257,8 +263,10 @@ def dispatch(x: Any, routing: Routing, *, group: Any = "ep", layout: str = "padd
     op = "moe.dispatch"
     plan = _plan(routing, group, op)
     grouped = _layout(layout, routing, op)
-    traffic = _traffic(routing, plan, grouped)
     tokens = _tokens(x, plan, op)
+    if plan.native:
+        return _dispatch_native(tokens, routing, plan, grouped)
+    traffic = _traffic(routing, plan, grouped)
     if grouped:
         assert traffic is not None  # dropless
         return _dispatch_grouped(tokens, routing, plan, traffic)
@@ -342,6 +350,8 @@ def combine(y: Any, routing: Routing, *, group: Any = "ep", layout: str = "padde
             f"y has shape {y.shape}; expected ({', '.join(map(str, want))}, features): {what}",
             op=op,
         )
+    if plan.native:
+        return _combine_native(y, routing, plan, grouped)
     traffic = _traffic(routing, plan, grouped)
     if grouped:
         assert traffic is not None  # dropless
@@ -398,6 +408,44 @@ def _weighted(results: Any, routing: Routing, tokens: int, dtype: Any) -> Any:
     for j in range(1, routing.k):
         out = out + weights[:, j, None] * rows[:, j]
     return out
+
+
+def _dispatch_native(x: Any, routing: Routing, plan: _Plan, grouped: bool) -> Any:
+    """The dispatch on CPU: one native exchange (spmd.ops' MoE exchange) that counts, sorts and
+    places the rows itself, in any of the three layouts."""
+    k, slots, capacity = routing.k, *_native_layout(routing, plan, grouped)
+    rows, sizes = moe_dispatch(
+        x, _ids(routing), k=k, experts=routing.num_experts, group=plan.comm,
+        out_rows=_rows(plan, k) if grouped else plan.per_rank * plan.slots, slots=slots,
+        capacity=capacity,
+    )  # fmt: skip
+    if grouped:
+        return rows, sizes
+    return rows.reshape(plan.per_rank, plan.slots, *x.shape[1:])
+
+
+def _combine_native(y: Any, routing: Routing, plan: _Plan, grouped: bool) -> Any:
+    slots, capacity = _native_layout(routing, plan, grouped)
+    # Dropped assignments' gates are never read (their rows do not come back).
+    gates = routing.gates.astype(y.dtype).reshape(-1)
+    return moe_combine(
+        y if grouped else y.reshape(-1, y.shape[-1]), _ids(routing), gates, k=routing.k,
+        experts=routing.num_experts, group=plan.comm, slots=slots, capacity=capacity,
+    )  # fmt: skip
+
+
+def _native_layout(routing: Routing, plan: _Plan, grouped: bool) -> tuple[int, int]:
+    """The native exchange's ``slots`` and ``capacity`` for this layout (0, 0: grouped)."""
+    if grouped:
+        return 0, 0
+    return plan.slots, routing.capacity or 0
+
+
+def _ids(routing: Routing) -> Any:
+    """Each assignment's expert, token-major; E where it was dropped (never, dropless)."""
+    if routing.capacity is None:
+        return routing.experts.reshape(-1)
+    return jnp.where(routing.keep, routing.experts, routing.num_experts).reshape(-1)
 
 
 def _rows(plan: _Plan, k: int) -> int:
@@ -488,6 +536,14 @@ def moe(
     routing = route(tokens @ router_w.astype(tokens.dtype), k, capacity_factor=capacity_factor)
     plan = _plan(routing, comm, op)
     grouped = _layout(layout, routing, op)
+    if plan.native:
+        if grouped:
+            rows, sizes = _dispatch_native(tokens, routing, plan, grouped)
+            y = _combine_native(expert_fn(params, rows, sizes), routing, plan, grouped)
+        else:
+            out = jax.vmap(expert_fn)(params, _dispatch_native(tokens, routing, plan, grouped))
+            y = _combine_native(out, routing, plan, grouped)
+        return y.reshape(*x.shape[:-1], y.shape[-1]), routing.aux_loss
     traffic = _traffic(routing, plan, grouped)  # once for dispatch and combine
     if grouped:
         assert traffic is not None
