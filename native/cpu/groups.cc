@@ -42,9 +42,15 @@ Status MakeTransport(const Group& g, TransportKind kind, std::unique_ptr<Transpo
 Status Rebuild(Group& g) {
   // An MPI wait asks the group's segment, where there is one, whether a peer has left.
   if (g.shm) {
-    g.mpi.peer_gone = [shm = g.shm.get()] { return shm->AnyGone(); };
+    ShmGroup* shm = g.shm.get();
+    g.mpi.peer_gone = [shm] { return shm->AnyGone(); };
+    g.mpi.on_call = [shm](uint64_t n) { shm->PublishMpiCall(n); };
+    g.mpi.behind = [shm](uint64_t mine, bool ask) { return shm->MpiBehind(mine, ask); };
+    g.mpi.stall_s = shm->stall_s();
   } else {
     g.mpi.peer_gone = nullptr;
+    g.mpi.on_call = nullptr;
+    g.mpi.behind = nullptr;
   }
   if (g.transport == nullptr) return Status::Ok();
   return MakeTransport(g, g.transport_kind, &g.transport);

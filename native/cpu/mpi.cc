@@ -237,6 +237,14 @@ Status MpiComm::Usable() const {
 Status MpiComm::Wait(H* requests, int n, const char* what) const {
   auto start = std::chrono::steady_clock::now();
   int spins = 0;
+  bool reported = false;
+  // A collective's description, and the ranks that have not started it (where they can be
+  // seen): for the stall report and the timeout.
+  auto where = [&] {
+    return (current_ != nullptr ? current_->Describe() : std::string(what)) +
+           " over MPI (collective #" + std::to_string(calls_) + " of the group " +
+           RankList(world_ranks) + ")";
+  };
   for (int i = 0; i < n; ++i) {
     for (;;) {
       int done = 0;
@@ -257,8 +265,27 @@ Status MpiComm::Wait(H* requests, int n, const char* what) const {
           }
         }
         std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
+        const bool in_collective = current_ != nullptr && behind;
+        if (!reported && in_collective && stall_s > 0 && waited.count() > stall_s) {
+          reported = true;
+          const std::string late = behind(calls_, true);
+          if (!late.empty()) {
+            const std::string msg =
+                "[rank " + std::to_string(world_ranks[rank]) + "] spmd: stalled: this rank has " +
+                "waited " + std::to_string(static_cast<int>(waited.count())) + " s in " +
+                where() + " for " + late + " (SPMD_STALL_WARN; the wait ends with an error " +
+                "after SPMD_TIMEOUT.)\n";
+            std::fputs(msg.c_str(), stderr);
+            std::fflush(stderr);
+          }
+        }
         if (waited.count() > timeout_s) {
           broken = true;
+          const std::string late = in_collective ? behind(calls_, false) : std::string();
+          if (!late.empty()) {
+            return Status::Error("timed out after " + std::to_string(static_cast<int>(timeout_s)) +
+                                 " s in " + where() + " waiting for " + late);
+          }
           return Status::Error(std::string(what) + " over MPI on the group " +
                                RankList(world_ranks) + " timed out after " +
                                std::to_string(static_cast<int>(timeout_s)) +
@@ -385,6 +412,7 @@ std::string MessageShape::Describe() const {
 Status MpiComm::SendRecv(const void* send, const MessageShape& send_shape, int dst, void* recv,
                          const MessageShape& recv_shape, int src) const {
   SPMD_RETURN_IF_ERROR(Usable());
+  current_ = nullptr;  // not a collective: no stall report of the group's calls
   // The shape goes first, on its own tag; the data follows once the receiver has checked it.
   constexpr int kTag = 0x5d1, kShapeTag = 0x5d2;
   const Count shape_bytes = sizeof(MessageShape);
@@ -439,6 +467,8 @@ Status MpiComm::Barrier() const {
 
 Status MpiComm::CheckSame(const Signature& sig) const {
   SPMD_RETURN_IF_ERROR(Usable());
+  current_ = &sig;  // valid until the op's end: every later wait is in a later op or a send/recv
+  if (on_call) on_call(++calls_);
   const uint64_t hash = sig.hash;
   std::vector<uint64_t> all(size);
   SPMD_RETURN_IF_ERROR(Allgatherv(&hash, all.data(), std::vector<size_t>(size, 8)));

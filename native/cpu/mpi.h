@@ -89,11 +89,23 @@ struct MpiComm {
   // millisecond asks it now and then, so that a peer that left is an error at once instead of at
   // the timeout. Unset: waits run to the timeout.
   std::function<std::string()> peer_gone;
+  // Also where the ranks share a node: `on_call(n)` publishes that this rank has started its
+  // n-th collective over MPI on the group (CheckSame counts them), and `behind(n, ask)` names
+  // the ranks that have not ("" when none): a wait longer than `stall_s` (SPMD_STALL_WARN)
+  // prints them, once, and a timeout names them; `ask`: the report asks a lagging rank for its
+  // Python stack (one waiting rank asks).
+  std::function<void(uint64_t)> on_call;
+  std::function<std::string(uint64_t, bool)> behind;
+  double stall_s = 30;
 
  private:
   Status Usable() const;
   // Polls `requests` to completion, or fails after the deadline naming the group.
   Status Wait(MpiHandle* requests, int n, const char* what) const;
+  // The collective under way (CheckSame to its end; null in point-to-point calls), for the
+  // stall report and the timeout, and how many have started.
+  mutable const Signature* current_ = nullptr;
+  mutable uint64_t calls_ = 0;
 };
 
 }  // namespace spmd

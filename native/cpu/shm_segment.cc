@@ -100,6 +100,7 @@ Status ShmGroup::Open(const std::string& name, bool create, int rank, int size, 
   g->ctrl(rank)->pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
   g->ctrl(rank)->leaving.store(0, std::memory_order_release);
   g->ctrl(rank)->calls.store(0, std::memory_order_release);
+  g->ctrl(rank)->mpi_calls.store(0, std::memory_order_release);
   g->ctrl(rank)->dumps.store(dumps_stack.load() ? 1 : 0, std::memory_order_release);
   if (const char* v = std::getenv("SPMD_STALL_WARN"); v != nullptr && *v != 0) {
     char* end = nullptr;
@@ -249,6 +250,32 @@ void ShmGroup::ReportStall(int r, double waited_s) const {
   std::fputs(msg.c_str(), stderr);
   std::fflush(stderr);
   if (ask && pid > 0) kill(pid, SIGUSR1);
+}
+
+std::string ShmGroup::MpiBehind(uint64_t mine, bool ask) const {
+  std::string late;
+  int asker = -1;
+  for (int r = 0; r < size_ && asker < 0; ++r) {
+    if (ctrl(r)->mpi_calls.load(std::memory_order_relaxed) >= mine) asker = r;
+  }
+  for (int r = 0; r < size_; ++r) {
+    const uint64_t theirs = ctrl(r)->mpi_calls.load(std::memory_order_relaxed);
+    if (r == rank_ || theirs >= mine) continue;
+    const int32_t pid = ctrl(r)->pid.load();
+    std::string what = "rank " + std::to_string(world_ranks_[r]) + ", which has started " +
+                       std::to_string(theirs) + " collectives over MPI on the group: it has " +
+                       "not reached this collective";
+    if (IsStopped(pid)) {
+      what += "; its process " + std::to_string(pid) + " is stopped (SIGSTOP, Ctrl-Z or a " +
+              "debugger) and runs on only when continued (kill -CONT " + std::to_string(pid) +
+              ")";
+    } else if (ask && asker == rank_ && pid > 0 && ctrl(r)->dumps.load() != 0) {
+      what += ". Its Python stack follows in its output";
+      kill(pid, SIGUSR1);
+    }
+    late += (late.empty() ? "" : "; and ") + what;
+  }
+  return late.empty() ? late : late + ".";
 }
 
 Status ShmGroup::PeerGone(uint64_t t, int r) {

@@ -249,9 +249,13 @@ def test_a_rank_that_leaves_early_is_named_at_once_not_after_the_timeout(
     assert took < 15, f"the job took {took:.1f} s"
 
 
-def test_a_sigstopped_peer_is_reported_as_stopped_and_the_job_ends_at_the_timeout(tmp_path):
+@pytest.mark.parametrize("transport", ["shm", "mpi"])
+def test_a_sigstopped_peer_is_reported_as_stopped_and_the_job_ends_at_the_timeout(
+    tmp_path, transport
+):
     """A SIGSTOPped rank is alive but cannot run, nor print its stack: the stall report says it
-    is stopped, and the waiting rank's timeout ends the job, stopped rank included."""
+    is stopped, and the waiting rank's timeout ends the job, stopped rank included. Over MPI the
+    waiting rank reads how far each peer got from the group's shared-memory segment."""
     script = tmp_path / "stop.py"
     script.write_text(
         "import os, signal\nimport jax.numpy as jnp\nimport spmd\n"
@@ -260,18 +264,26 @@ def test_a_sigstopped_peer_is_reported_as_stopped_and_the_job_ends_at_the_timeou
         "spmd.allreduce(jnp.ones(3))\n"
     )
     before = _mpich_files()
-    out, took = spmd_run("-n", "2", sys.executable, str(script),
-                         env={"SPMD_STALL_WARN": "1", "SPMD_TIMEOUT": "4"})  # fmt: skip
+    env = {"SPMD_STALL_WARN": "1", "SPMD_TIMEOUT": "4", "SPMD_TRANSPORT": transport}
+    out, took = spmd_run("-n", "2", sys.executable, str(script), env=env)
     assert out.returncode == 1, out.stderr
-    assert "for rank 1, which has started 1 collectives on the group" in out.stderr, out.stderr
+    started = "on the group" if transport == "shm" else "over MPI on the group"
+    assert f"for rank 1, which has started 1 collectives {started}" in out.stderr, out.stderr
     assert "is stopped (SIGSTOP, Ctrl-Z or a debugger)" in out.stderr, out.stderr
     assert "Its Python stack follows" not in out.stderr
-    assert "timed out after 4 s waiting for ranks [1]" in out.stderr, out.stderr
+    timed_out = (
+        "timed out after 4 s waiting for ranks [1]"
+        if transport == "shm"
+        else "timed out after 4 s in allreduce(op=sum) of float32[3] over MPI (collective #2 of "
+        "the group [0, 1]) waiting for rank 1, which has started 1 collectives"
+    )
+    assert timed_out in out.stderr, out.stderr
     assert took < 15, f"the job took {took:.1f} s"
     assert _mpich_files() - before == set(), "MPICH's files were left behind"
 
 
-def test_a_stalled_peer_is_reported_with_its_python_stack(tmp_path):
+@pytest.mark.parametrize("transport", ["shm", "mpi"])
+def test_a_stalled_peer_is_reported_with_its_python_stack(tmp_path, transport):
     """A peer that is alive but does not arrive: after SPMD_STALL_WARN seconds the waiting rank
     says where it waits, for whom, how far that rank got, and has it print its Python stack."""
     script = tmp_path / "stall.py"
@@ -282,13 +294,19 @@ def test_a_stalled_peer_is_reported_with_its_python_stack(tmp_path):
         "if comm.rank == 1:\n    busy_elsewhere()\n"
         "print(comm.rank, float(spmd.allreduce(jnp.ones(3))[0]))\n"
     )
-    out, _ = spmd_run("-n", "2", sys.executable, str(script), env={"SPMD_STALL_WARN": "1"})
+    env = {"SPMD_STALL_WARN": "1", "SPMD_TRANSPORT": transport}
+    out, _ = spmd_run("-n", "2", sys.executable, str(script), env=env)
     assert out.returncode == 0, out.stderr
     assert sorted(out.stdout.split("\n")[:2]) == ["0 2.0", "1 2.0"], out.stdout
     report = (
         "[rank 0] spmd: stalled: this rank has waited 1 s in allreduce(op=sum) of float32[3] "
         "(collective #2 of the group [0, 1]) for rank 1, which has started 1 collectives on the "
         "group: it has not reached this collective."
+        if transport == "shm"
+        else "[rank 0] spmd: stalled: this rank has waited 1 s in allreduce(op=sum) of "
+        "float32[3] over MPI (collective #2 of the group [0, 1]) for rank 1, which has started "
+        "1 collectives over MPI on the group: it has not reached this collective. Its Python "
+        "stack follows in its output."
     )
     assert report in out.stderr, out.stderr
     assert 'stall.py", line 7 in busy_elsewhere' in out.stderr, out.stderr
