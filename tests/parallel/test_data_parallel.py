@@ -432,3 +432,47 @@ def test_vmapped_grad_ensembles_and_per_example_gradients(comm):
     scale = np.minimum(1.0, clip / norms)
     np.testing.assert_allclose(got["w"], np.mean(scale[:, None] * per["w"], 0), rtol=1e-5)
     np.testing.assert_allclose(got["b"], np.mean(scale * per["b"]), rtol=1e-5)
+
+
+@multirank(nprocs=(2,))
+def test_a_step_whose_results_ignore_its_gradients_is_refused(comm):
+    """Flax NNX's in-place style (optimizer.update(grads), returning nothing or only the loss)
+    trained nothing without a word: the updates made inside the trace are lost. Now every rank
+    refuses the step, saying how to write it; a step that returns the update runs."""
+    import optax
+
+    tx = optax.sgd(0.1)
+    p = {"w": jnp.ones(3)}
+    state = tx.init(p)
+    kept = {}
+
+    def loss(p, x):
+        return jnp.sum((p["w"] * x) ** 2)
+
+    def in_place(p, s, x):
+        value, g = spmd.value_and_grad(loss)(p, x)
+        kept["p"] = optax.apply_updates(p, tx.update(g, s, p)[0])  # lost with the trace
+        return value
+
+    def nothing(p, s, x):
+        spmd.value_and_grad(loss)(p, x)
+
+    x = jnp.full(3, comm.rank + 1.0)
+    for transform in (spmd.data_parallel, functools.partial(spmd.zero_shard, stage=1)):
+        for step in (in_place, nothing):
+            with pytest.raises(spmd.SpmdError) as info:
+                transform(step)(p, state, x)
+            text = str(info.value)
+            assert text.startswith(f"rank {comm.rank}: "), text
+            assert f"({step.__name__}): none of the step's results depends on the gradients" in text
+            assert "optimizer.update(grads)" in text and "optax.apply_updates" in text
+
+    def pure(p, s, x):
+        value, g = spmd.value_and_grad(loss)(p, x)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, value
+
+    new, _, value = spmd.data_parallel(pure)(p, state, x)
+    assert float(value) == 3 * (comm.rank + 1) ** 2  # this rank's loss
+    # The mean gradient over the two ranks' x = 1 and 2: 2 * w * x^2 averaged = 5.
+    np.testing.assert_allclose(new["w"], 1 - 0.1 * 5.0, rtol=1e-6)

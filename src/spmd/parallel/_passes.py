@@ -103,6 +103,22 @@ def gradient_leaves(program: Program) -> tuple[list[GradientLeaf], dict[int, int
     return leaves, marks
 
 
+def gradients_reach_results(program: Program) -> bool:
+    """Whether some result of the program depends on a marked gradient (True when the program
+    marks none at its top level). Forward through the op list: an op that reads a value that
+    depends on a gradient makes all its results depend on it."""
+    leaves, _ = gradient_leaves(program)
+    if not leaves:
+        return True
+    reached = {leaf.dst for leaf in leaves}
+    for eqn in program.jaxpr.jaxpr.eqns:
+        if any(not isinstance(v, core.Literal) and v in reached for v in eqn.invars):
+            reached.update(eqn.outvars)
+    return any(
+        not isinstance(v, core.Literal) and v in reached for v in program.jaxpr.jaxpr.outvars
+    )
+
+
 def shard_coordinate(shards: tuple[tuple[int, ...], ...] | None, rank: int) -> int | None:
     """Which block world rank ``rank`` holds of an array sharded over ``shards`` (its position
     in its group), None if the array is replicated."""

@@ -38,7 +38,7 @@ from ..runtime import Communicator
 from ..sharded import is_sharded
 from ._check import compare, schedule
 from ._grad import marking, shard_groups
-from ._passes import Pass, marked_params, shard_coordinate
+from ._passes import Pass, gradients_reach_results, marked_params, shard_coordinate
 from ._program import Program, arg_names, trace_program
 
 PARAMS_DIFFER = (
@@ -55,6 +55,15 @@ NOT_AN_ARRAY = (
 TRACED_CALL = (
     "called inside a JAX transformation (jax.jit, jax.vmap, ...); the step compiles itself, so "
     "call it directly"
+)
+
+UNUSED_GRADIENTS = (
+    "none of the step's results depends on the gradients it computes with spmd.grad or "
+    "spmd.value_and_grad, so it would train nothing. A step is a pure function: what it changes "
+    "in place in Python objects (an optimizer's or a model's attributes, e.g. Flax NNX's "
+    "optimizer.update(grads), or a list) is not seen outside it. Return the new parameters and "
+    "optimizer state, e.g. `return optax.apply_updates(params, updates), opt_state, loss` "
+    "(docs/data_parallel.md)"
 )
 
 _NO_SYNC: contextvars.ContextVar[bool] = contextvars.ContextVar("spmd_no_sync", default=False)
@@ -148,7 +157,14 @@ class Step:
         group = self.comm() if self.shards else None
         with marking(self.accumulate_steps, self.transform, self.shards, group):
             program = trace_program(self.fn, args, kwargs)
+        self.check_program(program)
         return Traced(program, marked_params(program))
+
+    def check_program(self, program: Program) -> None:
+        """What every traced step must be: an error for one whose results ignore its
+        gradients (a step that updates objects in place, which the trace does not keep)."""
+        if not gradients_reach_results(program):
+            raise SpmdError(UNUSED_GRADIENTS, op=self.name)
 
     def variant(self, traced: Traced) -> Any:
         """Which transformed program a call now runs (one per step unless overridden)."""

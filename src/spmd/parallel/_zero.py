@@ -209,6 +209,7 @@ class ZeroShard(Step):
             sharding.append(x.shape)
         with marking(self.accumulate_steps, self.transform):
             program = trace_program(self.fn, a, kw, in_sharding=sharding)
+        self.check_program(program)
         # The replica check compares the replicated parameters: shards differ by design.
         params = [i for i in marked_params(program) if sharding[i] is None]
         traced = Traced(program, params)
