@@ -97,3 +97,17 @@ def test_results_are_tagged_with_the_cores_the_job_was_given() -> None:
         # machine's results
         assert tag({}, {mine[0]}) == f"1 cpu1of{total}"
         assert tag({"SPMD_BIND_CPUS": str(mine[0])}) == f"1 cpu1of{total}"
+
+
+def test_quick_is_allreduce_at_three_sizes_against_mpi4py(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "spmd.cli.bench", "--quick", "--out-dir", str(tmp_path),
+           "--timeout", "150"]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (path,) = tmp_path.glob("collectives-*.json")
+    report = json.loads(path.read_text())
+    rows = {(r["op"], r["impl"], r["bytes"]) for r in report["results"]}
+    impls = ("spmd", "mpi4py", "mpi4py-inplace")
+    assert rows == {("allreduce", i, b) for i in impls for b in (4, 65536, 4 << 20)}
+    assert all(r["status"] == "ok" and r["iters"] == 20 for r in report["results"])
+    assert not report["small_message"]  # the small-message section is skipped

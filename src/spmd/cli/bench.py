@@ -2,6 +2,7 @@
 would pick instead, in the same run on the same machine.
 
     spmd-bench                                  # 2 ranks, all ops, 4 B .. 64 MiB
+    spmd-bench --quick                          # allreduce at 3 sizes against mpi4py: seconds
     spmd-bench -n 4 --ops allreduce -e 16M --json allreduce.json
     spmd-run -n 2 python benchmarks/collectives.py   # the same code; writes benchmarks/results/
 
@@ -83,7 +84,24 @@ def parser(prog: str = "spmd-bench") -> argparse.ArgumentParser:
         "cpu<cores>of<total>-n<ranks> when the job has fewer cores than the machine)",
     )
     p.add_argument("--timeout", type=float, help="when relaunching: stop the job after seconds")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a first look in seconds: {_QUICK_HELP}, unless those options are given too",
+    )
     return p
+
+
+# What --quick changes, where the option is left at its default.
+_QUICK = {"ops": "allreduce", "sizes": "4,64K,4M", "rounds": 1, "iters": 20,
+          "peers": "mpi4py", "no_small": True}  # fmt: skip
+_QUICK_HELP = "allreduce at 4 B, 64 KiB and 4 MiB, one round of 20 calls, against mpi4py"
+
+
+def _quick(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    for name, value in _QUICK.items():
+        if getattr(args, name) == p.get_default(name):
+            setattr(args, name, value)
 
 
 def _sanitize(argv: Sequence[str]) -> list[str]:
@@ -130,7 +148,10 @@ def main(
 ) -> int:
     """``spmd-bench``; ``script`` and ``default_out_dir`` for benchmarks/collectives.py."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser(prog).parse_args(argv)
+    p = parser(prog)
+    args = p.parse_args(argv)
+    if args.quick:
+        _quick(args, p)
     if args.out_dir is None and default_out_dir is not None:
         args.out_dir = default_out_dir
     try:
