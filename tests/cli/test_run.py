@@ -219,6 +219,23 @@ def test_a_group_segment_whose_creator_was_killed_is_removed(tmp_path):
     assert set(glob.glob("/dev/shm/spmd-*")) - before == set(), "a group segment was left behind"
 
 
+def test_a_rank_that_ends_right_after_dispatching_its_last_steps_waits_for_them(tmp_path):
+    """jit runs asynchronously: a rank whose script ends right after its last step (the usual
+    `if rank == 0: print(...)`) still had collectives in flight, and marking it as leaving at
+    exit failed its peers' last steps. Exit now waits for what the process dispatched first."""
+    script = tmp_path / "async.py"
+    script.write_text(
+        "import jax, jax.numpy as jnp\nimport spmd\n"
+        "comm = spmd.init()\nstep = jax.jit(lambda x: spmd.allreduce(x) / comm.size + 1)\n"
+        "x = jnp.zeros(1000)\n"
+        "for _ in range(200):\n    x = step(x)\n"
+        "if comm.rank == 0:\n    print('done', float(x[0]))\n"
+    )
+    out, _ = spmd_run("-n", "2", sys.executable, str(script))
+    assert out.returncode == 0, out.stderr
+    assert "done 200.0" in out.stdout, out.stdout
+
+
 @pytest.mark.parametrize("transport", ["shm", "mpi"])
 @pytest.mark.parametrize("leave", ["sys.exit(0)", "os._exit(0)"])
 def test_a_rank_that_leaves_early_is_named_at_once_not_after_the_timeout(

@@ -399,14 +399,29 @@ def shm_hop_ns(comm: Communicator) -> float | None:
 _leaving_registered = False
 
 
+def _leave() -> None:
+    """At exit: wait for the computations this process dispatched (jit runs asynchronously, so a
+    rank whose script ends right after its last step, printing nothing, still has collectives
+    in flight that its peers pair with), then mark its ranks as leaving."""
+    try:
+        import jax
+
+        for array in jax.live_arrays():  # type: ignore[no-untyped-call]
+            array.block_until_ready()
+    except Exception:  # a failed computation: its error is raised where it is used
+        pass
+    native().shm_mark_leaving()
+
+
 def watch_peers() -> None:
     """What lets this rank's peers find it when they wait for it (once per process):
 
-    - at interpreter exit, this process's ranks of every shared-memory group are marked as
-      leaving, so that a peer still waiting for one of them in a collective fails at once,
-      naming it, instead of waiting for SPMD_TIMEOUT (a rank that made fewer collectives, or
-      called sys.exit). Python's exit handlers run last registered first: this one runs before
-      mpi4py finalizes MPI;
+    - at interpreter exit, once what this process dispatched has finished (:func:`_leave`), its
+      ranks of every shared-memory group are marked as leaving, so that a peer still waiting
+      for one of them in a collective fails at once, naming it, instead of waiting for
+      SPMD_TIMEOUT (a rank that made fewer collectives, or called sys.exit). Python's exit
+      handlers run last registered first: this one runs before mpi4py finalizes MPI, and
+      before JAX's own;
     - when nothing else handles SIGUSR1, faulthandler prints this process's Python stack on it,
       which a peer reporting a stall (SPMD_STALL_WARN) asks for.
     """
@@ -414,7 +429,7 @@ def watch_peers() -> None:
     if _leaving_registered:
         return
     _leaving_registered = True
-    atexit.register(native().shm_mark_leaving)
+    atexit.register(_leave)
     if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL and sys.stderr is not None:
         try:
             faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
