@@ -63,6 +63,7 @@ class _Pool:
         self.conns: dict[int, socket.socket] = {}
         self.pids: dict[int, int] = {}
         self.broken = False
+        _starting.append(self)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(self.dir / "sock"))
         listener.listen(nprocs)
@@ -289,7 +290,8 @@ class _Pool:
         self._cleanup()
 
     def close(self) -> None:
-        if self.broken:
+        if self.broken:  # killed, or a close that was interrupted: make sure it is reaped
+            self.kill()
             return
         self.broken = True
         try:
@@ -299,6 +301,9 @@ class _Pool:
                 proc.wait(timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             self.kill()
+        except BaseException:  # interrupted (Ctrl-C, a pytest timeout): leave nothing running
+            self.kill()
+            raise
         self._cleanup()
 
     def _cleanup(self) -> None:
@@ -310,6 +315,9 @@ class _Pool:
 
 
 _pools: OrderedDict[tuple[Any, ...], _Pool] = OrderedDict()
+# Pools being started, until _pool files them: an interrupt (a check's Ctrl-C or pytest timeout)
+# between a pool's start and its filing would otherwise leave its ranks running unowned.
+_starting: list[_Pool] = []
 _atexit_registered = False
 
 
@@ -324,11 +332,20 @@ def _pool(nprocs: int, launcher: Launcher, env: Mapping[str, str]) -> _Pool:
         pool.kill()
         del _pools[key]
     while len(_pools) >= _MAX_POOLS:
-        _pools.popitem(last=False)[1].close()
+        oldest = next(iter(_pools))
+        _pools[oldest].close()  # closed while filed: an interrupt leaves it to be reaped later
+        del _pools[oldest]
     if not _atexit_registered:
         atexit.register(shutdown_pools)
         _atexit_registered = True
-    pool = _pools[key] = _Pool(nprocs, launcher, env)
+    try:
+        pool = _Pool(nprocs, launcher, env)
+        _pools[key] = pool
+    finally:
+        for started in _starting:
+            if all(started is not filed for filed in _pools.values()):
+                started.kill()
+        _starting.clear()
     return pool
 
 
