@@ -536,23 +536,29 @@ def moe(
     routing = route(tokens @ router_w.astype(tokens.dtype), k, capacity_factor=capacity_factor)
     plan = _plan(routing, comm, op)
     grouped = _layout(layout, routing, op)
-    if plan.native:
-        if grouped:
-            rows, sizes = _dispatch_native(tokens, routing, plan, grouped)
-            y = _combine_native(expert_fn(params, rows, sizes), routing, plan, grouped)
-        else:
-            out = jax.vmap(expert_fn)(params, _dispatch_native(tokens, routing, plan, grouped))
-            y = _combine_native(out, routing, plan, grouped)
-        return y.reshape(*x.shape[:-1], y.shape[-1]), routing.aux_loss
-    traffic = _traffic(routing, plan, grouped)  # once for dispatch and combine
+    send, back = _exchanges(routing, plan, grouped)  # once for dispatch and combine
     if grouped:
-        assert traffic is not None
-        rows, sizes = _dispatch_grouped(tokens, routing, plan, traffic)
-        y = _combine_grouped(expert_fn(params, rows, sizes), routing, plan, traffic)
+        rows, sizes = send(tokens)
+        y = back(expert_fn(params, rows, sizes))
     else:
-        out = jax.vmap(expert_fn)(params, _dispatch(tokens, routing, plan, traffic))
-        y = _combine(out, routing, plan, traffic)
+        y = back(jax.vmap(expert_fn)(params, send(tokens)))
     return y.reshape(*x.shape[:-1], y.shape[-1]), routing.aux_loss
+
+
+def _exchanges(
+    routing: Routing, plan: _Plan, grouped: bool
+) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    """The layer's dispatch and combine: native, or composed with their bookkeeping made once."""
+    if plan.native:
+        return (lambda t: _dispatch_native(t, routing, plan, grouped),
+                lambda y: _combine_native(y, routing, plan, grouped))  # fmt: skip
+    traffic = _traffic(routing, plan, grouped)
+    if grouped:
+        assert traffic is not None  # dropless
+        return (lambda t: _dispatch_grouped(t, routing, plan, traffic),
+                lambda y: _combine_grouped(y, routing, plan, traffic))  # fmt: skip
+    return (lambda t: _dispatch(t, routing, plan, traffic),
+            lambda y: _combine(y, routing, plan, traffic))  # fmt: skip
 
 
 def shard_experts(params: Any, *, group: Any = "ep") -> Any:
