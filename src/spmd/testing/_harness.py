@@ -55,66 +55,79 @@ class _Pool:
     """N worker ranks started by one launcher, connected to this process by Unix sockets."""
 
     def __init__(self, nprocs: int, launcher: Launcher, env: Mapping[str, str]) -> None:
+        """Nothing runs yet (:meth:`start`): a pool is filed where it is kept before it owns
+        processes, so that an interrupt (a check's Ctrl-C, a pytest timeout) never leaves ranks
+        running that nothing will stop."""
         self.nprocs = nprocs
+        self.launcher = launcher
+        self.env = dict(env)
         self.started = time.time()  # MPICH's files of this pool's job appear after it
-        self.dir = Path(tempfile.mkdtemp(prefix="spmd-test-"))
-        self.log_path = self.dir / "launcher.log"
+        self.dir: Path | None = None
         self.procs: list[subprocess.Popen[bytes]] = []
         self.conns: dict[int, socket.socket] = {}
         self.pids: dict[int, int] = {}
         self.broken = False
-        _starting.append(self)
+
+    @property
+    def log_path(self) -> Path:
+        assert self.dir is not None
+        return self.dir / "launcher.log"
+
+    def start(self) -> None:
+        """Start the ranks and connect to them; on any failure or interrupt, kill them."""
+        nprocs, launcher, env = self.nprocs, self.launcher, self.env
+        self.started = time.time()
+        self.dir = Path(tempfile.mkdtemp(prefix="spmd-test-"))  # removed by kill() or close()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(self.dir / "sock"))
-        listener.listen(nprocs)
-        base = {
-            **os.environ,
-            **env,
-            "SPMD_TESTING_ADDR": str(self.dir / "sock"),
-            "SPMD_TESTING_DIR": str(self.dir),
-        }
-        worker = [sys.executable, "-m", "spmd.testing._worker"]
-        log = open(self.log_path, "wb")  # noqa: SIM115
         try:
-            if launcher == "mpi":
-                self.procs.append(
-                    subprocess.Popen(
-                        mpiexec_argv(nprocs, worker),
-                        env=base,
-                        stdout=log,
-                        stderr=log,
-                        stdin=subprocess.DEVNULL,
-                        start_new_session=True,
-                    )
-                )
-            else:  # what a torchrun-style launcher does: env variables and a shared store
-                store = self.dir / "store"
-                store.mkdir()
-                shared = {
-                    **base,
-                    "WORLD_SIZE": str(nprocs),
-                    "SPMD_FILE_STORE_PATH": str(store),
-                    "SPMD_RUN_ID": uuid.uuid4().hex,
+            with open(self.log_path, "wb") as log:
+                listener.bind(str(self.dir / "sock"))
+                listener.listen(nprocs)
+                base = {
+                    **os.environ,
+                    **env,
+                    "SPMD_TESTING_ADDR": str(self.dir / "sock"),
+                    "SPMD_TESTING_DIR": str(self.dir),
                 }
-                # Not ranks of an enclosing MPI job (pytest itself under mpiexec or srun).
-                shared = {k: v for k, v in shared.items() if not _is_mpi_launcher_var(k)}
-                for r in range(nprocs):
+                worker = [sys.executable, "-m", "spmd.testing._worker"]
+                if launcher == "mpi":
                     self.procs.append(
                         subprocess.Popen(
-                            worker,
-                            env={**shared, "RANK": str(r), "LOCAL_RANK": str(r)},
+                            mpiexec_argv(nprocs, worker),
+                            env=base,
                             stdout=log,
                             stderr=log,
                             stdin=subprocess.DEVNULL,
                             start_new_session=True,
                         )
                     )
-            self._accept(listener)
+                else:  # what a torchrun-style launcher does: env variables and a shared store
+                    store = self.dir / "store"
+                    store.mkdir()
+                    shared = {
+                        **base,
+                        "WORLD_SIZE": str(nprocs),
+                        "SPMD_FILE_STORE_PATH": str(store),
+                        "SPMD_RUN_ID": uuid.uuid4().hex,
+                    }
+                    # Not ranks of an enclosing MPI job (pytest itself under mpiexec or srun).
+                    shared = {k: v for k, v in shared.items() if not _is_mpi_launcher_var(k)}
+                    for r in range(nprocs):
+                        self.procs.append(
+                            subprocess.Popen(
+                                worker,
+                                env={**shared, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                stdout=log,
+                                stderr=log,
+                                stdin=subprocess.DEVNULL,
+                                start_new_session=True,
+                            )
+                        )
+                self._accept(listener)
         except BaseException:
             self.kill()
             raise
         finally:
-            log.close()
             listener.close()
 
     def _accept(self, listener: socket.socket) -> None:
@@ -235,7 +248,7 @@ class _Pool:
             except ProcessLookupError:
                 pass
         time.sleep(0.5)
-        return {r: (self.dir / f"stack.{r}").read_text(errors="replace") for r in ranks}
+        return {r: self.log_path.with_name(f"stack.{r}").read_text(errors="replace") for r in ranks}
 
     def _report(
         self,
@@ -277,7 +290,8 @@ class _Pool:
         return "; ".join(summary) + "\n" + "\n".join(parts)
 
     def alive(self) -> bool:
-        return all(p.poll() is None for p in self.procs)
+        """Started (every rank connected), and no rank has ended."""
+        return len(self.conns) == self.nprocs and all(p.poll() is None for p in self.procs)
 
     def kill(self) -> None:
         self.broken = True
@@ -309,15 +323,13 @@ class _Pool:
     def _cleanup(self) -> None:
         for conn in self.conns.values():
             conn.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
         # A killed (or aborted) job leaves MPICH's segments behind, as under spmd-run.
         remove_leftovers(self.started)
 
 
 _pools: OrderedDict[tuple[Any, ...], _Pool] = OrderedDict()
-# Pools being started, until _pool files them: an interrupt (a check's Ctrl-C or pytest timeout)
-# between a pool's start and its filing would otherwise leave its ranks running unowned.
-_starting: list[_Pool] = []
 _atexit_registered = False
 
 
@@ -338,14 +350,8 @@ def _pool(nprocs: int, launcher: Launcher, env: Mapping[str, str]) -> _Pool:
     if not _atexit_registered:
         atexit.register(shutdown_pools)
         _atexit_registered = True
-    try:
-        pool = _Pool(nprocs, launcher, env)
-        _pools[key] = pool
-    finally:
-        for started in _starting:
-            if all(started is not filed for filed in _pools.values()):
-                started.kill()
-        _starting.clear()
+    pool = _pools[key] = _Pool(nprocs, launcher, env)  # filed before it starts: see _Pool
+    pool.start()
     return pool
 
 
@@ -412,6 +418,7 @@ def run(
     if fresh:
         pool = _Pool(nprocs, launcher, env)
         try:
+            pool.start()
             return pool.run(fn, args, kwargs or {}, timeout, grace)
         finally:
             pool.close()
