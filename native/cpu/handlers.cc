@@ -274,7 +274,7 @@ ffi::Error AllToAllvFfi(int64_t group, std::string_view meaning, bool exact, int
   const Signature sig = call.Sig();
   const std::vector<int>& world = call.group->world_ranks;
   const int me = call.group->rank;
-  const a2av::Planner planner = [&](const int64_t* all, size_t, a2av::Plan* plan) {
+  auto planner = [&](const int64_t* all, a2av::Plan* plan) {
     return a2av::CountsPlan(all, n, me, rows.row, world, plan);
   };
   ffi::Error result = call.Run([&](Transport& t) {
@@ -313,13 +313,9 @@ ffi::Error MoeExchangeFfi(int64_t group, std::string_view meaning, bool combine,
                      "with slots) and int32 ids [T * k]");
   }
   a2av::Rows rows;
-  bool same = x.dims.size() >= 1 && y.dims.size() == x.dims.size() && y.dtype == x.dtype;
-  rows.row = x.elem;
-  for (size_t d = 1; same && d < x.dims.size(); ++d) {
-    same = y.dims[d] == x.dims[d];
-    rows.row *= static_cast<size_t>(x.dims[d]);
+  if (!a2av::SameRows(x, y, &rows.row)) {
+    return call.Fail("the result must have x's dtype and x's shape after axis 0");
   }
-  if (!same) return call.Fail("the result must have x's dtype and x's shape after axis 0");
   call.Mix(combine ? 1 : 0);
   call.Mix(static_cast<uint64_t>(k));
   call.Mix(static_cast<uint64_t>(experts));
@@ -363,17 +359,16 @@ ffi::Error MoeExchangeFfi(int64_t group, std::string_view meaning, bool combine,
   rows.targets = static_cast<size_t>(y.dims[0]);
   thread_local std::vector<uint8_t> touched;
   rows.touched = &touched;
-  thread_local std::unique_ptr<moe::Exchange> exchange;
-  exchange = std::make_unique<moe::Exchange>(combine, k, experts, slots, capacity, n,
-                                             call.group->rank, call.group->world_ranks);
-  const std::vector<int64_t>& record =
-      exchange->Count(id, assignments, x.dims[0], y.dims[0], bad);
+  thread_local moe::Exchange exchange;  // its buffers are kept from call to call
+  exchange.Reset(combine, k, experts, slots, capacity, n, call.group->rank,
+                 &call.group->world_ranks);
+  const std::vector<int64_t>& record = exchange.Count(id, assignments, x.dims[0], y.dims[0], bad);
   int32_t* sizes = combine ? nullptr : reinterpret_cast<int32_t*>(call.out[1].data);
   if (sizes != nullptr && call.out[1].bytes != static_cast<size_t>(experts / n) * 4) {
     return call.Fail("the counts per expert must be int32 [experts / group size]");
   }
-  const a2av::Planner planner = [&](const int64_t* all, size_t, a2av::Plan* plan) {
-    return exchange->Plan(all, plan, &rows, sizes);
+  auto planner = [&](const int64_t* all, a2av::Plan* plan) {
+    return exchange.Plan(all, plan, &rows, sizes);
   };
   const Signature sig = call.Sig();
   ffi::Error result = call.Run([&](Transport& t) {

@@ -61,7 +61,6 @@ void Add(char* dst, const char* src, size_t bytes, const char* w) {
 }
 
 // The same arithmetic (no fused multiply-adds: -ffp-contract=off), in wider registers.
-template <typename T>
 a2av::RowFn Best(a2av::RowFn plain, a2av::RowFn avx2) {
 #if defined(__x86_64__)
   if (HasAvx2F16c()) return avx2;
@@ -115,12 +114,12 @@ bool RowFns(xla::ffi::DataType dtype, a2av::RowFn* scale, a2av::RowFn* add) {
   using xla::ffi::DataType;
   switch (dtype) {
     case DataType::F32:
-      *scale = Best<float>(Scale<float>, ScaleAvx2<float>);
-      *add = Best<float>(Add<float>, AddAvx2<float>);
+      *scale = Best(Scale<float>, ScaleAvx2<float>);
+      *add = Best(Add<float>, AddAvx2<float>);
       return true;
     case DataType::F64:
-      *scale = Best<double>(Scale<double>, ScaleAvx2<double>);
-      *add = Best<double>(Add<double>, AddAvx2<double>);
+      *scale = Best(Scale<double>, ScaleAvx2<double>);
+      *add = Best(Add<double>, AddAvx2<double>);
       return true;
     case DataType::F16:
       *scale = ScaleHalf<false>, *add = AddHalf<false>;
@@ -174,7 +173,7 @@ std::string Exchange::Plan(const int64_t* all, a2av::Plan* p, a2av::Rows* rows,
   const size_t len = RecordLen(experts_);
   const int64_t per = experts_ / n_;
   auto rec = [&](int r) { return all + static_cast<size_t>(r) * len; };
-  auto who = [&](int r) { return "rank " + std::to_string(world_[r]); };
+  auto who = [&](int r) { return "rank " + std::to_string((*world_)[r]); };
   for (int r = 0; r < n_; ++r) {
     if (rec(r)[kBad] != 0) {
       return who(r) + " passed expert ids or arrays that do not fit its routing (its own error "

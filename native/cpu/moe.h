@@ -60,10 +60,12 @@ inline size_t RecordLen(int64_t experts) { return kCounts + static_cast<size_t>(
 // spmd.moe.route's queue positions). Rows no assignment fills are zeros.
 class Exchange {
  public:
-  Exchange(bool combine, int64_t k, int64_t experts, int64_t slots, int64_t capacity, int n,
-           int me, const std::vector<int>& world)
-      : combine_(combine), k_(k), experts_(experts), slots_(slots), capacity_(capacity), n_(n),
-        me_(me), world_(world) {}
+  // The call's parameters (the buffers below are kept from call to call).
+  void Reset(bool combine, int64_t k, int64_t experts, int64_t slots, int64_t capacity, int n,
+             int me, const std::vector<int>* world) {
+    combine_ = combine, k_ = k, experts_ = experts, slots_ = slots, capacity_ = capacity;
+    n_ = n, me_ = me, world_ = world;
+  }
 
   // Counts and sorts this rank's assignments by expert (stable); the record to publish.
   // `bad`: this rank's own problem (an id out of range, a shape), recorded so that every rank
@@ -77,10 +79,10 @@ class Exchange {
   std::string Plan(const int64_t* all, a2av::Plan* plan, a2av::Rows* rows, int32_t* sizes);
 
  private:
-  const bool combine_;
-  const int64_t k_, experts_, slots_, capacity_;
-  const int n_, me_;
-  const std::vector<int>& world_;
+  bool combine_ = false;
+  int64_t k_ = 1, experts_ = 1, slots_ = 0, capacity_ = 0;
+  int n_ = 1, me_ = 0;
+  const std::vector<int>* world_ = nullptr;  // the group's world ranks, for messages
   std::vector<int64_t> record_;
   std::vector<int32_t> sorted_;  // this rank's assignments by expert (dropped ones left out)
   std::vector<int32_t> place_;   // each received row's place in the experts' layout

@@ -359,7 +359,7 @@ Status ShmGroup::AllToAllv(const Signature& sig, const Leaf& in, const Leaf& out
   if (a2av_records.size() < record.size() * n) a2av_records.resize(record.size() * n);
   for (int r = 0; r < n; ++r) std::memcpy(&a2av_records[r * record.size()], slot(r, t), len);
   const a2av::Plan& p = a2av_plan;
-  std::string bad = planner(a2av_records.data(), record.size(), &a2av_plan);
+  std::string bad = planner(a2av_records.data(), &a2av_plan);
   if (!bad.empty()) return Status::Error(bad);
   // As AllToAll, with blocks of their own sizes: step by step, each rank stages the next piece
   // of every block it sends, and copies out the pieces staged for it. Every rank knows every

@@ -219,7 +219,7 @@ Status MpiTransport::AllToAllvNow(const Signature&, const Leaf& in, const Leaf& 
   SPMD_RETURN_IF_ERROR(comm_.Allgatherv(record.data(), a2av_records.data(),
                                         std::vector<size_t>(n, record.size() * sizeof(int64_t))));
   const a2av::Plan& p = a2av_plan;
-  std::string bad = planner(a2av_records.data(), record.size(), &a2av_plan);
+  std::string bad = planner(a2av_records.data(), &a2av_plan);
   if (!bad.empty()) return Status::Error(bad);
   rows.Prepare(out.data, out.bytes, p.received, true,  // rows land whole (below)
                [](char* dst, size_t len) { std::memset(dst, 0, len); });

@@ -14,7 +14,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,6 +23,17 @@
 
 namespace spmd {
 namespace a2av {
+
+// Whether y holds rows like x's: x's dtype and x's shape after axis 0; *row: bytes per row.
+inline bool SameRows(const Leaf& x, const Leaf& y, size_t* row) {
+  bool same = x.dims.size() >= 1 && y.dims.size() == x.dims.size() && y.dtype == x.dtype;
+  *row = x.elem;
+  for (size_t k = 1; same && k < x.dims.size(); ++k) {
+    same = y.dims[k] == x.dims[k];
+    *row *= static_cast<size_t>(x.dims[k]);
+  }
+  return same;
+}
 
 // The operands x [rows, ...], send_counts and recv_counts (int32[n]), then `indices` int32
 // vectors (send_index and/or recv_index, see Rows), and the result [out_rows, ...] as the
@@ -45,15 +55,9 @@ inline xla::ffi::Error CheckShapes(const CallBase& call, int n, size_t* row, siz
                        "], one count per rank of the group");
     }
   }
-  const Leaf& x = call.in[0];
-  const Leaf& y = call.out[0];
-  bool same = x.dims.size() >= 1 && y.dims.size() == x.dims.size() && y.dtype == x.dtype;
-  *row = x.elem;
-  for (size_t k = 1; same && k < x.dims.size(); ++k) {
-    same = y.dims[k] == x.dims[k];
-    *row *= static_cast<size_t>(x.dims[k]);
+  if (!SameRows(call.in[0], call.out[0], row)) {
+    return call.Fail("the result must have x's dtype and x's shape after axis 0");
   }
-  if (!same) return call.Fail("the result must have x's dtype and x's shape after axis 0");
   return xla::ffi::Error::Success();
 }
 
@@ -313,9 +317,23 @@ struct Rows {
   }
 };
 
-// Given every rank's record (rank after rank, each `len` long): the first problem in them, the
-// same on every rank, or this rank's plan (the moe exchange also fills its rows' indices there).
-using Planner = std::function<std::string(const int64_t* all, size_t len, Plan* plan)>;
+// Given every rank's record (rank after rank): the first problem in them, the same on every
+// rank, or this rank's plan (the moe exchange also fills its rows' indices there). A reference
+// to a callable `std::string(const int64_t* all, Plan* plan)` that outlives the call it is
+// passed to (a named lambda): nothing is allocated per call.
+class Planner {
+ public:
+  template <typename F>
+  Planner(const F& f)  // NOLINT(google-explicit-constructor): passed as the lambda itself
+      : fn_(&f), call_([](const void* fn, const int64_t* all, Plan* plan) {
+          return (*static_cast<const F*>(fn))(all, plan);
+        }) {}
+  std::string operator()(const int64_t* all, Plan* plan) const { return call_(fn_, all, plan); }
+
+ private:
+  const void* fn_;
+  std::string (*call_)(const void*, const int64_t*, Plan*);
+};
 
 // all_to_allv's planner: Verdict, then MakePlan. `world`: the group's world ranks.
 inline std::string CountsPlan(const int64_t* all, int n, int me, size_t row,

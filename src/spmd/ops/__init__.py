@@ -10,7 +10,7 @@ convention and the ordering guarantees are described in ``docs/collectives.md``.
 MPI or both on CPU; the custom all-reduce or NCCL on GPU). ``ARRAY_LIKE``, ``SUPPORTED_DTYPES``,
 ``chain_config``, ``holds_collective``, ``collective_calls`` (with ``ScheduledCall``),
 ``all_to_allv_indexed``, ``tree_reduce`` and the MoE exchange (``moe_dispatch``, ``moe_combine``,
-``moe_native``) serve the layers above
+``moe_native``, ``weighted_sum``) serve the layers above
 (spmd.parallel, spmd.cli) and are not in ``__all__``.
 """
 
@@ -32,6 +32,7 @@ from ._gpu_chain import chain_config as chain_config
 from ._moe_exchange import moe_combine as moe_combine
 from ._moe_exchange import moe_dispatch as moe_dispatch
 from ._moe_exchange import moe_native as moe_native
+from ._moe_exchange import weighted_sum as weighted_sum
 from ._ordering import holds_collective as holds_collective
 from ._p2p import barrier as barrier
 from ._p2p import recv as recv

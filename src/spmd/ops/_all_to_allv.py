@@ -32,7 +32,7 @@ from .._errors import SpmdError, SpmdTypeError
 from .._jax_compat import Zero, ad, batching, core
 from ..runtime import gpu_active
 from ._all_to_all import all_to_all
-from ._autodiff import arg_aval, instantiate, zero_tangent
+from ._autodiff import arg_aval, instantiate, rows_batcher, zero_tangent
 from ._checks import ARRAY_LIKE, as_array
 from ._primitive import GroupRef, alone, bind, collective_primitive, register_lowering, resolve
 
@@ -329,28 +329,7 @@ register_lowering(
 # -- batching -----------------------------------------------------------------------------------
 
 
-def _batch(args: list[Any], dims: list[Any], **params: Any) -> Any:
-    x, *rest = args
-    dx = dims[0]
-    if all(d is None for d in dims[1:]):
-        # Axis 0 holds the rows: the batch goes to axis 1, so one call moves every element's rows
-        # (the counts and indices count rows of the batch, as of each element).
-        return all_to_allv_p.bind(jnp.moveaxis(x, dx, 1), *rest, **params), [1]
-    # Counts or indices that differ per element: one call per element, in order (every rank of
-    # the group batches alike, so the calls pair up).
-    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-
-    def at(a: Any, d: Any, b: int) -> Any:
-        return a if d is None else jnp.take(a, b, axis=d)
-
-    ys = [
-        all_to_allv_p.bind(*(at(a, d, b) for a, d in zip(args, dims, strict=True)), **params)[0]
-        for b in range(size)
-    ]
-    return [jnp.stack(ys)], [0]
-
-
-batching.primitive_batchers[all_to_allv_p] = _batch
+batching.primitive_batchers[all_to_allv_p] = rows_batcher(all_to_allv_p)
 
 
 # -- autodiff -----------------------------------------------------------------------------------

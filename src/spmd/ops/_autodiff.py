@@ -68,3 +68,26 @@ def batch_second(args: Sequence[Any], dims: Sequence[Any]) -> tuple[list[Any], l
     one they gather, scatter or exchange along."""
     moved = [x if d is None else jnp.moveaxis(x, d, 1) for x, d in zip(args, dims, strict=True)]
     return moved, [None if d is None else 1 for d in dims]
+
+
+def rows_batcher(prim: core.Primitive) -> Any:
+    """The batching rule of a collective whose operand 0 holds rows on axis 0 and whose other
+    operands (counts, indices, ids, weights) say how they move (all_to_allv, the MoE exchange).
+    Only the rows batched: the batch goes to axis 1, and one call moves every element's rows
+    (its results after the first are the same for every element). Anything else batched: one
+    call per element, in order (every rank of the group batches alike, so the calls pair up)."""
+
+    def rule(args: list[Any], dims: list[Any], **params: Any) -> Any:
+        if all(d is None for d in dims[1:]):
+            outs = prim.bind(jnp.moveaxis(args[0], dims[0], 1), *args[1:], **params)
+            return outs, [1] + [None] * (len(outs) - 1)
+        size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+
+        def at(a: Any, d: Any, b: int) -> Any:
+            return a if d is None else jnp.take(a, b, axis=d)
+
+        each = [prim.bind(*(at(a, d, b) for a, d in zip(args, dims, strict=True)), **params)
+                for b in range(size)]  # fmt: skip
+        return [jnp.stack(outs) for outs in zip(*each, strict=True)], [0] * len(each[0])
+
+    return rule

@@ -384,14 +384,6 @@ def _accumulate(
 # -- deterministic reduction ----------------------------------------------------------------------
 
 
-def tree_sum(stacked: Any) -> Any:
-    """The sum over axis 0 of ``stacked`` in a fixed pairwise order that depends only on its
-    length (``spmd.ops.tree_reduce``, which ``allreduce(deterministic=True)`` uses too)."""
-    from ..ops import tree_reduce
-
-    return tree_reduce(stacked)
-
-
 def _deterministic(
     vg: Callable[..., Any],
     args: tuple[Any, ...],
@@ -403,8 +395,8 @@ def _deterministic(
     """The value and gradient over the global batch, the same bits whatever the group's size:
     this rank's batch is its k = shards / size consecutive shards of the global batch; each
     shard's value and gradient are computed alone (a lax.scan, the same program for any k), the
-    group's shards gathered in global order, and summed in :func:`tree_sum`'s order."""
-    from ..ops import allgather
+    group's shards gathered in global order, and summed in ``spmd.ops.tree_reduce``'s order."""
+    from ..ops import allgather, tree_reduce
 
     transform = ctx.transform
     comm = ctx.group
@@ -438,7 +430,7 @@ def _deterministic(
             summed.append(leaf[0])
             continue
         every = leaf if comm.size == 1 else allgather(leaf, axis=0, group=comm)
-        summed.append(tree_sum(every) / ctx.shards)
+        summed.append(tree_reduce(every) / ctx.shards)
     value, grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure((values, grads)),
                                                 summed)  # fmt: skip
     return value, grads

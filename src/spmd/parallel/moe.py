@@ -43,7 +43,7 @@ import jax.numpy as jnp
 
 from .._errors import SpmdError, SpmdTypeError
 from ..mesh import resolve_group
-from ..ops import moe_combine, moe_dispatch, moe_native
+from ..ops import moe_combine, moe_dispatch, moe_native, weighted_sum
 from ..runtime import Communicator
 from ..sharded import PartitionSpec, is_sharded, shard
 from .tensor_parallel import local
@@ -383,7 +383,7 @@ def _combine(y: Any, routing: Routing, plan: _Plan, traffic: _Traffic | None) ->
         dest = jnp.where(routing.keep, routing.experts, routing.num_experts).reshape(-1)
         idx = dest * c + routing.position.reshape(-1)
         results = blocks.at[idx].get(mode="fill", fill_value=0)
-    return _weighted(results, routing, plan.tokens, y.dtype)
+    return _weighted(results, routing, y.dtype)
 
 
 def _combine_grouped(y: Any, routing: Routing, plan: _Plan, traffic: _Traffic) -> Any:
@@ -395,19 +395,14 @@ def _combine_grouped(y: Any, routing: Routing, plan: _Plan, traffic: _Traffic) -
         y, traffic.got.sum(1), traffic.send, send_index=traffic.place, recv_index=traffic.order,
         group=plan.comm, out_rows=plan.tokens * routing.k,
     )  # fmt: skip
-    return _weighted(results, routing, plan.tokens, y.dtype)
+    return _weighted(results, routing, y.dtype)
 
 
-def _weighted(results: Any, routing: Routing, tokens: int, dtype: Any) -> Any:
-    """Each token's k results ``(T * k, D)``, in assignment order, summed with its gates: k
-    products added up, which XLA fuses into one pass (measured 5x faster on CPU than
-    ``jnp.sum`` over a k axis, and 2x faster than an einsum, a batched matmul of k-long rows)."""
-    weights = jnp.where(routing.keep, routing.gates, 0).astype(dtype)
-    rows = results.reshape(tokens, routing.k, -1)
-    out = weights[:, 0, None] * rows[:, 0]
-    for j in range(1, routing.k):
-        out = out + weights[:, j, None] * rows[:, j]
-    return out
+def _weighted(results: Any, routing: Routing, dtype: Any) -> Any:
+    """Each token's k results ``(T * k, D)``, in assignment order, summed with its gates (dropped
+    assignments' count for nothing)."""
+    weights = jnp.where(routing.keep, routing.gates, 0).astype(dtype).reshape(-1)
+    return weighted_sum(results, weights, routing.k)
 
 
 def _dispatch_native(x: Any, routing: Routing, plan: _Plan, grouped: bool) -> Any:
