@@ -93,9 +93,9 @@ def _cases(r: int) -> dict[str, tuple[object, str]]:
             lambda: spmd.data_parallel(step_without_grad)(jnp.ones(2), jnp.ones(2)),
             "grad",
         ),
-        "data_parallel argument that is a string": (
-            lambda: spmd.data_parallel(grad_step)(jnp.ones(2), "abc"),
-            "str",
+        "data_parallel argument that is neither an array nor hashable": (
+            lambda: spmd.data_parallel(grad_step)(jnp.ones(2), {1, 2}),
+            "b is a set",
         ),
         "gradient of an integer parameter": (
             lambda: spmd.data_parallel(grad_step)(jnp.arange(2), jnp.ones(2)),

@@ -55,6 +55,35 @@ def test_equinox_mlp_fits_the_curve(tmp_path):
     assert error < 0.15, out
 
 
+def _epochs(out: str) -> tuple[list[float], float]:
+    losses = [float(m) for m in re.findall(r"epoch \d+  loss ([\d.]+)", out)]
+    return losses, float(re.search(r"test accuracy ([\d.]+)", out).group(1))
+
+
+def test_flax_nnx_cnn_in_place_step_follows_one_process(tmp_path):
+    """Flax's tutorial step as written (objects updated in place, nothing returned): 2 ranks
+    follow one process epoch for epoch and reach its accuracy."""
+    pytest.importorskip("flax")
+    pytest.importorskip("sklearn")
+    two, two_accuracy = _epochs(_run(2, "flax_nnx_cnn.py", cwd=tmp_path))
+    one, one_accuracy = _epochs(_run(1, "flax_nnx_cnn.py", cwd=tmp_path))
+    assert len(two) == len(one) == 4 and one[-1] < one[0] / 4, (two, one)
+    np.testing.assert_allclose(two, one, rtol=1e-3)
+    assert one_accuracy >= 0.9 and abs(two_accuracy - one_accuracy) <= 0.01
+
+
+def test_haiku_mlp_learns_as_one_process_does(tmp_path):
+    """Haiku's transform_with_state with batch norm: per-rank batch statistics make the runs
+    differ a little, so the check is the learning itself, against one process."""
+    pytest.importorskip("haiku")
+    pytest.importorskip("sklearn")
+    two, two_accuracy = _epochs(_run(2, "haiku_mlp.py", cwd=tmp_path))
+    one, one_accuracy = _epochs(_run(1, "haiku_mlp.py", cwd=tmp_path))
+    assert len(two) == len(one) == 4 and two[-1] < two[0] / 4, (two, one)
+    np.testing.assert_allclose(two, one, rtol=0.2)
+    assert min(one_accuracy, two_accuracy) >= 0.93, (one_accuracy, two_accuracy)
+
+
 def _losses(out: str) -> list[float]:
     return [float(m) for m in re.findall(r"step +\d+ +loss ([\d.]+)", out)]
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from .._errors import SpmdError, SpmdTypeError
 from ..mesh import resolve_group
+from ._boundary import broadcast_nodes
 from ._grad import mark_p
 from ._passes import (
     NO_GRAD,
@@ -71,11 +72,19 @@ def broadcast_params(tree: Any, root: int = 0, *, group: Any = None) -> Any:
         >>> out["w"].shape, jnp.array_equal(jax.random.key_data(out["key"]),
         ...                                 jax.random.key_data(params["key"]))
         ((2, 2), Array(True, dtype=bool))
+
+    Flax NNX objects in the tree (a model, an optimizer) are updated in place, as NNX's own
+    methods do, and come back as the same objects: ``spmd.broadcast_params(model)``.
     """
+    comm = resolve_group(None, group, op="broadcast_params")
+    # Flax NNX objects: their state is broadcast and written back into them.
+    return broadcast_nodes(tree, lambda t: _broadcast_tree(t, root, comm))
+
+
+def _broadcast_tree(tree: Any, root: int, comm: Any) -> Any:
     from ..ops import ARRAY_LIKE, broadcast
     from ..sharded import is_sharded
 
-    comm = resolve_group(None, group, op="broadcast_params")
     with_path, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sharded)
     for path, leaf in with_path:
         name = jax.tree_util.keystr(path) or "the tree"

@@ -31,6 +31,7 @@ from .._errors import PerExampleGradientWarning, SpmdError, SpmdTypeError
 from .._jax_compat import ad, batching, core, mlir
 from ..runtime import Communicator, this_rank
 from ..sharded import is_sharded, spec_axes
+from ._boundary import split_for_grad
 
 __all__ = ["grad", "mark_p", "marking", "value_and_grad"]
 
@@ -189,6 +190,11 @@ def value_and_grad(
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        split = split_for_grad(fun, args, nums, has_aux)
+        if split is not None:  # NNX objects or Equinox models: a pure function of their arrays
+            pure, flat, aux, finish = split
+            inner = value_and_grad(pure, argnums, aux, holomorphic, allow_int)
+            return finish(inner(*flat, **kwargs))
         ctx = _MARKING.get()
         if ctx is None:
             return vg(*args, **kwargs)
@@ -268,10 +274,11 @@ def grad(
     """
     vg = value_and_grad(fun, argnums, has_aux, holomorphic, allow_int)
     plain = jax.grad(fun, argnums, has_aux, holomorphic, allow_int)
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if _MARKING.get() is None:
+        if _MARKING.get() is None and split_for_grad(fun, args, nums, has_aux) is None:
             return plain(*args, **kwargs)
         value, g = vg(*args, **kwargs)
         return (g, value[1]) if has_aux else g

@@ -34,7 +34,9 @@ NO_GRAD = (
     "{name} computes no gradient with spmd.grad or spmd.value_and_grad, so there is nothing to "
     "average. Compute the gradients in the step with them, e.g.\n"
     "    loss, grads = spmd.value_and_grad(loss_fn)(params, batch)\n"
-    "(jax.grad's gradients are not seen, nor are spmd.grad calls inside a nested jax.jit)."
+    "(the gradients of jax.grad, nnx.value_and_grad and eqx.filter_grad are not seen, nor "
+    "are spmd.grad calls inside a nested jax.jit; spmd.value_and_grad takes Flax NNX and "
+    "Equinox models as theirs do)."
 )
 
 

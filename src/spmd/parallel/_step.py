@@ -31,11 +31,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._errors import SpmdError, SpmdTypeError
+from .._errors import SpmdError
 from .._jax_compat import core
 from ..mesh import mesh_key, resolve_group
 from ..runtime import Communicator
 from ..sharded import is_sharded
+from ._boundary import lift, stateful, statics, unstatic
 from ._check import compare, schedule
 from ._grad import marking, shard_groups
 from ._passes import Pass, gradients_reach_results, marked_params, shard_coordinate
@@ -46,12 +47,6 @@ PARAMS_DIFFER = (
     "must start from one state: params = spmd.broadcast_params(params) before training (or pass "
     "check_params=False if they differ on purpose)."
 )
-NOT_AN_ARRAY = (
-    "argument {name} is a {kind}, which a compiled step cannot take as an input; a step's "
-    "arguments are arrays (or pytrees of them). Close over it in the step function, or turn it "
-    "into an array"
-)
-
 TRACED_CALL = (
     "called inside a JAX transformation (jax.jit, jax.vmap, ...); the step compiles itself, so "
     "call it directly"
@@ -60,10 +55,10 @@ TRACED_CALL = (
 UNUSED_GRADIENTS = (
     "none of the step's results depends on the gradients it computes with spmd.grad or "
     "spmd.value_and_grad, so it would train nothing. A step is a pure function: what it changes "
-    "in place in Python objects (an optimizer's or a model's attributes, e.g. Flax NNX's "
-    "optimizer.update(grads), or a list) is not seen outside it. Return the new parameters and "
-    "optimizer state, e.g. `return optax.apply_updates(params, updates), opt_state, loss` "
-    "(docs/data_parallel.md)"
+    "in place in Python objects (a dict, a list, an object's attributes) is not seen outside "
+    "it, except in Flax NNX objects passed as arguments. Return the new parameters and "
+    "optimizer state, e.g. `return optax.apply_updates(params, updates), opt_state, loss`, or "
+    "keep them in NNX objects (docs/data_parallel.md)"
 )
 
 _NO_SYNC: contextvars.ContextVar[bool] = contextvars.ContextVar("spmd_no_sync", default=False)
@@ -130,6 +125,7 @@ class Step:
             )
         functools.update_wrapper(self, fn)
         self.fn = fn
+        self.pure = stateful(fn)  # what is traced: fn, with NNX objects as their state (_nnx)
         self.group = group
         self.accumulate_steps = accumulate_steps
         self.check_params = check_params
@@ -156,7 +152,7 @@ class Step:
         """Trace ``fn`` for these arguments (with ``spmd.grad``'s marks)."""
         group = self.comm() if self.shards else None
         with marking(self.accumulate_steps, self.transform, self.shards, group):
-            program = trace_program(self.fn, args, kwargs)
+            program = trace_program(self.pure, args, kwargs)
         self.check_program(program)
         return Traced(program, marked_params(program))
 
@@ -176,35 +172,41 @@ class Step:
 
     def results(self, traced: Traced, variant: Any, outs: Sequence[Any]) -> Any:
         """What a call returns, from the compiled program's flat outputs."""
-        return jax.tree_util.tree_unflatten(traced.program.out_tree, outs)
+        return self.unflatten(traced, outs)
+
+    def unflatten(self, traced: Traced, outs: Sequence[Any]) -> Any:
+        """The step's results from the program's outputs, with the results that are not arrays
+        (static: a function an Equinox model holds) as they were returned."""
+        out = jax.tree_util.tree_unflatten(traced.program.out_tree, outs)
+        static = traced.info.get("static_results")
+        if static is None:  # once per signature
+            static = traced.info["static_results"] = unstatic(out) is not out
+        return unstatic(out) if static else out
 
     # The machinery ---------------------------------------------------------------------------
 
-    def _traced(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any], tree: Any
-    ) -> Traced:
-        """The signature of a call whose flattened arguments are ``leaves`` and ``tree``."""
-        # A ShardedArray flattens to its shard, and its global shape, spec and mesh are part of
-        # the structure: the key tells apart arrays whose shards look alike.
+    def _flat(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any], list[Any], Any]:
+        """The call's arguments (their leaves that are not arrays as static values), their
+        leaves, and its signature."""
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))  # once per call
         try:
-            key = (tree, tuple(core.typeof(x) for x in leaves), mesh_key())
-        except TypeError:
-            self._not_arrays(args, kwargs, leaves)
-            raise
+            # A ShardedArray flattens to its shard, and its global shape, spec and mesh are part
+            # of the structure: the key tells apart arrays whose shards look alike.
+            return args, kwargs, leaves, (tree, tuple(map(core.typeof, leaves)), mesh_key())
+        except TypeError:  # a function, a string...: static, part of the signature
+            names = arg_names(self.fn, args, kwargs)
+            args, kwargs = statics((args, kwargs), names, self.name)
+            leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+            return args, kwargs, leaves, (tree, tuple(map(core.typeof, leaves)), mesh_key())
+
+    def _traced(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: Any) -> Traced:
+        """The signature ``key`` of a call with these arguments."""
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = self.trace(args, kwargs)
         return hit
-
-    def _not_arrays(self, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any]) -> None:
-        """Raise an error naming the first argument leaf that JAX cannot take as a value."""
-        for name, x in zip(arg_names(self.fn, args, kwargs), leaves, strict=True):
-            try:
-                core.typeof(x)
-            except TypeError:
-                raise SpmdTypeError(
-                    NOT_AN_ARRAY.format(name=name, kind=type(x).__name__), op=self.name
-                ) from None
 
     def program(self, traced: Traced, variant: Any) -> Program:
         """The transformed program of ``variant`` (built once)."""
@@ -215,14 +217,26 @@ class Step:
 
     def __spmd_trace__(self, *args: Any, **kwargs: Any) -> Program:
         """The step's op list with what its passes inserted (what ``spmd.trace`` shows)."""
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        return self.program(self._traced(args, kwargs, leaves, tree), None)
+        lifted = lift(args, kwargs)
+        if lifted is not None:
+            args, kwargs = lifted.args, lifted.kwargs
+        args, kwargs, _, key = self._flat(args, kwargs)
+        return self.program(self._traced(args, kwargs, key), None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))  # once per call
+        lifted = lift(args, kwargs)
+        if lifted is None:
+            return self.run(args, kwargs)
+        out, state = self.run(lifted.args, lifted.kwargs)
+        lifted.update(state)
+        return out
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One call, its NNX objects lifted."""
+        args, kwargs, leaves, key = self._flat(args, kwargs)
         if any(isinstance(x, core.Tracer) for x in leaves):
             raise SpmdError(TRACED_CALL, op=self.name)
-        traced = self._traced(args, kwargs, leaves, tree)
+        traced = self._traced(args, kwargs, key)
         variant = self.variant(traced)
         if not self._checked:
             comm = self.comm()

@@ -21,6 +21,7 @@ from .._errors import SpmdError
 from ..mesh import Mesh, current_mesh
 from ..runtime import Communicator
 from ..sharded import ShardedArray, is_sharded, make_spec, normalize_spec, shard, spec_axes
+from ._boundary import shard_nodes
 from ._grad import marking
 from ._partition import shard_state
 from ._passes import Pass, chain, marked_params
@@ -144,6 +145,9 @@ class ZeroShard(Step):
         rows; scalars and, at stages 1 and 2, the parameters stay replicated. At stage 3 (with
         ``check_params``) the full parameters are first compared between the ranks, as the
         step's first call does at stages 1 and 2: a collective, call it on every rank."""
+        objects = shard_nodes(params, opt_state, self.shard)
+        if objects is not None:  # Flax NNX objects, sharded in place
+            return objects
         comm, where, axis = self._where()
         place = {"group": where} if isinstance(where, Communicator) else {"mesh": where}
 
@@ -208,7 +212,7 @@ class ZeroShard(Step):
                 )
             sharding.append(x.shape)
         with marking(self.accumulate_steps, self.transform):
-            program = trace_program(self.fn, a, kw, in_sharding=sharding)
+            program = trace_program(self.pure, a, kw, in_sharding=sharding)
         self.check_program(program)
         # The replica check compares the replicated parameters: shards differ by design.
         params = [i for i in marked_params(program) if sharding[i] is None]
@@ -241,7 +245,7 @@ class ZeroShard(Step):
             val if placed is None else ShardedArray.placed(val, *placed)
             for val, placed in zip(outs, placements, strict=True)
         ]
-        return jax.tree_util.tree_unflatten(traced.program.out_tree, wrapped)
+        return self.unflatten(traced, wrapped)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not syncing():
