@@ -39,6 +39,10 @@ from ._p2p import recv as recv
 from ._p2p import send as send
 from ._p2p import sendrecv as sendrecv
 from ._rmsnorm import allreduce_rmsnorm as allreduce_rmsnorm
+from ._rooted import gather as gather
+from ._rooted import reduce as reduce
+from ._rooted import scan as scan
+from ._rooted import scatter as scatter
 from ._schedule import ScheduledCall as ScheduledCall
 from ._schedule import collective_calls as collective_calls
 from ._transport import get_transport as get_transport
@@ -53,10 +57,14 @@ __all__ = [
     "allreduce_rmsnorm",
     "barrier",
     "broadcast",
+    "gather",
     "get_transport",
     "recv",
+    "reduce",
     "reduce_scatter",
     "reduce_scatterv",
+    "scan",
+    "scatter",
     "send",
     "sendrecv",
     "set_transport",
