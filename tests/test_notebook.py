@@ -31,6 +31,36 @@ def test_each_ranks_output_in_rank_order(capsys):
     assert err.splitlines() == [f"[rank {r}] note from {r}" for r in range(3)]
 
 
+def test_rank_0s_output_arrives_while_the_job_runs(monkeypatch):
+    """Rank 0's lines are shown as it prints them (its print is not flushed: the ranks run
+    unbuffered), long before the job ends; the other ranks' when it ends, in rank order."""
+    import io
+    import time
+
+    seen = []
+
+    class Clock(io.StringIO):
+        def write(self, text):
+            seen.append((time.monotonic(), text))
+            return super().write(text)
+
+    monkeypatch.setattr("sys.stdout", Clock())
+    cell = (
+        "import time, spmd\n"
+        "comm = spmd.init()\n"
+        "print('early', comm.rank)\n"
+        "time.sleep(4)\n"
+        "print('late', comm.rank)\n"
+    )
+    assert run_cell("-n 2", cell) == 0
+    done = time.monotonic()
+    lines = [(t, text) for t, text in seen if text.startswith("[rank")]
+    assert [text for _, text in lines] == [
+        "[rank 0] early 0", "[rank 0] late 0", "[rank 1] early 1", "[rank 1] late 1"
+    ]  # fmt: skip
+    assert done - lines[0][0] >= 3.0  # "early" was shown before the 4 s sleep ended
+
+
 def test_a_failing_rank_raises_with_its_traceback_shown(capsys):
     cell = (
         "import spmd\n"
@@ -43,6 +73,7 @@ def test_a_failing_rank_raises_with_its_traceback_shown(capsys):
         run_cell("-n 2 --timeout 60", cell)
     err = capsys.readouterr().err
     assert '[rank 1]   File "<cell>", line 4, in <module>' in err
+    assert '"<string>"' not in err  # the frame that runs the cell is not the user's
     assert "[rank 1]     raise KeyError('lost')" in err  # the line's source is shown
     assert "[rank 1] [rank 1]" not in err  # the wrapper's prefix is not doubled
     assert "spmd-run: rank 1 failed: KeyError: 'lost'" in err

@@ -151,6 +151,7 @@ def test_tutorial_runs_and_shows_its_committed_output(path: Path, tmp_path: Path
         err = text_outputs(got, "stderr")
         assert not [t for t in _TROUBLE if t in err], f"{path.name} cell {i} stderr:\n{err}"
         assert not machine_details(text_outputs(want) + text_outputs(want, "stderr"))
+        assert _images(want) <= _images(got), f"{path.name} cell {i} drew no figure"
         if "varies" in want.metadata.get("tags", []):
             continue
         expected = text_outputs(want)
@@ -158,6 +159,20 @@ def test_tutorial_runs_and_shows_its_committed_output(path: Path, tmp_path: Path
         assert not problems, f"{path.name} cell {i}:\n" + "\n".join(problems)
         checked += bool(expected)
     assert checked >= 3  # the committed notebook has outputs to compare
+
+
+def _images(cell: dict) -> int:
+    return sum("image/png" in out.get("data", {}) for out in cell.get("outputs", []))
+
+
+def test_the_tutorials_draw_what_they_teach() -> None:
+    """The loss curves of one process against two ranks (02, 03), the mesh (04), the operators
+    and the experts' load (05) are in the committed outputs."""
+    import nbformat
+
+    drawn = {p.stem[:2]: sum(_images(c) for c in nbformat.read(p, as_version=4).cells)
+             for p in NOTEBOOKS}  # fmt: skip
+    assert drawn["02"] >= 1 and drawn["03"] >= 1 and drawn["04"] >= 1 and drawn["05"] >= 3
 
 
 def test_there_are_tutorials() -> None:

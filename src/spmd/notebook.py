@@ -14,12 +14,13 @@ The cell runs as ``spmd-run -n 4 python -c CELL`` does: a program of its own on 
 started by the MPI launcher, in the kernel's working directory and environment (modules there
 import as they do in the kernel). It sees nothing the notebook defined, except the variables
 named with ``--push``; import what it needs, and put shared functions and classes in a module
-(for example with ``%%writefile``). When the job ends, each rank's output is shown in rank
-order, every line prefixed with ``[rank N]``: standard output as the cell's output, standard
-error as its error stream. A rank that fails stops the job as under ``spmd-run`` (its
-traceback, whose lines in the cell read ``File "<cell>", line L`` with the line's source, then
-the summary naming it), and the cell raises :class:`CellFailed`, so a notebook run top to
-bottom stops there. Interrupting the kernel stops the job.
+(for example with ``%%writefile``). Every line of output is prefixed with ``[rank N]``: rank 0's
+standard output is shown line by line while the job runs (the ranks run with
+``PYTHONUNBUFFERED=1``), and the rest when the job ends, in rank order: standard output as the
+cell's output, standard error as its error stream. A rank that fails stops the job as under
+``spmd-run`` (its traceback, whose lines in the cell read ``File "<cell>", line L`` with the
+line's source, then the summary naming it), and the cell raises :class:`CellFailed`, so a
+notebook run top to bottom stops there. Interrupting the kernel stops the job.
 
 Options: ``-n N`` (ranks, required), ``--nodes K`` (simulate K nodes), ``--timeout S`` (stop the
 job after S seconds), ``--push NAME [NAME ...]`` (names of notebook variables that every rank
@@ -171,6 +172,31 @@ def _read(path: str) -> str:
         return ""
 
 
+class _Follow:
+    """Shows a rank's output file while the job writes it: each complete line once, as it
+    arrives (the ranks run unbuffered); :meth:`rest` is what was not shown yet."""
+
+    def __init__(self, path: str, who: str, stream: Any) -> None:
+        self.path, self.who, self.stream = path, who, stream
+        self.offset = 0
+
+    def poll(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        end = data.rfind(b"\n") + 1  # whole lines only: a line may still be being written
+        if end:
+            self.offset += end
+            _show(self.who, data[:end].decode("utf-8", errors="replace"), self.stream)
+            self.stream.flush()
+
+    def rest(self) -> str:
+        return _read(self.path)[self.offset :] if self.offset else _read(self.path)
+
+
 def run_cell(line: str, cell: str, namespace: dict[str, Any] | None = None) -> int:
     """What ``%%spmd LINE`` does with the cell's source ``cell``: run it on the ranks, show
     their output, and return 0, or raise :class:`CellFailed` with the job's exit code.
@@ -182,15 +208,20 @@ def run_cell(line: str, cell: str, namespace: dict[str, Any] | None = None) -> i
         _push(args.push, namespace, os.path.join(out, "push.pkl"))
         with open(os.path.join(out, "cell.py"), "w", encoding="utf-8") as f:
             f.write(cell)
+        # Rank 0's standard output is shown as it arrives; the rest when the job ends, in rank
+        # order (so that a cell's output reads the same on every run).
+        live = _Follow(output_file(out, "rank0", "stdout"), "rank 0", sys.stdout)
         try:
             code = launch(
                 args.nprocs,
                 [sys.executable, "-c", _BOOTSTRAP, out],
                 nodes=args.nodes,
                 timeout=args.timeout,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 output_dir=out,
                 stdin=subprocess.DEVNULL,
                 report=summary,
+                on_poll=live.poll,
             )
         finally:  # shown even if the wait for the job was cut short
             started = code is not None  # launch returned: the launcher ran
@@ -199,7 +230,9 @@ def run_cell(line: str, cell: str, namespace: dict[str, Any] | None = None) -> i
                     _show(f"rank {rank}", "(no output: the rank did not start)\n", sys.stderr)
                     continue
                 for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
-                    _show(f"rank {rank}", _read(output_file(out, f"rank{rank}", name)), stream)
+                    path = output_file(out, f"rank{rank}", name)
+                    text = live.rest() if path == live.path else _read(path)
+                    _show(f"rank {rank}", text, stream)
             for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
                 text = _read(output_file(out, "launcher", name))
                 if text.strip():  # MPICH's launcher ends with an empty line

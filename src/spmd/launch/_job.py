@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -200,12 +201,14 @@ def launch(
     output_dir: str | os.PathLike[str] | None = None,
     stdin: Any = None,
     report: TextIO | None = None,
+    on_poll: Callable[[], None] | None = None,
 ) -> int:
     """Run ``command`` on ``nprocs`` ranks; returns the job's exit code (see module doc).
 
     ``output_dir``: as ``--output`` (the launcher's own output goes to ``launcher.stdout`` and
     ``launcher.stderr`` there too). ``stdin``: the job's standard input (as for ``Popen``).
-    ``report``: where spmd-run's own messages go (default: standard error).
+    ``report``: where spmd-run's own messages go (default: standard error). ``on_poll``: called
+    every 50 ms while the job runs, in this thread (``%%spmd`` shows the output so far).
     """
     if nprocs < 1:
         raise SpmdError(f"-n {nprocs}: need at least one rank", rank=None)
@@ -250,6 +253,8 @@ def launch(
     try:
         while proc.poll() is None:
             time.sleep(0.05)
+            if on_poll is not None:
+                on_poll()
             now = time.monotonic()
             status = _read_status(status_dir)
             if failed_at is None and any(s["state"] == "failed" for s in status.values()):

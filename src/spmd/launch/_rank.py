@@ -90,10 +90,16 @@ def _run_python(rank: int, args: list[str]) -> int:
 
 
 def _user_frames(tb: TracebackType | None) -> TracebackType | None:
-    """The traceback without this wrapper's and runpy's frames."""
+    """The traceback without this wrapper's and runpy's frames, nor the frame of the code that
+    ``%%spmd`` runs a cell with (``python -c``, which runs the cell as ``<cell>``)."""
     while tb is not None and (
         tb.tb_frame.f_code.co_filename == __file__
         or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")
+        or (
+            tb.tb_frame.f_code.co_filename == "<string>"
+            and tb.tb_next is not None
+            and tb.tb_next.tb_frame.f_code.co_filename == "<cell>"
+        )
     ):
         tb = tb.tb_next
     return tb
