@@ -704,3 +704,24 @@ def test_the_timeline_has_a_track_per_rank_with_every_collective(tmp_path):
         assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in calls)
         starts = [e["ts"] for e in calls]
         assert starts == sorted(starts)
+
+
+@pytest.mark.parametrize("kind", ["missing", "syntax"])
+def test_an_error_every_rank_meets_is_printed_once(tmp_path, kind):
+    """A missing script or a syntax error: one traceback, one line for each other rank naming
+    the rank that printed it, one summary line listing the ranks (not three copies of each)."""
+    script = tmp_path / "train.py"
+    if kind == "syntax":
+        script.write_text("x = (\n")
+    out, _ = spmd_run("-n", "3", sys.executable, str(script))
+    assert out.returncode == 1
+    err = out.stderr.splitlines()
+    what = "No such file or directory" if kind == "missing" else "SyntaxError: '(' was never closed"
+    mentions = [line for line in err if what in line and line.startswith("[rank")]
+    assert len(mentions) == 3, out.stderr  # each rank says it failed, once
+    short = [line for line in mentions if "(the traceback rank" in line]
+    assert len(short) == 2, out.stderr  # two of them point at the one that printed it
+    summary = [line for line in err if line.startswith("spmd-run:")]
+    assert len(summary) == 1 and summary[0].startswith("spmd-run: ranks [0, 1, 2] failed: ")
+    if kind == "syntax":
+        assert sum("x = (" in line for line in err) == 1  # the source line, once

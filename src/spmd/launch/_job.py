@@ -363,8 +363,15 @@ def _summarize(
     def say(msg: str) -> None:
         print(f"spmd-run: {msg}", file=report, flush=True)
 
+    # One line per distinct error (its own rank's number aside), naming the ranks it ended.
+    by_error: dict[str, list[int]] = {}
     for r in failed:
-        say(f"rank {r} failed: {status[r].get('error')}")
+        by_error.setdefault(str(status[r].get("error")).replace(f"rank {r}: ", ""), []).append(r)
+    for error, ranks in by_error.items():
+        if len(ranks) == 1:
+            say(f"rank {ranks[0]} failed: {status[ranks[0]].get('error')}")
+        else:
+            say(f"ranks {ranks} failed: {error}")
     if timed_out:
         say(f"timed out after {timeout:g} s; ranks that had not finished: {unfinished}")
         return 124

@@ -6,6 +6,7 @@ timeouts, and MPICH's launcher does not stop the job when one rank exits non-zer
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -48,14 +49,47 @@ def report_waiting(rank: int) -> None:
 
 
 def report_exception(rank: int, exc: BaseException) -> None:
-    """Print the rank-prefixed traceback and record the failure for ``spmd-run``."""
-    sys.stderr.write(format_rank_traceback(rank, exc))
+    """Print the rank-prefixed traceback and record the failure for ``spmd-run``. Under
+    ``spmd-run``, a traceback that another rank of the job already printed (the same text, its
+    rank aside: a missing script, a syntax error, a bug every rank meets) is one line naming
+    that rank instead of N copies."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    first = _first_to_print(rank, text.replace(f"rank {rank}", "rank N"))
+    if first is None:
+        sys.stderr.write(format_rank_traceback(rank, exc))
+    else:
+        last = text.rstrip("\n").rsplit("\n", 1)[-1]
+        sys.stderr.write(f"[rank {rank}] {last} (the traceback rank {first} printed)\n")
     report_status(
         rank,
         {"state": "failed", "exit_code": 1, "error": f"{type(exc).__name__}: {exc}"},
     )
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def _first_to_print(rank: int, text: str) -> int | None:
+    """The rank that already printed the traceback ``text`` in this job, or None if this rank is
+    the first (it then claims it: a file named by the text's hash, made atomically with this
+    rank in it, so that of ranks failing at once exactly one prints)."""
+    directory = os.environ.get("SPMD_RUN_STATUS_DIR")
+    if not directory:
+        return None
+    path = os.path.join(directory, "traceback-" + hashlib.sha1(text.encode()).hexdigest()[:16])
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write(str(rank))
+        try:
+            os.link(tmp, path)  # fails if another rank made it first
+            return None
+        except FileExistsError:
+            with open(path) as f:
+                return int(f.read())
+        finally:
+            os.unlink(tmp)
+    except (OSError, ValueError):
+        return None  # reporting must never mask the rank's own error: print it whole
 
 
 def must_abort() -> bool:
