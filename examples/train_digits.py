@@ -10,6 +10,10 @@ ranks (run with --trace to print the op list with the allreduces it inserted). W
 the same step runs under @spmd.zero_shard instead: each rank keeps 1/N of the optimizer state
 (and of the gradients, and of the parameters). Rank 0 shows the progress, the loss per epoch and
 the test accuracy; all ranks write a checkpoint with spmd.save (loadable on any world size).
+
+With --elastic DIR it checkpoints every epoch and resumes from the newest checkpoint there, so
+that ``spmd-run --max-restarts 2 -n 2 python examples/train_digits.py --elastic ck/elastic``
+survives a rank that dies: the job is started again and goes on from the last epoch it saved.
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ def main() -> None:
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                         help="ZeRO stage (0: plain data parallel)")  # fmt: skip
     parser.add_argument("--trace", action="store_true", help="print the step's op list")
+    parser.add_argument("--elastic", metavar="DIR",
+                        help="checkpoint every epoch to DIR and resume from the newest there (for "
+                        "spmd-run --max-restarts)")  # fmt: skip
     args = parser.parse_args()
 
     comm = spmd.init()
@@ -94,8 +101,14 @@ def main() -> None:
         first = train[next(sampler.batches(args.batch_size))]
         print(spmd.trace(train_step)(params, opt_state, (x[first], y[first])))
 
+    first = 0
+    if args.elastic:  # a restarted job goes on from its newest checkpoint, at any world size
+        like = {"params": params, "opt_state": opt_state}
+        state, first, _ = spmd.elastic.resume(args.elastic, like=like)
+        params, opt_state = state["params"], state["opt_state"]
+
     start = time.perf_counter()
-    for epoch in range(args.epochs):
+    for epoch in range(first, args.epochs):
         sampler.set_epoch(epoch)
         losses = []
         batches = sampler.batches(args.batch_size, drop_last=True)
@@ -110,6 +123,9 @@ def main() -> None:
         epoch_loss = float(spmd.allreduce(jnp.mean(jnp.stack(losses)), "avg"))
         if main_rank:
             tqdm.write(f"epoch {epoch + 1:2d}  loss {epoch_loss:.4f}")
+        if args.elastic:
+            state = {"params": params, "opt_state": opt_state}
+            spmd.elastic.save(args.elastic, epoch + 1, state)
 
     # The replicas are identical, so every rank computes the same test accuracy (at ZeRO stage 3
     # each rank holds a shard of the parameters: gather them first).

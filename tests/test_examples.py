@@ -43,6 +43,21 @@ def test_train_digits_reaches_95_percent_and_writes_a_checkpoint(tmp_path, zero)
     assert spmd.checkpoint.metadata(tmp_path / "ck" / "digits")["sampler"]["num_replicas"] == 2
 
 
+def test_train_digits_elastic_goes_on_from_its_newest_checkpoint(tmp_path):
+    """--elastic DIR: a second run (as a restarted job would) starts after the last epoch the
+    first one saved, on another world size."""
+    pytest.importorskip("sklearn")
+    pytest.importorskip("tqdm")
+    common = ("--elastic", "el", "--checkpoint", "ck/digits")
+    first = _run(2, "train_digits.py", "--epochs", "2", *common, cwd=tmp_path)
+    assert re.findall(r"epoch +(\d+) +loss", first) == ["1", "2"], first
+    assert sorted(p.name for p in (tmp_path / "el").iterdir()) == [
+        "step-00000001", "step-00000002"
+    ]  # fmt: skip
+    second = _run(1, "train_digits.py", "--epochs", "3", *common, cwd=tmp_path)
+    assert re.findall(r"epoch +(\d+) +loss", second) == ["3"], second
+
+
 def test_hello(tmp_path):
     out = _run(2, "hello.py", cwd=tmp_path)
     assert "rank 0 of 2" in out and "rank 1 of 2" in out

@@ -23,6 +23,7 @@ from .runtime import set_default_communicator as set_default_communicator
 if TYPE_CHECKING:
     from . import checkpoint as checkpoint
     from . import data as data
+    from . import elastic as elastic
     from . import ops as ops
     from . import parallel as parallel
     from . import sharded as sharded
@@ -96,7 +97,7 @@ _MODEL_PARALLEL = ("moe", "pipeline", "tensor_parallel")
 def __getattr__(name: str) -> Any:
     import importlib
 
-    if name in ("ops", "parallel", "data", "sharded", "checkpoint"):
+    if name in ("ops", "parallel", "data", "sharded", "checkpoint", "elastic"):
         return importlib.import_module("." + name, __name__)
     if name in _MODEL_PARALLEL:
         return importlib.import_module(".parallel." + name, __name__)
@@ -119,6 +120,7 @@ __all__ = [
     *_MODEL_PARALLEL,
     "checkpoint",
     "data",
+    "elastic",
     "ops",
     "parallel",
     "sharded",

@@ -14,11 +14,17 @@ output apart: rank N writes ``DIR/rankN.stdout`` and ``DIR/rankN.stderr`` instea
 terminal (a directory every node can write, on several nodes), the MPI launcher writes
 ``DIR/launcher.stdout`` and ``.stderr``; ``spmd-run``'s own summary still goes to its standard
 error.
+
+``--max-restarts K`` starts a failed job again, up to K times, with ``SPMD_RESTART`` set to the
+restart's number (0 on the first run) and, with ``--ranks-after-failure N``, on N ranks;
+:mod:`spmd.elastic` resumes a training script from its newest checkpoint. A stop asked for
+(Ctrl-C, SIGTERM, SIGHUP, ``--timeout``) is not restarted.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .._errors import SpmdError
@@ -56,23 +62,56 @@ def main(argv: list[str] | None = None) -> int:
         help="write rank N's stdout and stderr to DIR/rankN.stdout and DIR/rankN.stderr (the "
         "launcher's to DIR/launcher.stdout and .stderr), replacing an earlier job's",
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="when the job fails, start it again, up to K times (the ranks see SPMD_RESTART; "
+        "spmd.elastic resumes from the newest checkpoint); not after a stop asked for "
+        "(Ctrl-C, SIGTERM, --timeout)",
+    )
+    parser.add_argument(
+        "--ranks-after-failure",
+        type=int,
+        metavar="N",
+        help="ranks of a restarted job (default: -n); the checkpoints reshard to it",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.max_restarts < 0:
+        print(f"spmd-run: --max-restarts {args.max_restarts}: need 0 or more", file=sys.stderr)
+        return 2
     try:
-        return launch(
-            args.nprocs,
-            command,
-            nodes=args.nodes,
-            timeout=args.timeout,
-            grace=args.grace,
-            mpiexec=args.mpiexec,
-            mpi_args=args.mpi_args,
-            output_dir=args.output,
-        )
+        nprocs, restart = args.nprocs, 0
+        while True:
+            code = launch(
+                nprocs,
+                command,
+                nodes=args.nodes,
+                timeout=args.timeout,
+                grace=args.grace,
+                mpiexec=args.mpiexec,
+                mpi_args=args.mpi_args,
+                output_dir=args.output,
+                env={**os.environ, "SPMD_RESTART": str(restart)},
+            )
+            if code == 0 or code in _STOPS or restart >= args.max_restarts:
+                return code
+            restart += 1
+            nprocs = args.ranks_after_failure or nprocs
+            what = f"restart {restart} of {args.max_restarts}, after exit code {code}"
+            print(f"spmd-run: restarting the job on {nprocs} ranks ({what})", file=sys.stderr,
+                  flush=True)  # fmt: skip
     except SpmdError as e:
         print(f"spmd-run: {e}", file=sys.stderr)
         return 2
+
+
+# Exit codes of a stop that was asked for, after which a job is not restarted: --timeout (124),
+# Ctrl-C (130), SIGHUP (129) and SIGTERM (143) to spmd-run.
+_STOPS = (124, 129, 130, 143)
 
 
 if __name__ == "__main__":
