@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from .parallel import check as check
     from .parallel import data_parallel as data_parallel
     from .parallel import grad as grad
+    from .parallel import join as join
+    from .parallel import joined as joined
     from .parallel import moe as moe
     from .parallel import no_sync as no_sync
     from .parallel import pipeline as pipeline
@@ -81,6 +83,8 @@ _PARALLEL = (
     "check",
     "data_parallel",
     "grad",
+    "join",
+    "joined",
     "no_sync",
     "pipeline_value_and_grad",
     "trace",

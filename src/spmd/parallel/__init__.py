@@ -13,6 +13,8 @@ from ._data_parallel import data_parallel as data_parallel
 from ._data_parallel import reduce_gradients as reduce_gradients
 from ._grad import grad as grad
 from ._grad import value_and_grad as value_and_grad
+from ._join import join as join
+from ._join import joined as joined
 from ._partition import shard_state as shard_state
 from ._passes import Pass as Pass
 from ._passes import chain as chain
@@ -46,6 +48,8 @@ __all__ = [
     "eval_eqn",
     "grad",
     "gradient_leaves",
+    "join",
+    "joined",
     "no_sync",
     "pipeline_value_and_grad",
     "reduce_gradients",

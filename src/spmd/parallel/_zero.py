@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._errors import SpmdError
 from ..mesh import Mesh, current_mesh
@@ -23,6 +24,7 @@ from ..runtime import Communicator
 from ..sharded import ShardedArray, is_sharded, make_spec, normalize_spec, shard, spec_axes
 from ._boundary import shard_nodes
 from ._grad import marking
+from ._join import current_join
 from ._partition import shard_state
 from ._passes import Pass, chain, marked_params
 from ._program import arg_names, path_name, trace_program
@@ -229,8 +231,28 @@ class ZeroShard(Step):
                 bucket_mb=self.bucket_mb,
                 overlap=self.overlap,
                 state_outputs=traced.info["state_outputs"],
+                joined=bool(variant),
             )
         )
+
+    def variant(self, traced: Traced) -> Any:
+        """None, or "join" under spmd.join (the program takes its weight and scale)."""
+        state = current_join()
+        if state is None:
+            return None
+        if tuple(self.comm().ranks) != state.ranks:
+            raise SpmdError(
+                f"spmd.join over the ranks {list(state.ranks)} around a step over "
+                f"{list(self.comm().ranks)}: pass the step's group to spmd.join(..., group=)",
+                op=self.name,
+            )
+        return "join"
+
+    def extra_inputs(self, traced: Traced, variant: Any) -> Sequence[Any]:
+        state = current_join()
+        if not variant or state is None:
+            return ()
+        return [np.float32(state.weight), np.float32(self.comm().size / state.active)]
 
     def results(self, traced: Traced, variant: Any, outs: Sequence[Any]) -> Any:
         placements = traced.info.get("outputs")
