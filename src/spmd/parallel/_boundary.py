@@ -180,21 +180,29 @@ class Lifted:
 
 
 def lift(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lifted | None:
-    """The call with its NNX objects (anywhere in its arguments) as their state; None if it
-    has none."""
+    """The call with its NNX objects as their state; None if it has none. NNX objects are
+    found among the step's arguments themselves (positional or keyword), where NNX code passes
+    them: looking inside every pytree argument on every call would cost a step with a large
+    parameter tree up to a millisecond once flax is imported."""
     nnx = _nnx()
     if nnx is None:
         return None
-    objs, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=nnx.graph.is_graph_node)
-    where = [i for i, x in enumerate(objs) if nnx.graph.is_graph_node(x)]
-    if not where:
+    is_node = nnx.graph.is_graph_node
+    positional = [i for i, x in enumerate(args) if is_node(x)]
+    keyword = [k for k, x in kwargs.items() if is_node(x)]
+    if not positional and not keyword:
         return None
-    nodes = tuple(objs[i] for i in where)
+    a, kw = list(args), dict(kwargs)
+    nodes = (*(a[i] for i in positional), *(kw[k] for k in keyword))
     graph, state = nnx.split(nodes)
-    for k, i in enumerate(where):
-        objs[i] = _Lifted(graph, k, state[k] if k in state else nnx.State({}))
-    a, kw = jax.tree_util.tree_unflatten(tree, objs)
-    return Lifted(a, kw, nodes)
+    lifted = [
+        _Lifted(graph, j, state[j] if j in state else nnx.State({})) for j in range(len(nodes))
+    ]
+    for j, i in enumerate(positional):
+        a[i] = lifted[j]
+    for j, k in enumerate(keyword, start=len(positional)):
+        kw[k] = lifted[j]
+    return Lifted(tuple(a), kw, nodes)
 
 
 def stateful(fn: Callable[..., Any]) -> Callable[..., Any]:
