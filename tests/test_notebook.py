@@ -96,7 +96,9 @@ def test_timeout_stops_the_job(capsys):
 @pytest.mark.parametrize(
     "line, message",
     [
-        ("", "the following arguments are required: -n"),
+        ("", "no pool runs: start one with %spmd start -n N"),  # without -n: the pool's
+        ("--out x", "no pool runs"),
+        ("-n 2 --out x", "--out takes values from the ranks of a pool"),
         ("-n two", "invalid int value: 'two'"),
         ("-n 2 --gpus 1", "unrecognized arguments: --gpus 1"),
         ("-n 0", "-n 0: need at least one rank"),
@@ -195,3 +197,73 @@ def test_push_refuses_what_the_ranks_cannot_load(value, message, monkeypatch):
 def test_push_names_a_missing_variable():
     with pytest.raises(SpmdError, match="no variable named b, c in the notebook"):
         run_cell("-n 2 --push a,b,c", "pass", {"a": 1})
+
+
+def test_a_pool_keeps_its_ranks_and_their_variables_across_cells_in_a_kernel(tmp_path):
+    """%spmd start -n 2 in a real kernel: cells run on the same ranks, whose variables last;
+    --out brings one value per rank back; a cell that raises shows the traceback and leaves the
+    pool running; %spmd stop stops it, after which a pool cell says there is none."""
+    import nbformat
+
+    from .test_tutorials import execute, text_outputs
+
+    cells = [
+        "%load_ext spmd.notebook",
+        "%spmd start -n 2",
+        "%%spmd\nimport os, spmd\nimport jax.numpy as jnp\ncomm = spmd.init()\n"
+        "x = comm.rank * 10\npid = os.getpid()\nprint('hello from', comm.rank)",
+        "%%spmd --out x total pid\nx += 1\ntotal = spmd.allreduce(jnp.float32(x))",
+        "print(x, [float(t) for t in total], len(set(pid)))",
+        "%%spmd\nif comm.rank == 1:\n    raise KeyError('lost')",
+        "%%spmd --out pid2\npid2 = os.getpid()",
+        "print(pid2 == pid)",
+        "%spmd stop",
+        "%%spmd\nx",
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    path = tmp_path / "pool.ipynb"
+    nbformat.write(nb, path)
+    work = tmp_path / "work"
+    work.mkdir()
+    ran = _execute_allowing_errors(execute, path, work)
+    out = [text_outputs(c) for c in ran.cells]
+    err = [text_outputs(c, "stderr") for c in ran.cells]
+    assert "started 2 ranks" in out[1]
+    assert out[2].splitlines() == ["[rank 0] hello from 0", "[rank 1] hello from 1"]
+    assert out[4].strip() == "[1, 11] [12.0, 12.0] 2"  # two processes, values from both
+    assert "KeyError: 'lost'" in err[5] and "[rank 1]" in err[5]
+    assert _error(ran.cells[5]) == "CellFailed"  # the cell fails; the pool stays
+    assert out[7].strip() == "True"  # the same processes as before the failing cell
+    assert _error(ran.cells[9]) == "SpmdError" and "no pool runs" in str(ran.cells[9].outputs)
+
+
+def _execute_allowing_errors(execute, path, work):
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        cell.metadata["tags"] = ["raises-exception"]  # nbclient goes on past a failing cell
+    nbformat.write(nb, path)
+    return execute(path, work)
+
+
+def _error(cell) -> str:
+    return next((o["ename"] for o in cell.outputs if o["output_type"] == "error"), "")
+
+
+def test_a_pool_rank_that_dies_is_reported_and_the_pool_starts_again(capsys):
+    from spmd.notebook import start_pool, stop_pool
+
+    try:
+        start_pool(2)
+        run_cell("", "import os, spmd\ncomm = spmd.init()")
+        with pytest.raises(CellFailed, match="the pool was stopped"):
+            run_cell("", "if comm.rank == 1:\n    os._exit(3)\nspmd.barrier()")
+        assert "rank 1 died" in capsys.readouterr().err  # (MPICH then ends rank 0 too)
+        with pytest.raises(SpmdError, match="the pool's ranks are gone"):
+            run_cell("", "pass")
+        start_pool(2)
+        run_cell("", "import spmd\nprint(spmd.init().size)")
+        assert capsys.readouterr().out.endswith("[rank 0] 2\n[rank 1] 2\n")
+    finally:
+        stop_pool()

@@ -22,12 +22,22 @@ cell's output, standard error as its error stream. A rank that fails stops the j
 line's source, then the summary naming it), and the cell raises :class:`CellFailed`, so a
 notebook run top to bottom stops there. Interrupting the kernel stops the job.
 
-Options: ``-n N`` (ranks, required), ``--nodes K`` (simulate K nodes), ``--timeout S`` (stop the
-job after S seconds), ``--push NAME [NAME ...]`` (names of notebook variables that every rank
-starts with, separated by spaces or commas: each is pickled in the kernel and unpickled on every
-rank, so arrays, numbers, strings and containers of them travel, JAX arrays as NumPy arrays
-(unpickling a JAX array would start JAX before ``spmd.init``); a function or class defined in
-the notebook, or a value whose type is one, cannot, and is refused before the job starts).
+**A pool that keeps its ranks.** ``%spmd start -n N`` starts N ranks that live across cells
+(the test harness's rank pool, :class:`spmd.testing.RankPool`, under the MPI launcher); a
+``%%spmd`` cell without ``-n`` runs on them, each rank keeping its variables from one cell to
+the next, and shows each rank's output in rank order when the cell ends; ``--out NAME [NAME
+...]`` puts a list of the ranks' values of NAME (JAX arrays as NumPy arrays) into the notebook;
+``--push`` works as below. A cell that raises shows every failing rank's traceback and leaves
+the pool running; a rank that dies stops the pool (``%spmd start`` starts a new one). ``%spmd
+stop`` stops it, and so does the kernel's exit.
+
+Options of a one-shot job: ``-n N`` (ranks), ``--nodes K`` (simulate K nodes), ``--timeout S``
+(stop the job after S seconds; on a pool, the seconds a cell may take, default 300),
+``--push NAME [NAME ...]`` (names of notebook variables that every rank starts with, separated
+by spaces or commas: each is pickled in the kernel and unpickled on every rank, so arrays,
+numbers, strings and containers of them travel, JAX arrays as NumPy arrays (unpickling a JAX
+array would start JAX before ``spmd.init``); a function or class defined in the notebook, or a
+value whose type is one, cannot, and is refused before the job starts).
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ from typing import Any
 from ._errors import SpmdError
 from .launch import launch, output_file
 
-__all__ = ["CellFailed", "load_ipython_extension", "run_cell"]
+__all__ = ["CellFailed", "load_ipython_extension", "run_cell", "start_pool", "stop_pool"]
 
 
 class CellFailed(SpmdError):
@@ -62,7 +72,11 @@ class CellFailed(SpmdError):
         return [f"{type(self).__name__}: {self}"]
 
 
-_USAGE = "usage: %%spmd -n N [--nodes K] [--timeout S] [--push NAME [NAME ...]]"
+_USAGE = (
+    "usage: %%spmd -n N [--nodes K] [--timeout S] [--push NAME [NAME ...]] (a job of its own), "
+    "or %%spmd [--timeout S] [--push NAME ...] [--out NAME ...] (on the ranks of %spmd start -n N)"
+)
+_LINE_USAGE = "usage: %spmd start -n N | %spmd stop"
 _PUSH = "%%spmd --push"
 
 
@@ -73,10 +87,11 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="%%spmd", add_help=False)
-    parser.add_argument("-n", "--np", dest="nprocs", type=int, required=True)
+    parser.add_argument("-n", "--np", dest="nprocs", type=int)
     parser.add_argument("--nodes", type=int)
     parser.add_argument("--timeout", type=float)
     parser.add_argument("--push", nargs="+", default=[])
+    parser.add_argument("--out", nargs="+", default=[])
     return parser
 
 
@@ -121,12 +136,16 @@ class _Pusher(pickle.Pickler):
         return NotImplemented
 
 
-def _push(names: list[str], namespace: dict[str, Any] | None, path: str) -> None:
-    """Pickles the notebook variables ``names`` (each comma-separated or not) into ``path``, each
-    on its own so that an error names it."""
-    wanted = [n.strip() for arg in names for n in arg.split(",") if n.strip()]
+def _names(args: list[str]) -> list[str]:
+    """Names given separated by spaces or commas."""
+    return [n.strip() for arg in args for n in arg.split(",") if n.strip()]
+
+
+def _pickled(names: list[str], namespace: dict[str, Any] | None) -> dict[str, bytes]:
+    """The notebook variables ``names``, each pickled on its own so that an error names it."""
+    wanted = _names(names)
     if not wanted:
-        return
+        return {}
     if namespace is None:
         raise SpmdError("no notebook namespace to take variables from", op=_PUSH, rank=None)
     missing = [n for n in wanted if n not in namespace]
@@ -148,8 +167,15 @@ def _push(names: list[str], namespace: dict[str, Any] | None, path: str) -> None
                 rank=None,
             ) from None
         pickled[name] = buf.getvalue()
-    with open(path, "wb") as f:
-        pickle.dump(pickled, f, protocol=pickle.HIGHEST_PROTOCOL)
+    return pickled
+
+
+def _push(names: list[str], namespace: dict[str, Any] | None, path: str) -> None:
+    """Pickles the notebook variables ``names`` into ``path`` (for a one-shot job's ranks)."""
+    pickled = _pickled(names, namespace)
+    if pickled:
+        with open(path, "wb") as f:
+            pickle.dump(pickled, f, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _show(who: str, text: str, stream: Any) -> None:
@@ -202,6 +228,15 @@ def run_cell(line: str, cell: str, namespace: dict[str, Any] | None = None) -> i
     their output, and return 0, or raise :class:`CellFailed` with the job's exit code.
     ``namespace``: the notebook's variables, where ``--push`` takes them from."""
     args = _parser().parse_args(shlex.split(line))
+    if args.nprocs is None:
+        return _run_on_pool(args, cell, namespace)
+    if args.out:
+        raise SpmdError(
+            "--out takes values from the ranks of a pool (%spmd start -n N), whose variables "
+            f"outlive the cell; a one-shot job's (-n) end with it; {_USAGE}",
+            op="%%spmd",
+            rank=None,
+        )
     summary = io.StringIO()
     code = None
     with tempfile.TemporaryDirectory(prefix="spmd-cell-") as out:
@@ -245,10 +280,104 @@ def run_cell(line: str, cell: str, namespace: dict[str, Any] | None = None) -> i
     return 0
 
 
+# -- a pool of ranks that lives across cells --------------------------------------------------
+
+_POOL: Any = None  # the RankPool of %spmd start, while it runs
+
+
+def start_pool(nprocs: int) -> None:
+    """``%spmd start -n N``: start N ranks that run the ``%%spmd`` cells without ``-n``, each
+    keeping its variables from one cell to the next (a pool already running is stopped first).
+    The pool stops with ``%spmd stop`` or when the kernel exits."""
+    import atexit
+
+    from .testing import RankPool
+
+    global _POOL
+    stop_pool()
+    if nprocs < 1:
+        raise SpmdError(f"-n {nprocs}: need at least one rank", op="%spmd start", rank=None)
+    pool = RankPool(nprocs)
+    _POOL = pool  # kept before it starts, so that an interrupt leaves nothing unowned
+    try:
+        pool.start()
+    except BaseException:
+        _POOL = None
+        pool.kill()
+        raise
+    atexit.register(pool.close)
+    print(f"started {nprocs} ranks; %%spmd cells without -n run on them")
+
+
+def stop_pool() -> None:
+    """``%spmd stop``: stop the pool's ranks (nothing if none runs)."""
+    global _POOL
+    pool, _POOL = _POOL, None
+    if pool is not None:
+        pool.close()
+
+
+def _run_on_pool(args: argparse.Namespace, cell: str, namespace: dict[str, Any] | None) -> int:
+    from .testing import MultiRankError
+
+    pool = _POOL
+    if pool is None or pool.broken or not pool.alive():
+        why = "no pool runs" if pool is None else "the pool's ranks are gone (a rank died)"
+        raise SpmdError(
+            f"{why}: start one with %spmd start -n N, or run the cell as a job of its own with "
+            "%%spmd -n N",
+            op="%%spmd",
+            rank=None,
+        )
+    if args.nodes is not None:
+        raise SpmdError("--nodes is a job's option: %%spmd -n N --nodes K", op="%%spmd", rank=None)
+    push = _pickled(args.push, namespace)
+    timeout = 300.0 if args.timeout is None else args.timeout
+    try:
+        outputs = pool.execute(cell, push=push, timeout=timeout)
+    except MultiRankError as e:
+        sys.stderr.write(f"{e}\n")
+        sys.stderr.flush()
+        state = (
+            "the pool was stopped (%spmd start -n N starts a new one)"
+            if pool.broken
+            else "the pool's ranks keep running, with their variables"
+        )
+        raise CellFailed(f"the cell failed on the pool's ranks; {state}") from None
+    for rank, text in enumerate(outputs):
+        _show(f"rank {rank}", text, sys.stdout)
+    sys.stdout.flush()
+    for name in _names(args.out):
+        if namespace is None:
+            raise SpmdError("no notebook namespace to put --out values in", rank=None)
+        try:
+            namespace[name] = pool.values(name)
+        except MultiRankError as e:
+            sys.stderr.write(f"{e}\n")
+            raise CellFailed(f"--out {name}: not every rank could give it") from None
+    return 0
+
+
+def _line(line: str) -> None:
+    words = shlex.split(line)
+    if words[:1] == ["stop"] and len(words) == 1:
+        stop_pool()
+        return
+    if words[:1] == ["start"]:
+        parser = _Parser(prog="%spmd start", add_help=False)
+        parser.add_argument("-n", "--np", dest="nprocs", type=int, required=True)
+        start_pool(parser.parse_args(words[1:]).nprocs)
+        return
+    raise SpmdError(f"%spmd {line!r}; {_LINE_USAGE}", op="%spmd", rank=None)
+
+
 def load_ipython_extension(ipython: Any) -> None:
-    """Registers ``%%spmd`` (called by ``%load_ext spmd.notebook``)."""
+    """Registers ``%spmd`` and ``%%spmd`` (called by ``%load_ext spmd.notebook``)."""
 
-    def spmd(line: str, cell: str) -> None:
-        run_cell(line, cell, ipython.user_ns)
+    def spmd(line: str, cell: str | None = None) -> None:
+        if cell is None:
+            _line(line)
+        else:
+            run_cell(line, cell, ipython.user_ns)
 
-    ipython.register_magic_function(spmd, magic_kind="cell", magic_name="spmd")
+    ipython.register_magic_function(spmd, magic_kind="line_cell", magic_name="spmd")

@@ -18,9 +18,17 @@ finish and showing their stacks::
 """
 
 from ._harness import MultiRankError as MultiRankError
+from ._harness import RankPool as RankPool
 from ._harness import default_timeout as default_timeout
 from ._harness import run as run
 from ._harness import shutdown_pools as shutdown_pools
 from ._multirank import multirank as multirank
 
-__all__ = ["MultiRankError", "default_timeout", "multirank", "run", "shutdown_pools"]
+__all__ = [
+    "MultiRankError",
+    "RankPool",
+    "default_timeout",
+    "multirank",
+    "run",
+    "shutdown_pools",
+]

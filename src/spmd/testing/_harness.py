@@ -167,19 +167,26 @@ class _Pool:
         timeout: float,
         grace: float,
     ) -> list[Any]:
-        task_id = next(_task_ids)
         module = sys.modules[fn.__module__]
         task = (
             "task",
-            task_id,
+            next(_task_ids),
             fn.__module__,
             module.__file__,
             fn.__qualname__,
             tuple(args),
             dict(kwargs),
         )
+        label = f"{fn.__module__}.{fn.__qualname__}"
+        return [reply[2] for reply in self._guarded(label, task, timeout, grace)]
+
+    def _guarded(
+        self, label: str, task: tuple[Any, ...], timeout: float, grace: float
+    ) -> list[tuple[Any, ...]]:
+        """Every rank's reply to ``task`` (see :meth:`_run`); the pool is killed if the
+        exchange is interrupted or breaks."""
         try:
-            return self._run(fn, task, timeout, grace)
+            return self._run(label, task, timeout, grace)
         except MultiRankError:
             raise
         except BaseException as e:
@@ -188,15 +195,14 @@ class _Pool:
             self.kill()
             if isinstance(e, OSError | EOFError | pickle.UnpicklingError | TypeError):
                 raise MultiRankError(
-                    f"{fn.__module__}.{fn.__qualname__} on {self.nprocs} ranks: the exchange with "
-                    f"the ranks failed ({e!r}); the pool is replaced by the next check.\n"
-                    f"{self.log_tail()}"
+                    f"{label} on {self.nprocs} ranks: the exchange with the ranks failed "
+                    f"({e!r}); the pool is replaced by the next check.\n{self.log_tail()}"
                 ) from e
             raise
 
     def _run(
-        self, fn: Callable[..., Any], task: tuple[Any, ...], timeout: float, grace: float
-    ) -> list[Any]:
+        self, label: str, task: tuple[Any, ...], timeout: float, grace: float
+    ) -> list[tuple[Any, ...]]:
         task_id = task[1]
         for conn in self.conns.values():
             _wire.send(conn, task)
@@ -233,12 +239,12 @@ class _Pool:
         missing = [r for r in range(self.nprocs) if r not in replies and r not in dead]
         errors = {r: rep for r, rep in replies.items() if rep[0] == "error"}
         if not missing and not dead and not errors:
-            return [replies[r][2] for r in range(self.nprocs)]
+            return [replies[r] for r in range(self.nprocs)]
         stacks = self._stacks(missing) if missing else {}
         if missing or dead:
             self.kill()
         raise MultiRankError(
-            self._report(fn, errors, dead, missing, stacks, replies, timeout, grace, first_error)
+            self._report(label, errors, dead, missing, stacks, replies, timeout, grace, first_error)
         )
 
     def _stacks(self, ranks: list[int]) -> dict[int, str]:
@@ -252,7 +258,7 @@ class _Pool:
 
     def _report(
         self,
-        fn: Callable[..., Any],
+        label: str,
         errors: dict[int, tuple[Any, ...]],
         dead: list[int],
         missing: list[int],
@@ -262,7 +268,7 @@ class _Pool:
         grace: float,
         first_error: float | None,
     ) -> str:
-        parts = [f"{fn.__module__}.{fn.__qualname__} on {self.nprocs} ranks:"]
+        parts = [f"{label} on {self.nprocs} ranks:"]
         for r, (_, _, tb, _, out) in sorted(errors.items()):
             parts.append(f"--- rank {r} raised ---\n{tb.rstrip()}")
             if out:
@@ -331,6 +337,35 @@ class _Pool:
 
 _pools: OrderedDict[tuple[Any, ...], _Pool] = OrderedDict()
 _atexit_registered = False
+
+
+class RankPool(_Pool):
+    """N ranks kept running under the MPI launcher, each executing Python source in a namespace
+    of its own that lasts from one call to the next (what ``%spmd start`` runs notebook cells
+    on). :meth:`start` starts them, :meth:`close` stops them."""
+
+    def __init__(self, nprocs: int, env: Mapping[str, str] | None = None) -> None:
+        super().__init__(nprocs, "mpi", dict(env or {}))
+
+    def execute(
+        self,
+        source: str,
+        *,
+        push: Mapping[str, bytes] | None = None,
+        timeout: float = 300.0,
+        grace: float = 5.0,
+    ) -> list[str]:
+        """Run ``source`` on every rank (after setting the pickled variables ``push``); each
+        rank's output (stdout and stderr), by rank. Raises :class:`MultiRankError` with every
+        failing rank's traceback; the pool stays usable unless a rank died or hung (then it is
+        stopped: :attr:`broken`)."""
+        task = ("exec", next(_task_ids), source, dict(push or {}))
+        return [reply[3] for reply in self._guarded("the cell", task, timeout, grace)]
+
+    def values(self, name: str, *, timeout: float = 60.0) -> list[Any]:
+        """The variable ``name`` of every rank's namespace, by rank (JAX arrays as NumPy)."""
+        task = ("get", next(_task_ids), name)
+        return [reply[2] for reply in self._guarded(f"the value {name}", task, timeout, 5.0)]
 
 
 def _pool(nprocs: int, launcher: Launcher, env: Mapping[str, str]) -> _Pool:

@@ -79,6 +79,47 @@ def _run(rank: int, task: tuple[Any, ...]) -> tuple[Any, ...]:
         return ("error", task_id, format_rank_traceback(rank, e), repr(e), out.getvalue())
 
 
+_CELLS: dict[str, Any] = {"__name__": "__main__"}  # RankPool.execute's namespace
+_cell_count = 0
+
+
+def _exec(rank: int, task_id: int, source: str, push: dict[str, bytes]) -> tuple[Any, ...]:
+    """Run a notebook cell's source in the rank's namespace, its output captured."""
+    global _cell_count
+    import builtins
+    import linecache
+    import pickle
+
+    _cell_count += 1
+    name = f"<cell {_cell_count}>"
+    out = io.StringIO()
+    try:
+        _CELLS.setdefault("__builtins__", builtins)
+        for key, blob in push.items():
+            _CELLS[key] = pickle.loads(blob)
+        linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+        code = compile(source, name, "exec")
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            exec(code, _CELLS)
+        return ("ok", task_id, None, out.getvalue())
+    except BaseException as e:
+        if e.__traceback__ is not None:  # drop this function's own frame
+            e = e.with_traceback(e.__traceback__.tb_next)
+        return ("error", task_id, format_rank_traceback(rank, e), repr(e), out.getvalue())
+
+
+def _get(rank: int, task_id: int, name: str) -> tuple[Any, ...]:
+    """A variable of the rank's namespace (JAX arrays in it as NumPy arrays)."""
+    if name not in _CELLS:
+        text = f"[rank {rank}] NameError: no variable {name!r} on rank {rank}\n"
+        return ("error", task_id, text, f"NameError({name!r})", "")
+    value = _CELLS[name]
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        value = jax.device_get(value)
+    return ("ok", task_id, value, "")
+
+
 def main() -> None:
     rank = launch_rank()
     dump = open(Path(os.environ["SPMD_TESTING_DIR"]) / f"stack.{rank}", "w")  # noqa: SIM115
@@ -94,7 +135,12 @@ def main() -> None:
         msg = _wire.recv(sock)
         if msg is None or msg[0] == "exit":
             break
-        reply = _run(rank, msg[1:])
+        if msg[0] == "exec":
+            reply = _exec(rank, *msg[1:])
+        elif msg[0] == "get":
+            reply = _get(rank, *msg[1:])
+        else:
+            reply = _run(rank, msg[1:])
         try:
             _wire.send(sock, reply)
         except Exception as e:  # the return value did not pickle
