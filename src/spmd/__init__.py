@@ -14,6 +14,7 @@ from ._version import __version__ as __version__
 from .mesh import Mesh as Mesh
 from .mesh import current_mesh as current_mesh
 from .runtime import Communicator as Communicator
+from .runtime import MessageQueue as MessageQueue
 from .runtime import finalize as finalize
 from .runtime import get_communicator as get_communicator
 from .runtime import init as init
@@ -129,6 +130,7 @@ __all__ = [
     "parallel",
     "sharded",
     "Communicator",
+    "MessageQueue",
     "Mesh",
     "SpmdError",
     "SpmdTypeError",

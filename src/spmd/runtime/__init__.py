@@ -32,6 +32,7 @@ from ._groups import shm_hop_ns as shm_hop_ns
 from ._groups import shm_staging as shm_staging
 from ._groups import transport_names as transport_names
 from ._malloc import tune as tune_malloc
+from ._queue import MessageQueue as MessageQueue
 from ._recorder import flight_report as flight_report
 from ._recorder import merge_timeline as merge_timeline
 from ._recorder import timeline_dir as timeline_dir
@@ -46,6 +47,7 @@ from ._state import this_rank as this_rank
 __all__ = [
     "Communicator",
     "GpuGroup",
+    "MessageQueue",
     "NativeGroup",
     "abort_job",
     "bind_mode",

@@ -8,6 +8,7 @@ world, and ``group_id/group_size`` for a communicator made from a ``rank_list``.
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -72,6 +73,17 @@ def resolve_rank_list(rank_list: Any, world_size: int, rank: int) -> Groups:
     return tuple(groups)
 
 
+# MessageQueue, which runtime/_queue.py registers when it is imported (it builds on this module,
+# so this module cannot import it).
+_queue_factory: Callable[..., Any] | None = None
+
+
+def use_queue_factory(factory: Callable[..., Any]) -> None:
+    """Make ``factory(comm, writer=, slots=, slot_bytes=)`` the queue broadcast_object uses."""
+    global _queue_factory
+    _queue_factory = factory
+
+
 class Communicator:
     """This process's view of one group of processes.
 
@@ -122,6 +134,7 @@ class Communicator:
         self._channel_factory = channel_factory
         self._channel: Channel | None = None
         self._setup: Channel | None = None
+        self._queues: dict[int, Any] = {}  # broadcast_object's MessageQueue per root
         # The MPI communicator the group's collectives move data on: the world's is made in
         # spmd.init; a sub-group's is made with its native group (None until then).
         self._data_comm = data_comm
@@ -220,7 +233,10 @@ class Communicator:
         return self._get_channel().allgather(obj)
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
-        """``obj`` of group rank ``root`` on every rank of the group."""
+        """``obj`` of group rank ``root`` on every rank of the group (``obj`` itself on the
+        root). Within a node it goes through a :class:`spmd.MessageQueue` of the group (made at
+        the first call for this root: a collective, as every call is), so the root does not wait
+        for the others (up to 8 calls ahead); across nodes, through the group's channel."""
         if isinstance(root, bool) or not isinstance(root, numbers.Integral):
             raise SpmdTypeError(f"root={root!r} is not an integer rank")
         if not 0 <= root < self.size:
@@ -228,7 +244,26 @@ class Communicator:
                 f"root={root} is out of range for a group of "
                 f"{self.size} ranks (valid: 0..{self.size - 1})"
             )
-        return self._get_channel().allgather(obj if self._rank == root else None)[root]
+        queue = self._broadcast_queue(int(root))
+        if queue is None:
+            return self._get_channel().allgather(obj if self._rank == root else None)[root]
+        if self._rank == root:
+            queue.enqueue(obj)
+            return obj
+        return queue.dequeue()
+
+    def _broadcast_queue(self, root: int) -> Any:
+        """The MessageQueue that broadcast_object uses for ``root``, or None (a group of one,
+        ranks on several nodes, or SPMD_BROADCAST_QUEUE=0)."""
+        queue = self._queues.get(root)
+        if queue is not None:
+            return queue
+        if self.size == 1 or len({self.node_ids[w] for w in self.ranks}) > 1:
+            return None
+        if os.environ.get("SPMD_BROADCAST_QUEUE", "1") == "0" or _queue_factory is None:
+            return None
+        queue = self._queues[root] = _queue_factory(self, writer=root, slots=8, slot_bytes=64 << 10)
+        return queue
 
     def barrier(self) -> None:
         """Return once every rank of the group has called ``barrier``."""

@@ -1,0 +1,338 @@
+"""``MessageQueue``: one writer broadcasting Python objects to the other ranks of a group, through
+a ring of slots in shared memory for the readers on the writer's node and a ZMQ socket for the
+readers on other nodes (the AITER seed's shared-memory broadcast, written anew for spmd).
+
+Shared memory (one segment, made by the writer)::
+
+    header: magic, slots, slot bytes, local readers, writer pid          (64 bytes)
+    per slot: [seq u64 | length u64 | chunk u32 | chunks u32 | flags ... ] (64 + readers, rounded
+              to 64 bytes), then its data (slot bytes)
+
+A slot is free when it was never written or every local reader has set its flag in it. The
+writer fills a free slot's data, length and chunk numbers, clears the flags and then stores
+the message's sequence number: a reader waiting for sequence number s in that slot reads the
+data only after it sees s, then sets its flag. (x86-64 keeps stores in order and loads in order;
+that is what the protocol relies on.) An object longer than a slot takes several consecutive
+slots. The writer unlinks the segment as soon as every reader has mapped it, so nothing is left
+in ``/dev/shm`` whatever happens to the processes.
+
+Readers on other nodes subscribe to the writer's ZMQ XPUB socket (``pyzmq``); the writer waits
+for every subscription before the first message, so none is lost, and sends each pickled object
+whole.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import struct
+import sys
+import time
+import uuid
+from typing import Any
+
+from .._errors import SpmdError
+from ._communicator import Communicator, use_queue_factory
+
+__all__ = ["MessageQueue"]
+
+_MAGIC = 0x5350_4D44_4D51_0001  # "SPMDMQ", version 1
+_HEADER = struct.Struct("<QQQQQ")  # magic, slots, slot_bytes, readers, writer pid
+_SLOT = struct.Struct("<QQII")  # seq, length, chunk, chunks
+_META = struct.Struct("<QII")  # the slot's length, chunk, chunks (after its seq)
+_SPIN = 2000  # polls before a waiter starts to sleep
+
+
+def _round(n: int) -> int:
+    return (n + 63) // 64 * 64
+
+
+class MessageQueue:
+    """A broadcast queue from rank ``writer`` of ``comm`` to every other rank of it.
+
+    Made collectively (every rank of the group constructs it with the same arguments); then the
+    writer calls :meth:`enqueue` and every other rank :meth:`dequeue`, once per message, in
+    order. ``slots`` messages may be in flight before the writer waits for the slowest local
+    reader; an object longer than ``slot_bytes`` (pickled) takes several slots.
+
+    Example (a world of one has no reader: the queue holds nothing)::
+
+        >>> import spmd
+        >>> with spmd.MessageQueue() as q:
+        ...     q.enqueue({"step": 1})
+    """
+
+    def __init__(
+        self,
+        comm: Communicator | None = None,
+        *,
+        writer: int = 0,
+        slots: int = 8,
+        slot_bytes: int = 1 << 20,
+        timeout: float | None = None,
+    ) -> None:
+        if comm is None:
+            from ._state import get_communicator
+
+            comm = get_communicator()
+        self.comm = comm
+        n = self.comm.size
+        if not 0 <= writer < n:
+            raise SpmdError(f"writer={writer}; expected a rank of the group, 0..{n - 1}")
+        if slots < 1 or slot_bytes < 1:
+            raise SpmdError(f"slots={slots}, slot_bytes={slot_bytes}; expected both >= 1")
+        self.writer, self.slots, self.slot_bytes = writer, slots, slot_bytes
+        self.timeout = float(os.environ.get("SPMD_TIMEOUT", "300")) if timeout is None else timeout
+        self.is_writer = self.comm.rank == writer
+        nodes = [self.comm.node_ids[w] for w in self.comm.ranks]  # node_ids: by world rank
+        self.local = [r for r in range(n) if r != writer and nodes[r] == nodes[writer]]
+        self.remote = [r for r in range(n) if r != writer and nodes[r] != nodes[writer]]
+        self.stride = _round(_SLOT.size + len(self.local)) + slot_bytes
+        self.next = 0  # sequence number of the next chunk (writer) / next chunk to read
+        self._map: mmap.mmap | None = None
+        self._sock: Any = None
+        self._ctx: Any = None
+        self._closed = False
+        self._setup()
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        comm = self.comm
+        info: dict[str, Any] = {}
+        path = None
+        if self.is_writer:
+            if self.local:
+                path = f"/dev/shm/spmd-mq-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+                size = 64 + self.slots * self.stride
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                try:
+                    os.ftruncate(fd, size)
+                    self._map = mmap.mmap(fd, size)
+                finally:
+                    os.close(fd)
+                _HEADER.pack_into(self._map, 0, _MAGIC, self.slots, self.slot_bytes,
+                                  len(self.local), os.getpid())  # fmt: skip
+                info["shm"] = path
+            if self.remote:
+                info["zmq"] = self._bind()
+        try:
+            # (not broadcast_object, which may itself use a MessageQueue)
+            info = comm.allgather_object(info if self.is_writer else None)[self.writer]
+            mine = comm.rank
+            if mine in self.local:
+                fd = os.open(info["shm"], os.O_RDWR)
+                try:
+                    self._map = mmap.mmap(fd, os.fstat(fd).st_size)
+                finally:
+                    os.close(fd)
+                self.flag = self.local.index(mine)
+            elif mine in self.remote:
+                self._connect(info["zmq"])
+            comm.barrier()  # every local reader has mapped the segment
+        finally:
+            if path is not None:  # mapped where it is needed: nothing to leave in /dev/shm
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        if self.is_writer and self.remote:
+            self._await_subscribers()
+
+    def _zmq(self) -> Any:
+        try:
+            import zmq
+        except ImportError:
+            raise SpmdError(
+                "a MessageQueue with readers on other nodes needs pyzmq (pip install pyzmq)"
+            ) from None
+        self._ctx = zmq.Context()
+        return zmq
+
+    def _bind(self) -> str:
+        zmq = self._zmq()
+        self._sock = self._ctx.socket(zmq.XPUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not only new topics
+        host = os.environ.get("SPMD_MQ_HOST", "127.0.0.1")
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        return f"tcp://{host}:{port}"
+
+    def _connect(self, endpoint: str) -> None:
+        zmq = self._zmq()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+
+    def _await_subscribers(self) -> None:
+        """XPUB reports each subscription: wait for all, so that no message is sent before a
+        remote reader can receive it."""
+        deadline = time.monotonic() + self.timeout
+        seen = 0
+        while seen < len(self.remote):
+            if not self._sock.poll(timeout=max(1, int((deadline - time.monotonic()) * 1000))):
+                raise SpmdError(
+                    f"MessageQueue: {len(self.remote) - seen} of the readers on other nodes "
+                    f"{[self.comm.ranks[r] for r in self.remote]} did not subscribe within "
+                    f"{self.timeout:g} s"
+                )
+            if self._sock.recv()[:1] == b"\x01":
+                seen += 1
+
+    # -- messages --------------------------------------------------------------------------------
+
+    def enqueue(self, obj: Any, timeout: float | None = None) -> None:
+        """Send ``obj`` (picklable) to every reader (the writer only)."""
+        if not self.is_writer:
+            raise SpmdError(f"enqueue on rank {self.comm.rank}, a reader; the writer is rank "
+                            f"{self.comm.ranks[self.writer]}")  # fmt: skip
+        self._check_open()
+        try:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            raise SpmdError(
+                f"MessageQueue.enqueue: a {type(obj).__name__} cannot be pickled ({e})"
+            ) from None
+        if self._sock is not None:
+            self._sock.send(data, copy=len(data) < 65536)
+        if self._map is None:
+            return
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        chunks = max(1, -(-len(data) // self.slot_bytes))
+        view = memoryview(data)
+        for c in range(chunks):
+            base = 64 + (self.next % self.slots) * self.stride
+            self._wait_free(base, deadline)
+            part = view[c * self.slot_bytes : (c + 1) * self.slot_bytes]
+            start = base + _round(_SLOT.size + len(self.local))
+            self._map[start : start + len(part)] = part
+            flags = base + _SLOT.size
+            self._map[flags : flags + len(self.local)] = bytes(len(self.local))
+            _META.pack_into(self._map, base + 8, len(data), c, chunks)
+            struct.pack_into("<Q", self._map, base, self.next + 1)  # the sequence number last
+            self.next += 1
+
+    def _wait_free(self, base: int, deadline: float) -> None:
+        m = self._map
+        assert m is not None
+        n = len(self.local)
+        flags = base + _SLOT.size
+        spins = 0
+        while True:
+            seq = struct.unpack_from("<Q", m, base)[0]
+            if seq == 0 or m[flags : flags + n] == b"\x01" * n:
+                return
+            spins += 1
+            if spins > _SPIN:
+                if time.monotonic() > deadline:
+                    behind = [self.comm.ranks[self.local[i]] for i in range(n)
+                              if m[flags + i] == 0]  # fmt: skip
+                    raise SpmdError(
+                        f"MessageQueue.enqueue: the readers {behind} have not read message "
+                        f"chunk #{seq} within {self.timeout:g} s (all {self.slots} slots are "
+                        "full); every reader must dequeue each message"
+                    )
+                time.sleep(0 if spins < 2 * _SPIN else 5e-5)
+
+    def dequeue(self, timeout: float | None = None) -> Any:
+        """The next object the writer sent (a reader only)."""
+        if self.is_writer:
+            raise SpmdError(f"dequeue on rank {self.comm.rank}, the writer of the queue")
+        self._check_open()
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        if self._sock is not None:
+            if not self._sock.poll(timeout=max(0, int(limit * 1000))):
+                raise self._late(limit)
+            return pickle.loads(self._sock.recv(copy=False).buffer)
+        m = self._map
+        assert m is not None
+        parts: list[Any] = []
+        total = chunks = 1
+        c = 0
+        while c < chunks:
+            base = 64 + (self.next % self.slots) * self.stride
+            self._wait_written(base, deadline, limit)
+            _, total, chunk, chunks = _SLOT.unpack_from(m, base)
+            start = base + _round(_SLOT.size + len(self.local))
+            size = min(self.slot_bytes, total - chunk * self.slot_bytes)
+            if chunks == 1:
+                obj = pickle.loads(m[start : start + size])
+            else:
+                parts.append(m[start : start + size])
+            m[base + _SLOT.size + self.flag] = 1
+            self.next += 1
+            c += 1
+        return obj if chunks == 1 else pickle.loads(b"".join(parts))
+
+    def _wait_written(self, base: int, deadline: float, limit: float) -> None:
+        m = self._map
+        assert m is not None
+        want = self.next + 1
+        spins = 0
+        while struct.unpack_from("<Q", m, base)[0] != want:
+            spins += 1
+            if spins > _SPIN:
+                if time.monotonic() > deadline:
+                    raise self._late(limit)
+                if spins % 1000 == 0 and not _alive(_HEADER.unpack_from(m, 0)[4]):
+                    raise SpmdError(
+                        f"MessageQueue.dequeue: the writer, rank "
+                        f"{self.comm.ranks[self.writer]}, has ended (its process is gone) "
+                        f"before sending message chunk #{want}"
+                    )
+                time.sleep(0 if spins < 2 * _SPIN else 5e-5)
+
+    def _late(self, limit: float) -> SpmdError:
+        return SpmdError(
+            f"MessageQueue.dequeue: nothing from the writer, rank "
+            f"{self.comm.ranks[self.writer]}, within {limit:g} s"
+        )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SpmdError("the MessageQueue is closed")
+
+    # -- closing ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the shared memory and the socket (not a collective)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        if self._sock is not None:
+            # The writer's messages still queued in ZMQ are delivered first (up to the timeout).
+            self._sock.close(linger=int(self.timeout * 1000) if self.is_writer else 0)
+            self._ctx.term()
+            self._sock = self._ctx = None
+
+    def __enter__(self) -> MessageQueue:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not sys.is_finalizing():
+            try:
+                self.close()
+            except Exception:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+use_queue_factory(MessageQueue)
