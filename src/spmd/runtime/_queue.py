@@ -41,7 +41,8 @@ _MAGIC = 0x5350_4D44_4D51_0001  # "SPMDMQ", version 1
 _HEADER = struct.Struct("<QQQQQ")  # magic, slots, slot_bytes, readers, writer pid
 _SLOT = struct.Struct("<QQII")  # seq, length, chunk, chunks
 _META = struct.Struct("<QII")  # the slot's length, chunk, chunks (after its seq)
-_SPIN = 2000  # polls before a waiter starts to sleep
+_SEQ = struct.Struct("<Q")
+_SPIN = 200  # polls before a waiter yields its core (os.sched_yield), then sleeps
 
 
 def _round(n: int) -> int:
@@ -88,7 +89,9 @@ class MessageQueue:
         nodes = [self.comm.node_ids[w] for w in self.comm.ranks]  # node_ids: by world rank
         self.local = [r for r in range(n) if r != writer and nodes[r] == nodes[writer]]
         self.remote = [r for r in range(n) if r != writer and nodes[r] != nodes[writer]]
-        self.stride = _round(_SLOT.size + len(self.local)) + slot_bytes
+        self._data_at = _round(_SLOT.size + len(self.local))  # a slot's data, from its start
+        self.stride = self._data_at + slot_bytes
+        self._zeros, self._ones = bytes(len(self.local)), b"\x01" * len(self.local)
         self.next = 0  # sequence number of the next chunk (writer) / next chunk to read
         self._map: mmap.mmap | None = None
         self._sock: Any = None
@@ -199,30 +202,33 @@ class MessageQueue:
             self._sock.send(data, copy=len(data) < 65536)
         if self._map is None:
             return
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        chunks = max(1, -(-len(data) // self.slot_bytes))
-        view = memoryview(data)
+        limit = self.timeout if timeout is None else timeout
+        m, n, size = self._map, len(self.local), self.slot_bytes
+        chunks = max(1, -(-len(data) // size))
+        view = memoryview(data) if chunks > 1 else data
         for c in range(chunks):
             base = 64 + (self.next % self.slots) * self.stride
-            self._wait_free(base, deadline)
-            part = view[c * self.slot_bytes : (c + 1) * self.slot_bytes]
-            start = base + _round(_SLOT.size + len(self.local))
-            self._map[start : start + len(part)] = part
             flags = base + _SLOT.size
-            self._map[flags : flags + len(self.local)] = bytes(len(self.local))
-            _META.pack_into(self._map, base + 8, len(data), c, chunks)
-            struct.pack_into("<Q", self._map, base, self.next + 1)  # the sequence number last
+            if _SEQ.unpack_from(m, base)[0] and m[flags : flags + n] != self._ones:
+                self._wait_free(base, limit)
+            part = view[c * size : (c + 1) * size] if chunks > 1 else data
+            start = base + self._data_at
+            m[start : start + len(part)] = part
+            m[flags : flags + n] = self._zeros
+            _META.pack_into(m, base + 8, len(data), c, chunks)
+            _SEQ.pack_into(m, base, self.next + 1)  # the sequence number last
             self.next += 1
 
-    def _wait_free(self, base: int, deadline: float) -> None:
+    def _wait_free(self, base: int, limit: float) -> None:
         m = self._map
         assert m is not None
         n = len(self.local)
         flags = base + _SLOT.size
+        deadline = time.monotonic() + limit
         spins = 0
         while True:
-            seq = struct.unpack_from("<Q", m, base)[0]
-            if seq == 0 or m[flags : flags + n] == b"\x01" * n:
+            seq = _SEQ.unpack_from(m, base)[0]
+            if seq == 0 or m[flags : flags + n] == self._ones:
                 return
             spins += 1
             if spins > _SPIN:
@@ -234,7 +240,7 @@ class MessageQueue:
                         f"chunk #{seq} within {self.timeout:g} s (all {self.slots} slots are "
                         "full); every reader must dequeue each message"
                     )
-                time.sleep(0 if spins < 2 * _SPIN else 5e-5)
+                _pause(spins)
 
     def dequeue(self, timeout: float | None = None) -> Any:
         """The next object the writer sent (a reader only)."""
@@ -242,7 +248,6 @@ class MessageQueue:
             raise SpmdError(f"dequeue on rank {self.comm.rank}, the writer of the queue")
         self._check_open()
         limit = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
         if self._sock is not None:
             if not self._sock.poll(timeout=max(0, int(limit * 1000))):
                 raise self._late(limit)
@@ -254,9 +259,10 @@ class MessageQueue:
         c = 0
         while c < chunks:
             base = 64 + (self.next % self.slots) * self.stride
-            self._wait_written(base, deadline, limit)
+            if _SEQ.unpack_from(m, base)[0] != self.next + 1:
+                self._wait_written(base, limit)
             _, total, chunk, chunks = _SLOT.unpack_from(m, base)
-            start = base + _round(_SLOT.size + len(self.local))
+            start = base + self._data_at
             size = min(self.slot_bytes, total - chunk * self.slot_bytes)
             if chunks == 1:
                 obj = pickle.loads(m[start : start + size])
@@ -267,23 +273,24 @@ class MessageQueue:
             c += 1
         return obj if chunks == 1 else pickle.loads(b"".join(parts))
 
-    def _wait_written(self, base: int, deadline: float, limit: float) -> None:
+    def _wait_written(self, base: int, limit: float) -> None:
         m = self._map
         assert m is not None
         want = self.next + 1
+        deadline = time.monotonic() + limit
         spins = 0
-        while struct.unpack_from("<Q", m, base)[0] != want:
+        while _SEQ.unpack_from(m, base)[0] != want:
             spins += 1
             if spins > _SPIN:
                 if time.monotonic() > deadline:
                     raise self._late(limit)
-                if spins % 1000 == 0 and not _alive(_HEADER.unpack_from(m, 0)[4]):
+                if spins % 500 == 0 and not _alive(_HEADER.unpack_from(m, 0)[4]):
                     raise SpmdError(
                         f"MessageQueue.dequeue: the writer, rank "
                         f"{self.comm.ranks[self.writer]}, has ended (its process is gone) "
                         f"before sending message chunk #{want}"
                     )
-                time.sleep(0 if spins < 2 * _SPIN else 5e-5)
+                _pause(spins)
 
     def _late(self, limit: float) -> SpmdError:
         return SpmdError(
@@ -323,6 +330,15 @@ class MessageQueue:
                 self.close()
             except Exception:
                 pass
+
+
+def _pause(spins: int) -> None:
+    """Between polls, past the first _SPIN: give the core away (the ranks may outnumber the
+    cores), and after some thousands of polls sleep, so that a long wait costs no core."""
+    if spins < 20 * _SPIN:
+        os.sched_yield()
+    else:
+        time.sleep(5e-5)
 
 
 def _alive(pid: int) -> bool:
