@@ -48,7 +48,7 @@ def _reference(tx, batches: list[list[tuple[np.ndarray, np.ndarray]]]):
     return params
 
 
-@multirank(nprocs=(2, 3))
+@multirank(nprocs=(2, 3, 4))
 def test_uneven_batches_follow_one_process(comm):
     batches = _uneven(comm.size)
     mine = batches[comm.rank]
