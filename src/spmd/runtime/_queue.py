@@ -105,8 +105,8 @@ class MessageQueue:
         comm = self.comm
         info: dict[str, Any] = {}
         path = None
-        if self.is_writer:
-            if self.local:
+        try:
+            if self.is_writer and self.local:
                 path = f"/dev/shm/spmd-mq-{os.getpid()}-{uuid.uuid4().hex[:12]}"
                 size = 64 + self.slots * self.stride
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -118,9 +118,8 @@ class MessageQueue:
                 _HEADER.pack_into(self._map, 0, _MAGIC, self.slots, self.slot_bytes,
                                   len(self.local), os.getpid())  # fmt: skip
                 info["shm"] = path
-            if self.remote:
+            if self.is_writer and self.remote:
                 info["zmq"] = self._bind()
-        try:
             # (not broadcast_object, which may itself use a MessageQueue)
             info = comm.allgather_object(info if self.is_writer else None)[self.writer]
             mine = comm.rank
