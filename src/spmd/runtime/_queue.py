@@ -42,7 +42,7 @@ _HEADER = struct.Struct("<QQQQQ")  # magic, slots, slot_bytes, readers, writer p
 _SLOT = struct.Struct("<QQII")  # seq, length, chunk, chunks
 _META = struct.Struct("<QII")  # the slot's length, chunk, chunks (after its seq)
 _SEQ = struct.Struct("<Q")
-_SPIN = 200  # polls before a waiter yields its core (os.sched_yield), then sleeps
+_SPIN = 20  # polls before a waiter yields its core (os.sched_yield), then sleeps
 
 
 def _round(n: int) -> int:
