@@ -157,6 +157,7 @@ class MessageQueue:
         self._sock = self._ctx.socket(zmq.XPUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not only new topics
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # no limit: a PUB socket drops what passes it
         host = os.environ.get("SPMD_MQ_HOST", "127.0.0.1")
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         return f"tcp://{host}:{port}"
@@ -165,6 +166,7 @@ class MessageQueue:
         zmq = self._zmq()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)  # no limit: nothing dropped for a slow reader
         self._sock.connect(endpoint)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
 
