@@ -59,7 +59,8 @@ def test_readers_on_other_nodes_get_them_over_zmq(comm):
     pytest.importorskip("zmq")
     _exchange(comm, writer=0)
     _exchange(comm, writer=3)
-    # Readers far behind: more messages in flight than ZMQ's default limit (1000 on each side), none lost.
+    # Readers far behind: more messages in flight than ZMQ's default high-water marks (1000 on
+    # each side); none may be lost.
     with spmd.MessageQueue(comm, writer=0, slots=4096, slot_bytes=64) as q:
         if comm.rank == 0:
             for i in range(3000):
