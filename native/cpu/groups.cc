@@ -101,6 +101,10 @@ Status GroupAttachMpi(int64_t id, int which, MpiHandle comm, int rank, int size,
   m.size = size;
   m.timeout_s = g->timeout_s;
   m.world_ranks = std::move(world_ranks);
+  m.stall_s = StallSecondsFromEnv();
+  m.watch = std::make_shared<MpiWatch>();
+  m.watch->world_ranks = m.world_ranks;
+  MpiWatchAdd(m.watch);
   if (which == 0) {
     g->has_mpi = true;
   } else {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -234,10 +235,69 @@ Status MpiComm::Usable() const {
                        "complete that call, so no later call is started)");
 }
 
+namespace {
+std::mutex watches_mu;
+std::vector<std::weak_ptr<MpiWatch>> watches;
+}  // namespace
+
+void MpiWatchAdd(const std::shared_ptr<MpiWatch>& w) {
+  std::lock_guard<std::mutex> lock(watches_mu);
+  watches.erase(std::remove_if(watches.begin(), watches.end(),
+                               [](const std::weak_ptr<MpiWatch>& p) { return p.expired(); }),
+                watches.end());
+  watches.push_back(w);
+}
+
+std::vector<std::shared_ptr<MpiWatch>> MpiWatches() {
+  std::lock_guard<std::mutex> lock(watches_mu);
+  std::vector<std::shared_ptr<MpiWatch>> out;
+  for (const auto& p : watches) {
+    if (auto w = p.lock()) out.push_back(std::move(w));
+  }
+  return out;
+}
+
+double StallSecondsFromEnv() {
+  const char* v = std::getenv("SPMD_STALL_WARN");
+  if (v == nullptr || *v == 0) return 30;
+  char* end = nullptr;
+  const double s = std::strtod(v, &end);
+  return end != v && s >= 0 ? s : 30;  // the Python side rejects a bad value first
+}
+
+std::string MpiComm::Behind(bool ask) const {
+  std::string late = behind ? behind(calls_, ask) : std::string();
+  if (watch != nullptr) {
+    std::lock_guard<std::mutex> lock(watch->mu);
+    if (watch->verdict_call == calls_ && !watch->late.empty()) {
+      late += (late.empty() ? "" : " And ") + watch->late;
+    }
+  }
+  return late;
+}
+
+std::string MpiComm::WatchGone() const {
+  if (watch == nullptr || !watch->has_gone.load(std::memory_order_acquire)) return "";
+  std::lock_guard<std::mutex> lock(watch->mu);
+  return watch->verdict_call == calls_ ? watch->gone : std::string();
+}
+
 Status MpiComm::Wait(H* requests, int n, const char* what) const {
   auto start = std::chrono::steady_clock::now();
   int spins = 0;
   bool reported = false;
+  // The watch sees this wait (a collective's only: a point-to-point peer may rightly be late).
+  struct Waiting {
+    MpiWatch* w;
+    ~Waiting() {
+      if (w != nullptr) w->waiting_since_ns.store(0, std::memory_order_release);
+    }
+  } waiting{current_ != nullptr ? watch.get() : nullptr};
+  if (waiting.w != nullptr) {
+    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           start.time_since_epoch()).count();
+    waiting.w->waiting_since_ns.store(ns > 0 ? ns : 1, std::memory_order_release);
+  }
   // A collective's description, and the ranks that have not started it (where they can be
   // seen): for the stall report and the timeout.
   auto where = [&] {
@@ -253,23 +313,27 @@ Status MpiComm::Wait(H* requests, int n, const char* what) const {
       if (done) break;
       if (++spins % 1024 == 0) {
         sched_yield();
-        if (peer_gone && spins % (1024 * 16) == 0) {
-          const std::string gone = peer_gone();
+        if (spins % (1024 * 16) == 0) {
+          std::string gone = peer_gone ? peer_gone() : std::string();
+          if (gone.empty() && current_ != nullptr) gone = WatchGone();
           if (!gone.empty()) {
             broken = true;  // the call cannot complete, and MPI cannot cancel it
-            return Status::Error(gone + " while this rank waited for it in " + what +
-                                 " over MPI on the group " + RankList(world_ranks) +
+            const std::string in = current_ != nullptr
+                                       ? where()
+                                       : std::string(what) + " over MPI on the group " +
+                                             RankList(world_ranks);
+            return Status::Error(gone + " while this rank waited for it in " + in +
                                  ": it made fewer collective calls than this rank. Every rank "
                                  "of a group must make the same collective calls in the same "
                                  "order");
           }
         }
         std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
-        const bool in_collective = current_ != nullptr && behind;
+        const bool in_collective = current_ != nullptr && (behind || watch != nullptr);
         if (!reported && in_collective && stall_s > 0 && waited.count() > stall_s) {
-          reported = true;
-          const std::string late = behind(calls_, true);
-          if (!late.empty()) {
+          const std::string late = Behind(true);
+          if (!late.empty()) {  // (the watch's verdict may come a little later)
+            reported = true;
             const std::string msg =
                 "[rank " + std::to_string(world_ranks[rank]) + "] spmd: stalled: this rank has " +
                 "waited " + std::to_string(static_cast<int>(waited.count())) + " s in " +
@@ -281,7 +345,7 @@ Status MpiComm::Wait(H* requests, int n, const char* what) const {
         }
         if (waited.count() > timeout_s) {
           broken = true;
-          const std::string late = in_collective ? behind(calls_, false) : std::string();
+          const std::string late = in_collective ? Behind(false) : std::string();
           if (!late.empty()) {
             return Status::Error("timed out after " + std::to_string(static_cast<int>(timeout_s)) +
                                  " s in " + where() + " waiting for " + late);
@@ -468,7 +532,9 @@ Status MpiComm::Barrier() const {
 Status MpiComm::CheckSame(const Signature& sig) const {
   SPMD_RETURN_IF_ERROR(Usable());
   current_ = &sig;  // valid until the op's end: every later wait is in a later op or a send/recv
-  if (on_call) on_call(++calls_);
+  ++calls_;
+  if (on_call) on_call(calls_);
+  if (watch != nullptr) watch->started.store(calls_, std::memory_order_release);
   const uint64_t hash = sig.hash;
   std::vector<uint64_t> all(size);
   SPMD_RETURN_IF_ERROR(Allgatherv(&hash, all.data(), std::vector<size_t>(size, 8)));

@@ -9,9 +9,12 @@
 #ifndef SPMD_CPU_MPI_H_
 #define SPMD_CPU_MPI_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -46,6 +49,27 @@ struct MessageShape {
   bool operator==(const MessageShape& o) const;
   std::string Describe() const;  // "float32[2,2]"
 };
+
+// What a communicator and the peer watch (spmd/runtime/_watch.py) tell each other, for groups
+// whose ranks no shared-memory segment shows (a group spanning nodes): how many collectives this
+// process has started on the communicator and since when it waits in one (read by the watch,
+// which asks the peers over TCP), and the watch's verdict on the call waited for: a peer that
+// left before reaching it (`gone`, which ends the wait), the peers that have not reached it
+// (`late`, for the stall report and the timeout).
+struct MpiWatch {
+  std::vector<int> world_ranks;
+  std::atomic<uint64_t> started{0};
+  std::atomic<int64_t> waiting_since_ns{0};  // steady clock; 0: not waiting in a collective
+  std::atomic<bool> has_gone{false};
+  std::mutex mu;  // guards the verdict
+  uint64_t verdict_call = 0;
+  std::string gone, late;
+};
+// Registers a communicator's watch (GroupAttachMpi); the watches alive, for the watch thread.
+void MpiWatchAdd(const std::shared_ptr<MpiWatch>& w);
+std::vector<std::shared_ptr<MpiWatch>> MpiWatches();
+// SPMD_STALL_WARN in seconds (30 unset; 0: never), as the Python side checked it.
+double StallSecondsFromEnv();
 
 // The collectives spmd runs over MPI, on communicator `comm` of `size` ranks. Counts are
 // elements; reductions work on every dtype spmd supports (float16/bfloat16 through float32).
@@ -97,11 +121,17 @@ struct MpiComm {
   std::function<void(uint64_t)> on_call;
   std::function<std::string(uint64_t, bool)> behind;
   double stall_s = 30;
+  // Shared with the peer watch; set where the communicator is attached.
+  std::shared_ptr<MpiWatch> watch;
 
  private:
   Status Usable() const;
   // Polls `requests` to completion, or fails after the deadline naming the group.
   Status Wait(MpiHandle* requests, int n, const char* what) const;
+  // The peers that have not reached collective #calls_: the segment's and the watch's.
+  std::string Behind(bool ask) const;
+  // The watch's verdict that a peer left before collective #calls_ ("" if none).
+  std::string WatchGone() const;
   // The collective under way (CheckSame to its end; null in point-to-point calls), for the
   // stall report and the timeout, and how many have started.
   mutable const Signature* current_ = nullptr;

@@ -5,6 +5,7 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <iterator>
 #include <string>
@@ -14,6 +15,7 @@
 #include "../cpu/handlers.h"
 #include "../cpu/mpi.h"
 #include "../cpu/recorder.h"
+#include "../cpu/watch.h"
 #include "../cuda/codec.h"
 #include "../cuda/custom_ar.h"
 #include "args.h"
@@ -184,6 +186,73 @@ PyObject* GroupSetTransport(PyObject*, PyObject* args) {
 // interpreter exit, so that a peer waiting for them fails at once naming them).
 PyObject* ShmMarkLeaving(PyObject*, PyObject*) {
   spmd::ShmGroup::MarkAllLeaving();
+  spmd::WatchMarkLeaving();
+  Py_RETURN_NONE;
+}
+
+// watch_listen(host) -> port: start the peer watch's server (native/cpu/watch.h).
+PyObject* WatchListen(PyObject*, PyObject* args) {
+  const char* host;
+  if (!PyArg_ParseTuple(args, "s", &host)) return nullptr;
+  int port = 0;
+  spmd::Status s = spmd::WatchListen(host, &port);
+  if (!s.ok()) return Raise(s);
+  return PyLong_FromLong(port);
+}
+
+// watch_stop(): stop it.
+PyObject* WatchStop(PyObject*, PyObject*) {
+  Py_BEGIN_ALLOW_THREADS;
+  spmd::WatchStop();
+  Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
+// mpi_watch_waits() -> [(world_ranks, call, seconds)]: this process's MPI communicators that
+// wait in a collective (spmd/runtime/_watch.py), with the collective's number and how long.
+PyObject* MpiWatchWaits(PyObject*, PyObject*) {
+  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now().time_since_epoch()).count();
+  PyObject* out = PyList_New(0);
+  if (out == nullptr) return nullptr;
+  for (const auto& w : spmd::MpiWatches()) {
+    const int64_t since = w->waiting_since_ns.load(std::memory_order_acquire);
+    if (since == 0) continue;
+    PyObject* ranks = PyList_New(static_cast<Py_ssize_t>(w->world_ranks.size()));
+    if (ranks == nullptr) return Py_DECREF(out), nullptr;
+    for (size_t i = 0; i < w->world_ranks.size(); ++i) {
+      PyList_SET_ITEM(ranks, static_cast<Py_ssize_t>(i), PyLong_FromLong(w->world_ranks[i]));
+    }
+    PyObject* item = Py_BuildValue("(NKd)", ranks,
+                                   static_cast<unsigned long long>(w->started.load()),
+                                   static_cast<double>(now - since) * 1e-9);
+    if (item == nullptr || PyList_Append(out, item) != 0) {
+      Py_XDECREF(item);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(item);
+  }
+  return out;
+}
+
+// mpi_watch_verdict(world_ranks, call, gone, late): the peer watch's verdict on collective #call
+// of the communicators of those world ranks ("" for none).
+PyObject* MpiWatchVerdict(PyObject*, PyObject* args) {
+  PyObject* ranks;
+  unsigned long long call;
+  const char *gone, *late;
+  if (!PyArg_ParseTuple(args, "OKss", &ranks, &call, &gone, &late)) return nullptr;
+  std::vector<int> r;
+  if (!IntList(ranks, &r)) return nullptr;
+  for (const auto& w : spmd::MpiWatches()) {
+    if (w->world_ranks != r) continue;
+    std::lock_guard<std::mutex> lock(w->mu);
+    w->verdict_call = call;
+    w->gone = gone;
+    w->late = late;
+    w->has_gone.store(*gone != 0, std::memory_order_release);
+  }
   Py_RETURN_NONE;
 }
 
@@ -193,6 +262,7 @@ PyObject* ShmDumpsStack(PyObject*, PyObject* args) {
   int on = 0;
   if (!PyArg_ParseTuple(args, "p", &on)) return nullptr;
   spmd::ShmGroup::SetDumpsStack(on != 0);
+  spmd::WatchSetDumpsStack(on != 0);
   Py_RETURN_NONE;
 }
 
@@ -332,6 +402,12 @@ PyMethodDef kMethods[] = {
     {"group_shm_hop_ns", GroupShmHopNs, METH_VARARGS, "Time the shared-memory staging probe."},
     {"shm_dumps_stack", ShmDumpsStack, METH_VARARGS,
      "Say whether this process prints its Python stack on SIGUSR1."},
+    {"watch_listen", WatchListen, METH_VARARGS, "Start the peer watch's server."},
+    {"watch_stop", WatchStop, METH_NOARGS, "Stop the peer watch's server."},
+    {"mpi_watch_waits", MpiWatchWaits, METH_NOARGS,
+     "The MPI communicators waiting in a collective, for the peer watch."},
+    {"mpi_watch_verdict", MpiWatchVerdict, METH_VARARGS,
+     "The peer watch's verdict on a waiting collective."},
     {"shm_mark_leaving", ShmMarkLeaving, METH_NOARGS,
      "Mark this process's ranks of every shared-memory group as leaving."},
     {"recorder_open", RecorderOpen, METH_VARARGS, "Record this process's calls in a ring."},

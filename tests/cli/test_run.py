@@ -236,7 +236,15 @@ def test_a_rank_that_ends_right_after_dispatching_its_last_steps_waits_for_them(
     assert "done 200.0" in out.stdout, out.stdout
 
 
-@pytest.mark.parametrize("transport", ["shm", "mpi"])
+def _placement(transport):
+    """spmd-run arguments and environment: both ranks on one node over shared memory or MPI,
+    or each rank on a simulated node of its own (MPI, the peer watch between them)."""
+    if transport == "nodes":
+        return ["--nodes", "2"], {}
+    return [], {"SPMD_TRANSPORT": transport}
+
+
+@pytest.mark.parametrize("transport", ["shm", "mpi", "nodes"])
 @pytest.mark.parametrize("leave", ["sys.exit(0)", "os._exit(0)"])
 def test_a_rank_that_leaves_early_is_named_at_once_not_after_the_timeout(
     tmp_path, leave, transport
@@ -244,7 +252,9 @@ def test_a_rank_that_leaves_early_is_named_at_once_not_after_the_timeout(
     """A rank that makes one collective fewer and exits cleanly left its peers waiting for
     SPMD_TIMEOUT (300 s). sys.exit runs Python's exit handlers, which mark the rank as leaving
     in shared memory; os._exit runs none, and the waiting peer sees its process gone. The MPI
-    transport's waits ask the group's shared-memory segment too."""
+    transport's waits ask the group's shared-memory segment too, and between nodes the peer
+    watch. A rank gone with os._exit between nodes makes MPICH end the job first: spmd-run
+    names it from its supervisor."""
     script = tmp_path / "leave.py"
     script.write_text(
         "import os, sys\nimport jax.numpy as jnp\nimport spmd\n"
@@ -252,27 +262,39 @@ def test_a_rank_that_leaves_early_is_named_at_once_not_after_the_timeout(
         f"if comm.rank == 1:\n    {leave}\n"
         "spmd.allreduce(jnp.ones(3))\n"
     )
-    env = {"SPMD_TRANSPORT": transport, "SPMD_TIMEOUT": "60"}
-    out, took = spmd_run("-n", "2", sys.executable, str(script), env=env)
+    args, env = _placement(transport)
+    out, took = spmd_run(*args, "-n", "2", sys.executable, str(script),
+                         env={**env, "SPMD_TIMEOUT": "60"})  # fmt: skip
     assert out.returncode == 1, out.stderr
+    assert took < 15, f"the job took {took:.1f} s"
+    if transport == "nodes" and leave.startswith("os"):
+        assert (
+            "spmd-run: rank 1 exited with code 0 before its Python program ended (os._exit, or "
+            "an exit from C code); ranks [0] had not finished"
+            in out.stderr
+            or "rank 0: allreduce: rank 1 (node simulated-node-1) has ended" in out.stderr
+        ), out.stderr
+        return
     gone = "is exiting" if leave.startswith("sys") else "has ended (its process"
-    assert f"spmd-run: rank 0 failed: SpmdError: rank 0: allreduce: rank 1 {gone}" in out.stderr
+    rank1 = "rank 1 (node simulated-node-1)" if transport == "nodes" else "rank 1"
+    assert f"spmd-run: rank 0 failed: SpmdError: rank 0: allreduce: {rank1} {gone}" in out.stderr
     where = (
         "while this rank waited for it in collective #2 of the group [0, 1]"
         if transport == "shm"
-        else "over MPI on the group [0, 1]"
+        else "while this rank waited for it in allreduce(op=sum) of float32[3] over MPI "
+        "(collective #2 of the group [0, 1])"
     )
     assert where in out.stderr, out.stderr
-    assert took < 15, f"the job took {took:.1f} s"
 
 
-@pytest.mark.parametrize("transport", ["shm", "mpi"])
+@pytest.mark.parametrize("transport", ["shm", "mpi", "nodes"])
 def test_a_sigstopped_peer_is_reported_as_stopped_and_the_job_ends_at_the_timeout(
     tmp_path, transport
 ):
     """A SIGSTOPped rank is alive but cannot run, nor print its stack: the stall report says it
     is stopped, and the waiting rank's timeout ends the job, stopped rank included. Over MPI the
-    waiting rank reads how far each peer got from the group's shared-memory segment."""
+    waiting rank reads how far each peer got from the group's shared-memory segment; between
+    nodes the peer watch finds it silent."""
     script = tmp_path / "stop.py"
     script.write_text(
         "import os, signal\nimport jax.numpy as jnp\nimport spmd\n"
@@ -281,9 +303,23 @@ def test_a_sigstopped_peer_is_reported_as_stopped_and_the_job_ends_at_the_timeou
         "spmd.allreduce(jnp.ones(3))\n"
     )
     before = _mpich_files()
-    env = {"SPMD_STALL_WARN": "1", "SPMD_TIMEOUT": "4", "SPMD_TRANSPORT": transport}
-    out, took = spmd_run("-n", "2", sys.executable, str(script), env=env)
+    args, env = _placement(transport)
+    env = {**env, "SPMD_STALL_WARN": "1", "SPMD_TIMEOUT": "4"}
+    out, took = spmd_run(*args, "-n", "2", sys.executable, str(script), env=env)
     assert out.returncode == 1, out.stderr
+    if transport == "nodes":
+        silent = (
+            "rank 1 (node simulated-node-1), which does not answer the peer watch (its process "
+            "may be stopped, or its node unreachable)."
+        )
+        assert f"(collective #2 of the group [0, 1]) for {silent}" in out.stderr, out.stderr
+        assert (
+            "timed out after 4 s in allreduce(op=sum) of float32[3] over MPI (collective #2 of "
+            f"the group [0, 1]) waiting for {silent}" in out.stderr
+        ), out.stderr
+        assert took < 15, f"the job took {took:.1f} s"
+        assert _mpich_files() - before == set(), "MPICH's files were left behind"
+        return
     started = "on the group" if transport == "shm" else "over MPI on the group"
     assert f"for rank 1, which has started 1 collectives {started}" in out.stderr, out.stderr
     assert "is stopped (SIGSTOP, Ctrl-Z or a debugger)" in out.stderr, out.stderr
@@ -299,7 +335,7 @@ def test_a_sigstopped_peer_is_reported_as_stopped_and_the_job_ends_at_the_timeou
     assert _mpich_files() - before == set(), "MPICH's files were left behind"
 
 
-@pytest.mark.parametrize("transport", ["shm", "mpi"])
+@pytest.mark.parametrize("transport", ["shm", "mpi", "nodes"])
 def test_a_stalled_peer_is_reported_with_its_python_stack(tmp_path, transport):
     """A peer that is alive but does not arrive: after SPMD_STALL_WARN seconds the waiting rank
     says where it waits, for whom, how far that rank got, and has it print its Python stack."""
@@ -311,19 +347,21 @@ def test_a_stalled_peer_is_reported_with_its_python_stack(tmp_path, transport):
         "if comm.rank == 1:\n    busy_elsewhere()\n"
         "print(comm.rank, float(spmd.allreduce(jnp.ones(3))[0]))\n"
     )
-    env = {"SPMD_STALL_WARN": "1", "SPMD_TRANSPORT": transport}
-    out, _ = spmd_run("-n", "2", sys.executable, str(script), env=env)
+    args, env = _placement(transport)
+    out, _ = spmd_run(*args, "-n", "2", sys.executable, str(script),
+                      env={**env, "SPMD_STALL_WARN": "1"})  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert sorted(out.stdout.split("\n")[:2]) == ["0 2.0", "1 2.0"], out.stdout
+    rank1 = "rank 1 (node simulated-node-1)" if transport == "nodes" else "rank 1"
     report = (
         "[rank 0] spmd: stalled: this rank has waited 1 s in allreduce(op=sum) of float32[3] "
         "(collective #2 of the group [0, 1]) for rank 1, which has started 1 collectives on the "
         "group: it has not reached this collective."
         if transport == "shm"
         else "[rank 0] spmd: stalled: this rank has waited 1 s in allreduce(op=sum) of "
-        "float32[3] over MPI (collective #2 of the group [0, 1]) for rank 1, which has started "
-        "1 collectives over MPI on the group: it has not reached this collective. Its Python "
-        "stack follows in its output."
+        f"float32[3] over MPI (collective #2 of the group [0, 1]) for {rank1}, which has "
+        "started 1 collectives over MPI on the group: it has not reached this collective. Its "
+        "Python stack follows in its output."
     )
     assert report in out.stderr, out.stderr
     assert 'stall.py", line 7 in busy_elsewhere' in out.stderr, out.stderr

@@ -262,7 +262,7 @@ def launch(
             # Every rank has ended, was killed, or failed and waits to be stopped: no grace left
             # to give (a failed rank that does not wait is ending on its own, flushing files).
             settled = len(status) == nprocs and all(
-                s["state"] == "done"
+                s["state"] in ("done", "exited")
                 or (
                     s["state"] == "failed"
                     and (
@@ -357,8 +357,9 @@ def _summarize(
     report: TextIO,
 ) -> int:
     failed = sorted(r for r, s in status.items() if s["state"] == "failed")
-    unfinished = [r for r in range(nprocs) if status.get(r, {}).get("state") not in ("done",)]
-    unfinished = [r for r in unfinished if r not in failed]
+    exited = sorted(r for r, s in status.items() if s["state"] == "exited")
+    ended = ("done", "exited", "failed")
+    unfinished = [r for r in range(nprocs) if status.get(r, {}).get("state") not in ended]
 
     def say(msg: str) -> None:
         print(f"spmd-run: {msg}", file=report, flush=True)
@@ -386,6 +387,10 @@ def _summarize(
             say(f"stopped ranks {unfinished} after rank {first} failed")
         code = status[first].get("exit_code", 1)
         return code if isinstance(code, int) and code != 0 else 1
+    if exited and unfinished:  # os._exit(0) a collective early: its peers never finished
+        for r in exited:
+            say(f"rank {r} {status[r].get('error')}; ranks {unfinished} had not finished")
+        return 1
     if returncode != 0:
         if returncode < 0:
             try:
@@ -396,4 +401,7 @@ def _summarize(
             how = f"exited with code {returncode}"
         say(f"the launcher (mpiexec) {how}; ranks without a clean end: {unfinished}")
         return returncode if returncode > 0 else 128 - returncode
+    if unfinished:
+        say(f"the launcher ended, but ranks {unfinished} never reported the end of their program")
+        return 1
     return 0

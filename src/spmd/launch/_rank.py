@@ -20,6 +20,7 @@ import builtins
 import ctypes
 import faulthandler
 import io
+import json
 import os
 import runpy
 import signal
@@ -165,7 +166,9 @@ def _supervise(rank: int) -> int | None:
         signal.signal(sig, forward)
     _, status = os.waitpid(pid, 0)
     if os.WIFEXITED(status):
-        return os.WEXITSTATUS(status)
+        code = os.WEXITSTATUS(status)
+        _report_early_exit(rank, directory, code)
+        return code
     signum = os.WTERMSIG(status)
     if forwarded:  # the job is being stopped: spmd-run names the rank that caused it
         return 128 + signum
@@ -209,6 +212,23 @@ def _redirect_output(rank: int) -> None:
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
         os.close(target)
+
+
+def _report_early_exit(rank: int, directory: str, code: int) -> None:
+    """A rank process that ended without reporting how its program ended (``os._exit``, or an
+    exit from C code) would otherwise look to ``spmd-run`` as if it still ran: say so. With code
+    0 its state is "exited" (the job succeeds if every other rank finished), else "failed"."""
+    try:
+        with open(os.path.join(directory, f"rank{rank}.json")) as f:
+            state = json.load(f).get("state")
+    except (OSError, ValueError):
+        state = "running"
+    if state != "running":
+        return
+    error = f"exited with code {code} before its Python program ended (os._exit, or an exit "
+    error += "from C code)"
+    report_status(rank, {"state": "exited" if code == 0 else "failed", "exit_code": code,
+                         "error": error})  # fmt: skip
 
 
 def main() -> int:

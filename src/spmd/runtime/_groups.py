@@ -410,7 +410,7 @@ def _leave() -> None:
             array.block_until_ready()
     except Exception:  # a failed computation: its error is raised where it is used
         pass
-    native().shm_mark_leaving()
+    native().shm_mark_leaving()  # the peer watch's answers say so too
 
 
 def watch_peers() -> None:

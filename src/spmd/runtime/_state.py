@@ -8,7 +8,7 @@ from typing import Any
 
 from .._errors import SpmdError, set_rank
 from .._errors import this_rank as this_rank
-from . import _groups, _recorder
+from . import _groups, _recorder, _watch
 from ._channel import (
     SETUP_WHAT,
     Channel,
@@ -126,6 +126,7 @@ class _Runtime:
     def close(self) -> None:
         drain_device_work()
         self.world.barrier()
+        _watch.stop()
         _groups.release_all()
         for comm in self.pool.values():
             if comm is not self.world:
@@ -229,6 +230,7 @@ def init(backend: str | None = None) -> Communicator:
         _groups.prepare_world(runtime.world)
         if runtime.size > 1:
             _groups.watch_peers()
+            _watch.start(runtime.world)  # where the world spans nodes
         return runtime.world
 
 

@@ -1,0 +1,234 @@
+"""The peer watch: how a rank waiting over MPI for ranks on other nodes learns, within about a
+second, that one of them left, and which have not arrived when it reports a stall or times out.
+
+Within a node the group's shared-memory segment shows every rank's progress and process
+(runtime/_groups.py, ``watch_peers``). Between nodes nothing does, so where the world spans
+nodes each rank runs two threads from ``spmd.init``:
+
+- a server on a TCP port of its node's address (native, native/cpu/watch.h: it answers while
+  Python cannot run, in MPI_Finalize at exit or in a C call that holds the interpreter lock),
+  which answers a peer's question "how many collectives have you started on the communicator
+  of these world ranks?" with that number, whether this process is exiting, and its pid; asked
+  to, it has the process print its Python stack (SIGUSR1, as for a stall on one node);
+- a watcher, which every quarter second asks the native layer whether one of this process's
+  MPI communicators waits in a collective (``mpi_watch_waits``). Once a wait has lasted half a
+  second, it asks the peers of that communicator how far they got, and gives the native layer
+  its verdict (``mpi_watch_verdict``): a peer that is exiting, or whose port refuses connections
+  (its process is gone), before reaching the collective ends the wait with an error naming it;
+  peers that have not reached it, or do not answer (stopped, or their node unreachable), are
+  named by the stall report (``SPMD_STALL_WARN``) and the timeout.
+
+A peer that has reached the collective is not asked again for it. The ports are exchanged in
+``spmd.init`` over the setup channel, and each rank then asks the next one once: if any cannot
+reach its neighbour, the watch is off on every rank (rank 0 says why) and waits between nodes
+run to ``SPMD_TIMEOUT`` as before. ``SPMD_WATCH_ADDR`` sets the address to listen on (default:
+the first non-loopback address of the hostname, else 127.0.0.1); ``SPMD_WATCH=0`` turns the
+watch off. Nothing but these counts, flags and pids is sent, and the only action a peer can
+request is the stack print.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .._native_lib import native
+from ._env import stall_warn_seconds
+
+if TYPE_CHECKING:
+    from ._communicator import Communicator
+
+_POLL_S = 0.25  # how often the watcher looks for a wait
+_FIRST_S = 0.5  # a wait this long gets the peers asked
+_ASK_TIMEOUT_S = 0.5  # connecting to a peer and reading its answer, each
+
+_watch: _Watch | None = None
+
+
+def _listen_address() -> str:
+    explicit = os.environ.get("SPMD_WATCH_ADDR")
+    if explicit:
+        return explicit
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        infos = []
+    addresses = [str(info[4][0]) for info in infos]
+    return next((a for a in addresses if not a.startswith("127.")), "127.0.0.1")
+
+
+class _Watch:
+    def __init__(self, world: Communicator) -> None:
+        self.me = world.world_rank
+        self.node_ids = world.node_ids
+        self.stall_s = stall_warn_seconds()
+        self.host = _listen_address()
+        self.port = 0
+        self.addresses: list[tuple[str, int]] = []
+        self.stop = threading.Event()
+        # Per (world ranks, call): what is known of each peer; the calls whose stacks were asked.
+        self.known: dict[tuple[tuple[int, ...], int], dict[int, dict[str, int] | str]] = {}
+        self.asked: set[tuple[tuple[int, ...], int]] = set()
+        self.pids: dict[int, int] = {}
+        self.thread = threading.Thread(target=self._watch, name="spmd-watch", daemon=True)
+
+    def listen(self) -> None:
+        self.port = int(native().watch_listen(self.host))
+
+    def ask(self, rank: int, ranks: Sequence[int], stack: bool = False) -> dict[str, int] | str:
+        """A peer's answer (started, leaving, pid, dumps), or ``"gone"`` (its port refuses or
+        drops the connection: its process has ended) or ``"silent"`` (no answer in time:
+        stopped, or its node unreachable)."""
+        request = f"{int(stack)} {','.join(map(str, ranks))}\n".encode()
+        try:
+            with socket.create_connection(self.addresses[rank], timeout=_ASK_TIMEOUT_S) as conn:
+                conn.sendall(request)
+                line = conn.makefile("rb").readline()
+        except (ConnectionRefusedError, ConnectionResetError, BrokenPipeError):
+            return "gone"
+        except OSError:  # a timeout, or an unreachable address
+            return "silent"
+        if not line:
+            return "gone"
+        try:
+            started, leaving, pid, dumps = (int(v) for v in line.split())
+        except ValueError:
+            return "silent"
+        self.pids[rank] = pid
+        return {"started": started, "leaving": leaving, "pid": pid, "dumps": dumps}
+
+    # -- the watcher -----------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while not self.stop.wait(_POLL_S):
+            try:
+                waits = native().mpi_watch_waits()
+            except Exception:  # the native layer is going away (interpreter exit)
+                return
+            for ranks, call, waited in waits:
+                if waited >= _FIRST_S:
+                    with contextlib.suppress(Exception):
+                        self._check(tuple(ranks), int(call), float(waited))
+
+    def _where(self, rank: int) -> str:
+        node = self.node_ids[rank] if rank < len(self.node_ids) else ""
+        return f"rank {rank}" + (f" (node {node})" if node else "")
+
+    def _check(self, ranks: tuple[int, ...], call: int, waited: float) -> None:
+        key = (ranks, call)
+        known = self.known.setdefault(key, {})
+        for old in [k for k in self.known if k[0] == ranks and k[1] < call]:
+            del self.known[old]
+
+        def reached(r: int) -> bool:
+            answer = known.get(r)
+            return r == self.me or (isinstance(answer, dict) and answer["started"] >= call)
+
+        for r in ranks:
+            if not reached(r):  # one that has reached the collective is not asked again
+                known[r] = self.ask(r, ranks)
+        gone, late, behind = "", [], []
+        for r in ranks:
+            answer = known.get(r)
+            if r == self.me or answer is None:
+                continue
+            if answer == "gone":
+                pid = self.pids.get(r)
+                process = f"its process {pid}" if pid else "its process"
+                gone = gone or (
+                    f"{self._where(r)} has ended ({process} no longer answers the peer watch)"
+                )
+            elif isinstance(answer, str):  # "silent"
+                late.append(
+                    f"{self._where(r)}, which does not answer the peer watch (its process may "
+                    "be stopped, or its node unreachable)"
+                )
+            elif answer["started"] < call:
+                if answer["leaving"]:
+                    gone = gone or (
+                        f"{self._where(r)} is exiting (its Python program ended, or called "
+                        "sys.exit)"
+                    )
+                behind.append(r)
+        # The lowest rank of the group that has reached the call asks for the stacks, once.
+        asker = next(r for r in ranks if reached(r)) == self.me
+        for r in behind:
+            answer = known[r]
+            assert isinstance(answer, dict)
+            text = (
+                f"{self._where(r)}, which has started {answer['started']} collectives over MPI "
+                "on the group: it has not reached this collective"
+            )
+            if asker and answer["dumps"] and self.stall_s > 0:
+                text += ". Its Python stack follows in its output"
+            late.append(text)
+        if asker and self.stall_s > 0 and waited >= self.stall_s and key not in self.asked:
+            self.asked.add(key)
+            for r in behind:
+                answer = known[r]
+                if isinstance(answer, dict) and answer["dumps"]:
+                    self.ask(r, ranks, stack=True)
+        text = "; and ".join(late) + ("." if late else "")
+        native().mpi_watch_verdict(list(ranks), call, gone, text)
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout=2 * _POLL_S + 4 * _ASK_TIMEOUT_S)
+        if self.port:
+            native().watch_stop()
+            self.port = 0
+
+
+def start(world: Communicator) -> None:
+    """Collective over the world at ``spmd.init``: start the watch where the world spans nodes
+    (nothing otherwise, or with ``SPMD_WATCH=0``)."""
+    global _watch
+    if _watch is not None or world.size == 1 or len(set(world.node_ids)) == 1:
+        return
+    if os.environ.get("SPMD_WATCH", "1") == "0":  # the same on every rank: no exchange
+        return
+    watch = _Watch(world)
+    problem = ""
+    try:
+        watch.listen()
+    except RuntimeError as e:
+        problem = f"rank {world.world_rank} cannot listen: {e}"
+    addresses = world._setup_allgather((watch.host, watch.port) if watch.port else None)
+    if not problem and any(a is None for a in addresses):
+        problem = "a rank could not listen"
+    if not problem:
+        watch.addresses = [(str(a[0]), int(a[1])) for a in addresses]
+        neighbour = (world.world_rank + 1) % world.size
+        if not isinstance(watch.ask(neighbour, []), dict):
+            host, port = watch.addresses[neighbour]
+            problem = (
+                f"rank {world.world_rank} cannot reach rank {neighbour}'s port at {host}:{port}; "
+                "set SPMD_WATCH_ADDR to an address the nodes reach each other on"
+            )
+    problems = [p for p in world._setup_allgather(problem) if p]
+    if problems:
+        watch.close()
+        if world.world_rank == 0:
+            warnings.warn(
+                f"spmd: the peer watch is off ({problems[0]}): a rank on another node that "
+                "leaves or stalls is found only at SPMD_TIMEOUT",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return
+    watch.thread.start()
+    _watch = watch
+
+
+def stop() -> None:
+    """Stop the watch (``spmd.finalize``)."""
+    global _watch
+    if _watch is not None:
+        _watch.close()
+        _watch = None
