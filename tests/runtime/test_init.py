@@ -232,3 +232,41 @@ def test_bad_malloc_tuning_is_an_error():
     )
     assert out.returncode != 0 and "ran" not in out.stdout
     assert "[rank 1] SPMD_MALLOC_TUNING='yes': expected 0, 1 or arena" in out.stderr
+
+
+def mapping_fails_on_one_rank():
+    """Rank 1 may open no more files when the group [0, 1] is prepared at its first collective,
+    so that mapping the segment rank 0 made fails there alone."""
+    import resource
+
+    import jax.numpy as jnp
+
+    comm = spmd.init()
+    x = jnp.ones(3)
+    spmd.allreduce(x)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if comm.rank == 1:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 1, hard))
+    try:
+        spmd.allreduce(x, rank_list=[[0, 1], [2]])
+    except spmd.SpmdError as e:
+        return str(e)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return "no error"
+
+
+def test_a_rank_whose_segment_mapping_fails_does_not_leave_its_peers_waiting():
+    """Finding 7 of the reliability issue: ranks of one group in the last step of the
+    shared-memory set-up while another had left it. A rank whose mapping failed left that step
+    (spmd.init swallows the failure for the world, to raise it at the first collective), and its
+    next set-up exchange would pair with the others' pending one; at a sub-group's first
+    collective its peer waited for SPMD_TIMEOUT. Every rank now learns of the failure in the
+    same exchange."""
+    got = run(mapping_fails_on_one_rank, 3, fresh=True, timeout=60)
+    assert got[1].startswith("rank 1: mapping the shared memory of group rank 0 failed: cannot "), (
+        got
+    )
+    assert "Too many open files" in got[1], got
+    assert got[0].startswith("rank 0: failed because another rank did: rank 1: mapping"), got
+    assert got[2] == "no error", got

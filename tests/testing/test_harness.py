@@ -11,6 +11,7 @@ import pytest
 
 import spmd
 from spmd.testing import MultiRankError, multirank, run
+from spmd.testing._harness import load_factor
 
 
 def rank_and_pid(value):
@@ -58,6 +59,15 @@ def test_hang_names_the_ranks_and_shows_their_stacks():
     assert text.startswith("ranks [2] did not finish (hang)")
     assert "--- rank 2 stack ---" in text and "in hangs_on_rank" in text
     assert run(hangs_on_rank, 3, args=(-1,)) == [0, 1, 2]  # a new pool replaced the hung one
+
+
+def test_the_timeout_stretches_with_the_load_once(monkeypatch):
+    """A check's timeout holds on a loaded machine (CI shares 2 cores with everything): it is
+    stretched by the 1-minute load average per core, between 1x and 4x."""
+    cores = len(os.sched_getaffinity(0))
+    for load, factor in [(0.0, 1.0), (0.5 * cores, 1.0), (3.0 * cores, 3.0), (9.0 * cores, 4.0)]:
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        assert load_factor() == pytest.approx(factor)
 
 
 def fails_then_others_wait():

@@ -185,8 +185,7 @@ def _attach_shm(gid: int, which: int, comm: Communicator, parts: list[list[int]]
                 raise SpmdError(str(e)) from None
         return name
 
-    try:
-        names = comm.agree(create, setup=True)
+    def attach(names: list[str | None]) -> None:
         if mine is not None and not creator:
             try:
                 native().group_attach_shm(
@@ -195,10 +194,15 @@ def _attach_shm(gid: int, which: int, comm: Communicator, parts: list[list[int]]
                 )  # fmt: skip
             except RuntimeError as e:
                 raise SpmdError(
-                    f"mapping the shared memory of group rank {mine[0]} failed: {e} (that rank "
-                    "may have failed or timed out earlier)"
+                    f"mapping the shared memory of group rank {mine[0]} failed: {e}"
                 ) from None
-        comm._setup_allgather(None)  # everyone mapped its segment: the names can go
+
+    try:
+        names = comm.agree(create, setup=True)
+        # Every rank learns whether every rank mapped its segment (then the names can go): a
+        # rank whose mapping failed must not leave while the others still wait in this
+        # exchange, or its next set-up exchange would pair with theirs.
+        comm.agree(lambda: attach(names), setup=True)
     finally:
         if creator:  # POSIX shared memory lives in /dev/shm on Linux
             try:

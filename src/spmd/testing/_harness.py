@@ -46,6 +46,16 @@ class MultiRankError(AssertionError):
     captured output, and the stacks of ranks that did not finish."""
 
 
+def load_factor() -> float:
+    """How oversubscribed this machine is: the 1-minute load average per core this process may
+    use, between 1 and 4 (1 where it cannot be read)."""
+    try:
+        per_core = os.getloadavg()[0] / max(1, len(os.sched_getaffinity(0)))
+    except (OSError, AttributeError):
+        return 1.0
+    return min(4.0, max(1.0, per_core))
+
+
 def default_timeout() -> float:
     """Per-check timeout in seconds: ``SPMD_TEST_TIMEOUT``, default 60."""
     return float(os.environ.get("SPMD_TEST_TIMEOUT", "60"))
@@ -213,6 +223,7 @@ class _Pool:
             selector.register(conn, selectors.EVENT_READ, rank)
         start = time.monotonic()
         first_error: float | None = None
+        stretched = False
         while len(replies) + len(dead) < self.nprocs:
             now = time.monotonic()
             limit = (
@@ -220,6 +231,12 @@ class _Pool:
                 if first_error is None
                 else min(start + timeout, first_error + grace)
             )
+            if now >= limit and first_error is None and not stretched:
+                # On a loaded machine the ranks get a share of a core: give them as much more
+                # time as the machine is oversubscribed (at most 4x), once.
+                stretched = True
+                timeout *= load_factor()
+                continue
             if now >= limit:
                 break
             for key, _ in selector.select(timeout=limit - now):
@@ -281,7 +298,8 @@ class _Pool:
             why = (
                 f"within {grace:g} s after the first failure"
                 if first_error is not None
-                else f"within the timeout of {timeout:g} s"
+                else f"within the timeout of {timeout:g} s (stretched by the machine's load, "
+                "up to 4x)"
             )
             parts.append(f"ranks {missing} did not finish {why}; their stacks:")
             for r in missing:
@@ -424,7 +442,8 @@ def run(
         launcher: ``"mpi"`` (mpiexec) or ``"env"`` (torchrun-style ``RANK``/``WORLD_SIZE``
             variables with ``SPMD_FILE_STORE_PATH``).
         timeout: seconds before the ranks that did not finish are declared hung (default
-            ``SPMD_TEST_TIMEOUT`` or 60).
+            ``SPMD_TEST_TIMEOUT`` or 60), stretched once by the machine's load: times the
+            1-minute load average per core, at most 4x.
         grace: once a rank failed, seconds the others get to finish before they count as hung.
         fresh: run on new processes, stopped afterwards, instead of a pool.
 
