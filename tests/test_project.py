@@ -65,6 +65,7 @@ def test_environment_variables_are_documented():
         re.findall(r"`(SPMD_[A-Z_]+)`", (ROOT / "docs" / "environment.md").read_text())
     )
     internal = {
-        "SPMD_TESTING_ADDR", "SPMD_TESTING_DIR", "SPMD_RUN_STATUS_DIR", "SPMD_RUN_OUTPUT_DIR"
+        "SPMD_TESTING_ADDR", "SPMD_TESTING_DIR", "SPMD_RUN_STATUS_DIR", "SPMD_RUN_OUTPUT_DIR",
+        "SPMD_TEST_HOSTS_PREFIX",
     }  # fmt: skip
     assert used - internal <= documented, sorted(used - internal - documented)

@@ -19,6 +19,12 @@ error.
 restart's number (0 on the first run) and, with ``--ranks-after-failure N``, on N ranks;
 :mod:`spmd.elastic` resumes a training script from its newest checkpoint. A stop asked for
 (Ctrl-C, SIGTERM, SIGHUP, ``--timeout``) is not restarted.
+
+``--hosts H`` runs the job on H test hosts made on this machine for it (Linux, as root): network
+namespaces with addresses of their own, hostnames ``h0``, ``h1``, ... and a ``/dev/shm`` each,
+joined by a bridge, so that ranks of different hosts talk MPI over TCP
+(:mod:`spmd.launch._hosts`); ``--link`` shapes the links with ``tc netem``. They are removed
+when the job ends.
 """
 
 from __future__ import annotations
@@ -40,6 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", "--np", dest="nprocs", type=int, required=True, help="ranks")
     parser.add_argument(
         "--nodes", type=int, help="simulate this many nodes (consecutive ranks per node)"
+    )
+    parser.add_argument(
+        "--hosts",
+        type=int,
+        help="run on this many test hosts of this machine: network namespaces with addresses "
+        "of their own, MPI over TCP between them (Linux, root; consecutive ranks per host)",
+    )
+    parser.add_argument(
+        "--link",
+        metavar="NETEM",
+        help="with --hosts: shape each host's link with these tc netem parameters, e.g. "
+        "'delay 50us rate 10gbit'",
     )
     parser.add_argument("--timeout", type=float, help="stop the job after this many seconds")
     parser.add_argument(
@@ -90,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                 nprocs,
                 command,
                 nodes=args.nodes,
+                hosts=args.hosts,
+                link=args.link,
                 timeout=args.timeout,
                 grace=args.grace,
                 mpiexec=args.mpiexec,

@@ -5,6 +5,8 @@ Used by :mod:`spmd.cli` (``spmd-run``, ``spmd-bench``), :mod:`spmd.notebook` and
 :mod:`spmd.testing`; it starts processes and watches them, and never joins a job itself.
 """
 
+from ._hosts import TestHosts as TestHosts
+from ._hosts import unavailable as test_hosts_unavailable
 from ._job import launch as launch
 from ._job import wrap_command as wrap_command
 from ._leftovers import remove_leftovers as remove_leftovers
@@ -15,6 +17,7 @@ from ._protocol import launch_rank as launch_rank
 from ._protocol import output_file as output_file
 
 __all__ = [
+    "TestHosts",
     "find_mpiexec",
     "flavor",
     "launch",
@@ -22,5 +25,6 @@ __all__ = [
     "mpiexec_argv",
     "output_file",
     "remove_leftovers",
+    "test_hosts_unavailable",
     "wrap_command",
 ]

@@ -27,6 +27,7 @@ from typing import Any, TextIO
 
 from .._errors import SpmdError
 from ..runtime import bind_mode, flight_report, merge_timeline, record_cpus, timeline_dir
+from ._hosts import TestHosts
 from ._leftovers import remove_leftovers
 from ._mpiexec import mpiexec_argv
 from ._protocol import output_file
@@ -193,6 +194,8 @@ def launch(
     command: list[str],
     *,
     nodes: int | None = None,
+    hosts: int | None = None,
+    link: str | None = None,
     timeout: float | None = None,
     grace: float = 2.0,
     mpiexec: str | None = None,
@@ -205,17 +208,65 @@ def launch(
 ) -> int:
     """Run ``command`` on ``nprocs`` ranks; returns the job's exit code (see module doc).
 
-    ``output_dir``: as ``--output`` (the launcher's own output goes to ``launcher.stdout`` and
-    ``launcher.stderr`` there too). ``stdin``: the job's standard input (as for ``Popen``).
-    ``report``: where spmd-run's own messages go (default: standard error). ``on_poll``: called
-    every 50 ms while the job runs, in this thread (``%%spmd`` shows the output so far).
+    ``hosts``: run on that many test hosts of this machine (network namespaces, _hosts.py),
+    consecutive ranks per host, with ``link`` as their links' ``tc netem`` shaping; they are
+    removed when the job ends, however it ends. ``output_dir``: as ``--output`` (the launcher's
+    own output goes to ``launcher.stdout`` and ``launcher.stderr`` there too). ``stdin``: the
+    job's standard input (as for ``Popen``). ``report``: where spmd-run's own messages go
+    (default: standard error). ``on_poll``: called every 50 ms while the job runs, in this
+    thread (``%%spmd`` shows the output so far).
     """
+    made: list[TestHosts] = []
+    try:
+        return _launch(
+            nprocs,
+            command,
+            nodes=nodes,
+            hosts=hosts,
+            link=link,
+            timeout=timeout,
+            grace=grace,
+            mpiexec=mpiexec,
+            mpi_args=mpi_args,
+            env=env,
+            output_dir=output_dir,
+            stdin=stdin,
+            report=report,
+            on_poll=on_poll,
+            made=made,
+        )
+    finally:
+        for test_hosts in made:
+            test_hosts.remove()
+
+
+def _launch(
+    nprocs: int,
+    command: list[str],
+    *,
+    nodes: int | None = None,
+    hosts: int | None = None,
+    link: str | None = None,
+    timeout: float | None = None,
+    grace: float = 2.0,
+    mpiexec: str | None = None,
+    mpi_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    output_dir: str | os.PathLike[str] | None = None,
+    stdin: Any = None,
+    report: TextIO | None = None,
+    on_poll: Callable[[], None] | None = None,
+    made: list[TestHosts],
+) -> int:
+    """:func:`launch`; ``made`` receives the test hosts it creates, for ``launch`` to remove."""
     if nprocs < 1:
         raise SpmdError(f"-n {nprocs}: need at least one rank", rank=None)
     if not command:
         raise SpmdError("no command given; e.g. spmd-run -n 2 python train.py", rank=None)
     child_env = dict(os.environ if env is None else env)
     child_env.pop("SPMD_RUN_OUTPUT_DIR", None)
+    if nodes is not None and hosts is not None:
+        raise SpmdError("--nodes and --hosts exclude each other (hosts are nodes)", rank=None)
     if nodes is not None:
         child_env["SPMD_SIMULATE_NODES"] = str(nodes)
     bind_mode(child_env)  # a bad SPMD_BIND fails here, once, not on every rank
@@ -231,7 +282,17 @@ def launch(
     report = sys.stderr if report is None else report
     logs: list[Any] = []
     try:
-        argv = _dies_with_us(mpiexec_argv(nprocs, wrap_command(command), mpiexec, mpi_args))
+        runner: list[str] = []
+        placement: list[str] = []
+        if hosts is not None:
+            test_hosts = TestHosts(hosts, link=link)
+            placement = test_hosts.mpiexec_args(nprocs, test_hosts.launcher_exec(status_dir))
+            made.append(test_hosts)
+            test_hosts.create()
+            child_env = test_hosts.environment(child_env)
+            runner = test_hosts.runner()
+        extra = placement + list(mpi_args or [])
+        argv = _dies_with_us(runner + mpiexec_argv(nprocs, wrap_command(command), mpiexec, extra))
         if out is not None:
             logs = [open(output_file(out, "launcher", n), "wb") for n in ("stdout", "stderr")]  # noqa: SIM115
         streams = {"stdout": logs[0], "stderr": logs[1]} if logs else {}

@@ -22,10 +22,9 @@ A peer that has reached the collective is not asked again for it. The ports are 
 ``spmd.init`` over the setup channel, and each rank then asks the next one once: if any cannot
 reach its neighbour, the watch is off on every rank (rank 0 says why) and waits between nodes
 run to ``SPMD_TIMEOUT`` as before. ``SPMD_WATCH_ADDR`` sets the address to listen on (default:
-the first non-loopback address of the hostname, else 127.0.0.1); ``SPMD_WATCH=0`` turns the
-watch off. Nothing but these counts, flags and pids is sent, and the only action a peer can
-request is the stack print.
-"""
+the first non-loopback address of the hostname, else of an interface, else 127.0.0.1);
+``SPMD_WATCH=0`` turns the watch off. Nothing but these counts, flags and pids is sent, and the
+only action a peer can request is the stack print."""
 
 from __future__ import annotations
 
@@ -50,7 +49,27 @@ _ASK_TIMEOUT_S = 0.5  # connecting to a peer and reading its answer, each
 _watch: _Watch | None = None
 
 
+def _interface_addresses() -> list[str]:
+    """The IPv4 addresses of this network namespace's interfaces (Linux; [] elsewhere)."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    found = []
+    with (
+        contextlib.suppress(OSError, AttributeError),
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s,
+    ):
+        for _, name in socket.if_nameindex():
+            with contextlib.suppress(OSError):
+                packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()))
+                found.append(socket.inet_ntoa(packed[20:24]))
+    return found
+
+
 def _listen_address() -> str:
+    """SPMD_WATCH_ADDR, else the hostname's first non-loopback address, else the first
+    non-loopback address of an interface, else 127.0.0.1."""
     explicit = os.environ.get("SPMD_WATCH_ADDR")
     if explicit:
         return explicit
@@ -58,7 +77,7 @@ def _listen_address() -> str:
         infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET, socket.SOCK_STREAM)
     except OSError:
         infos = []
-    addresses = [str(info[4][0]) for info in infos]
+    addresses = [str(info[4][0]) for info in infos] + _interface_addresses()
     return next((a for a in addresses if not a.startswith("127.")), "127.0.0.1")
 
 

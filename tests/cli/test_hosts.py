@@ -1,0 +1,163 @@
+"""spmd-run --hosts: test hosts made of network namespaces, MPI over TCP between them, under the
+real launcher. Skipped, with the reason, where they cannot be made (not root, no iproute2)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from spmd.testing.hosts import TestHosts, unavailable
+
+from .test_run import SPMD_RUN, spmd_run
+
+REASON = unavailable()
+pytestmark = pytest.mark.skipif(bool(REASON), reason=REASON or "test hosts available")
+
+
+def _test_namespaces():
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    return {line.split()[0] for line in out.stdout.splitlines() if line.startswith("spmd-")}
+
+
+def _shm():
+    return set(os.listdir("/dev/shm"))
+
+
+def test_ranks_on_two_hosts_have_their_own_hostname_address_and_shared_memory(tmp_path):
+    script = tmp_path / "where.py"
+    script.write_text(
+        "import json, os, socket\nimport jax.numpy as jnp\nimport spmd\n"
+        "from spmd.runtime._watch import _interface_addresses\n"
+        "comm = spmd.init()\n"
+        "def rx():\n    return int(open('/sys/class/net/eth0/statistics/rx_bytes').read())\n"
+        "before = rx()\n"
+        "total = float(spmd.allreduce(jnp.full(4 << 20, comm.rank + 1.0))[0])\n"
+        "received = rx() - before\n"
+        "gathered = spmd.allgather(jnp.array([comm.rank * 10])).tolist()\n"
+        "print(json.dumps({'rank': comm.rank, 'host': socket.gethostname(), 'nodes': "
+        "list(comm.node_ids), 'addresses': _interface_addresses(), 'total': total, "
+        "'gathered': gathered, 'transport': spmd.ops.get_transport(), "
+        "'shm': os.stat('/dev/shm').st_dev, 'received': received}), flush=True)\n"
+    )
+    before, shm_before = _test_namespaces(), _shm()
+    out, _ = spmd_run("--hosts", "2", "-n", "4", sys.executable, str(script))
+    assert out.returncode == 0, out.stderr
+    ranks = sorted((json.loads(line) for line in out.stdout.splitlines()), key=lambda r: r["rank"])
+    assert [r["host"] for r in ranks] == ["h0", "h0", "h1", "h1"]
+    assert all(r["nodes"] == ["h0", "h0", "h1", "h1"] for r in ranks)
+    for r in ranks:  # each host's own address on the bridge, and nothing of the machine's
+        host = int(r["host"][1])
+        assert sorted(r["addresses"]) == sorted(["127.0.0.1", f"10.77.0.{host + 1}"]), r
+        assert r["total"] == 10.0 and r["gathered"] == [0, 10, 20, 30], r
+        assert r["transport"] == "hier", r  # shared memory within a host, MPI across
+    # The 16 MiB allreduce crossed the link: each host's end received at least half of it
+    # (the host leaders' MPI allreduce over TCP, not a shared-memory shortcut between hosts).
+    assert ranks[0]["received"] >= 8 << 20 and ranks[2]["received"] >= 8 << 20, ranks
+    # The ranks of a host share a /dev/shm of their own; the hosts do not share one.
+    assert ranks[0]["shm"] == ranks[1]["shm"] != ranks[2]["shm"] == ranks[3]["shm"]
+    assert _test_namespaces() == before, "test hosts were left behind"
+    assert _shm() - shm_before == set(), "shared memory was left behind"
+
+
+def test_a_rank_on_another_host_that_leaves_early_is_named_by_the_peer_watch(tmp_path):
+    """Across hosts no segment shows a peer: the peer watch asks it over TCP."""
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "import sys\nimport jax.numpy as jnp\nimport spmd\n"
+        "comm = spmd.init()\nspmd.allreduce(jnp.ones(3))\n"
+        "if comm.rank == 1:\n    sys.exit(0)\n"
+        "spmd.allreduce(jnp.ones(3))\n"
+    )
+    before = _test_namespaces()
+    out, took = spmd_run("--hosts", "2", "-n", "2", sys.executable, str(script),
+                         env={"SPMD_TIMEOUT": "60"})  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert (
+        "spmd-run: rank 0 failed: SpmdError: rank 0: allreduce: rank 1 (node h1) is exiting (its "
+        "Python program ended, or called sys.exit) while this rank waited for it in "
+        "allreduce(op=sum) of float32[3] over MPI (collective #2 of the group [0, 1])"
+    ) in out.stderr, out.stderr
+    assert took < 20, f"the job took {took:.1f} s"
+    assert _test_namespaces() == before, "test hosts were left behind"
+
+
+def test_a_host_that_loses_its_link_is_named_and_the_job_ends_at_the_timeout(tmp_path):
+    """h1's link goes down between two collectives: its rank is alive but unreachable. The
+    stall report and the timeout name it; the job ends, and the hosts are removed."""
+    script = tmp_path / "cut.py"
+    marker = tmp_path / "ready"
+    script.write_text(
+        "import time\nimport jax.numpy as jnp\nimport spmd\n"
+        "comm = spmd.init()\nspmd.allreduce(jnp.ones(3))\n"
+        f"if comm.rank == 1:\n    open({str(marker)!r}, 'w').close()\n    time.sleep(3)\n"
+        "spmd.allreduce(jnp.ones(3))\n"
+    )
+    before = _test_namespaces()
+    env = {**os.environ, "SPMD_TIMEOUT": "6", "SPMD_STALL_WARN": "2"}
+    proc = subprocess.Popen([*SPMD_RUN, "--hosts", "2", "-n", "2", sys.executable, str(script)],
+                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "rank 1 never got past its first collective"
+        mine = [n for n in _test_namespaces() - before if n.startswith(f"spmd-{proc.pid}-")]
+        switch = next(n for n in mine if n.endswith("-sw"))
+        subprocess.run(["ip", "-n", switch, "link", "set", "vh1", "down"], check=True)
+        cut = time.monotonic()
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=30)
+    took = time.monotonic() - cut
+    assert proc.returncode == 1, stderr
+    silent = (
+        "rank 1 (node h1), which does not answer the peer watch (its process may be stopped, or "
+        "its node unreachable)."
+    )
+    assert f"(collective #2 of the group [0, 1]) for {silent}" in stderr, stderr  # stall report
+    assert (
+        "timed out after 6 s in allreduce(op=sum) of float32[3] over MPI (collective #2 of the "
+        f"group [0, 1]) waiting for {silent}"
+    ) in stderr, stderr
+    assert took < 6 + 10, f"the job ended {took:.1f} s after the cut"
+    assert _test_namespaces() == before, "test hosts were left behind"
+
+
+def test_links_are_shaped(tmp_path):
+    """A rate (netem, or tbf where the kernel has no netem) on each host's end of its link."""
+    script = tmp_path / "qdisc.py"
+    script.write_text(
+        "import subprocess\nimport spmd\ncomm = spmd.init()\n"
+        "out = subprocess.run(['tc', 'qdisc', 'show', 'dev', 'eth0'], capture_output=True, "
+        "text=True).stdout\n"
+        "print(comm.rank, ('netem' in out or 'tbf' in out) and 'rate 1Gbit' in out, flush=True)\n"
+    )
+    out, _ = spmd_run("--hosts", "2", "--link", "rate 1gbit", "-n", "2", sys.executable,
+                      str(script))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.split()) == sorted(["0", "True", "1", "True"]), out.stdout
+
+
+def test_bad_host_settings_are_errors_before_anything_starts():
+    before = _test_namespaces()
+    out, _ = spmd_run("--hosts", "2", "-n", "3", sys.executable, "-c", "pass")
+    assert out.returncode == 2
+    assert "spmd-run: -n 3 ranks do not split evenly over 2 test hosts" in out.stderr
+    out, _ = spmd_run("--hosts", "2", "--nodes", "2", "-n", "2", sys.executable, "-c", "pass")
+    assert out.returncode == 2 and "--nodes and --hosts exclude each other" in out.stderr
+    out, _ = spmd_run("--hosts", "2", "--link", "bogus 1", "-n", "2", sys.executable, "-c", "1")
+    assert out.returncode == 2 and "link shaping 'bogus 1' failed on vh0" in out.stderr
+    assert _test_namespaces() == before, "test hosts were left behind"
+
+
+def test_test_hosts_as_a_context_manager_are_removed_on_an_error():
+    with pytest.raises(RuntimeError), TestHosts(2) as hosts:
+        assert {hosts.switch, *map(hosts.namespace, hosts.names)} <= _test_namespaces()
+        raise RuntimeError("inside")
+    assert not {hosts.switch, *map(hosts.namespace, hosts.names)} & _test_namespaces()
