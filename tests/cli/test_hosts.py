@@ -7,9 +7,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from spmd.testing import run
 from spmd.testing.hosts import TestHosts, unavailable
 
 from .test_run import SPMD_RUN, spmd_run
@@ -161,3 +163,43 @@ def test_test_hosts_as_a_context_manager_are_removed_on_an_error():
         assert {hosts.switch, *map(hosts.namespace, hosts.names)} <= _test_namespaces()
         raise RuntimeError("inside")
     assert not {hosts.switch, *map(hosts.namespace, hosts.names)} & _test_namespaces()
+
+
+def where_am_i():
+    import socket
+
+    import jax.numpy as jnp
+
+    import spmd
+
+    spmd.init()
+    return socket.gethostname(), float(spmd.allreduce(jnp.ones(2))[0])
+
+
+def test_the_harness_spreads_its_ranks_over_test_hosts(monkeypatch):
+    monkeypatch.setenv("SPMD_TEST_HOSTS", "2")
+    before = _test_namespaces()
+    assert run(where_am_i, 4, fresh=True) == [("h0", 4.0), ("h0", 4.0), ("h1", 4.0), ("h1", 4.0)]
+    assert run(where_am_i, 3, fresh=True) == [(os.uname().nodename, 3.0)] * 3  # 3 do not divide
+    assert _test_namespaces() == before, "test hosts were left behind"
+
+
+# Checks of the collectives, data parallel, ZeRO and checkpoints, on 2 hosts x 2 ranks.
+ON_HOSTS = [
+    "tests/ops/test_values.py::test_every_op_dtype_and_form_in_jit[4]",
+    "tests/ops/test_values.py::test_send_recv_pairs[4]",
+    "tests/parallel/test_data_parallel.py::test_parity_with_one_process[4]",
+    "tests/parallel/test_zero.py::test_parity_with_data_parallel[4]",
+    "tests/test_checkpoint.py::test_sharded_arrays_round_trip_and_each_shard_is_written_once[4]",
+]
+
+
+def test_collectives_data_parallel_zero_and_checkpoints_pass_on_two_hosts():
+    root = Path(__file__).resolve().parents[2]
+    before = _test_namespaces()
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          *ON_HOSTS], cwd=root, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "SPMD_TEST_HOSTS": "2"})  # fmt: skip
+    assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-2000:]
+    assert f"{len(ON_HOSTS)} passed" in out.stdout, out.stdout[-2000:]
+    assert _test_namespaces() == before, "test hosts were left behind"

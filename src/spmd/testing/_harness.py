@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .._errors import SpmdError
-from ..launch import mpiexec_argv, remove_leftovers
+from ..launch import TestHosts, mpiexec_argv, remove_leftovers
 from . import _wire
 
 Launcher = Literal["mpi", "env"]
@@ -56,6 +56,18 @@ def load_factor() -> float:
     return min(4.0, max(1.0, per_core))
 
 
+def hosts_for_checks() -> int:
+    """``SPMD_TEST_HOSTS``: the test hosts that multi-rank checks under MPI spread their ranks
+    over, where the ranks divide evenly (``spmd.testing.hosts``; 0 or unset: none)."""
+    value = os.environ.get("SPMD_TEST_HOSTS", "0")
+    try:
+        return int(value)
+    except ValueError:
+        raise SpmdError(
+            f"SPMD_TEST_HOSTS={value!r}: expected a number of test hosts", rank=None
+        ) from None
+
+
 def default_timeout() -> float:
     """Per-check timeout in seconds: ``SPMD_TEST_TIMEOUT``, default 60."""
     return float(os.environ.get("SPMD_TEST_TIMEOUT", "60"))
@@ -77,6 +89,7 @@ class _Pool:
         self.conns: dict[int, socket.socket] = {}
         self.pids: dict[int, int] = {}
         self.broken = False
+        self.hosts: TestHosts | None = None
 
     @property
     def log_path(self) -> Path:
@@ -101,9 +114,17 @@ class _Pool:
                 }
                 worker = [sys.executable, "-m", "spmd.testing._worker"]
                 if launcher == "mpi":
+                    argv = mpiexec_argv(nprocs, worker)
+                    hosts = hosts_for_checks()
+                    if hosts > 1 and nprocs % hosts == 0:  # the ranks spread over test hosts
+                        self.hosts = TestHosts(hosts)
+                        place = self.hosts.mpiexec_args(nprocs, self.hosts.launcher_exec(self.dir))
+                        self.hosts.create()
+                        argv = self.hosts.runner() + mpiexec_argv(nprocs, worker, None, place)
+                        base = self.hosts.environment(base)
                     self.procs.append(
                         subprocess.Popen(
-                            mpiexec_argv(nprocs, worker),
+                            argv,
                             env=base,
                             stdout=log,
                             stderr=log,
@@ -347,6 +368,8 @@ class _Pool:
     def _cleanup(self) -> None:
         for conn in self.conns.values():
             conn.close()
+        if self.hosts is not None:
+            self.hosts.remove()
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
         # A killed (or aborted) job leaves MPICH's segments behind, as under spmd-run.
