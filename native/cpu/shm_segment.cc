@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "messages.h"
+#include "mpi.h"
 #include "shm.h"
 #include "shm_copy.h"
 
@@ -154,7 +155,9 @@ std::string ShmGroup::AnyGone() {
 
 bool ShmGroup::Oversubscribed() const {
   static const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  return static_cast<unsigned>(size_) > cores;
+  // Also where the machine runs more of the job's ranks than this group holds (the group of a
+  // node's ranks, with other nodes' ranks on the same cores: simulated nodes, test hosts).
+  return static_cast<unsigned>(size_) > cores || MpiOversubscribed();
 }
 
 ShmGroup::Wait ShmGroup::WaitFor(int r, const std::atomic<uint64_t>& a, uint64_t v,

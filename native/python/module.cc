@@ -208,6 +208,14 @@ PyObject* WatchStop(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
+// mpi_oversubscribed(on): whether this node runs more ranks than cores (native/cpu/mpi.h).
+PyObject* MpiOversubscribed(PyObject*, PyObject* args) {
+  int on = 0;
+  if (!PyArg_ParseTuple(args, "p", &on)) return nullptr;
+  spmd::MpiSetOversubscribed(on != 0);
+  Py_RETURN_NONE;
+}
+
 // mpi_watch_waits() -> [(world_ranks, call, seconds)]: this process's MPI communicators that
 // wait in a collective (spmd/runtime/_watch.py), with the collective's number and how long.
 PyObject* MpiWatchWaits(PyObject*, PyObject*) {
@@ -404,6 +412,8 @@ PyMethodDef kMethods[] = {
      "Say whether this process prints its Python stack on SIGUSR1."},
     {"watch_listen", WatchListen, METH_VARARGS, "Start the peer watch's server."},
     {"watch_stop", WatchStop, METH_NOARGS, "Stop the peer watch's server."},
+    {"mpi_oversubscribed", MpiOversubscribed, METH_VARARGS,
+     "Say whether this node runs more ranks than cores."},
     {"mpi_watch_waits", MpiWatchWaits, METH_NOARGS,
      "The MPI communicators waiting in a collective, for the peer watch."},
     {"mpi_watch_verdict", MpiWatchVerdict, METH_VARARGS,

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import SpmdError
 from .._native_lib import native, tables
 from . import _gpu, _recorder
+from ._affinity import recorded_cpus
 from ._device import gpu_active
 from ._env import timeout_seconds
 
@@ -330,6 +331,16 @@ def find(gid: int) -> NativeGroup | None:
         return _groups.get(gid)
 
 
+def _oversubscribed(world: Communicator) -> bool:
+    """Whether this machine runs more of the job's ranks than the job has cores. Under
+    ``spmd-run`` (which records the job's cores) every rank runs on this machine, also on
+    simulated nodes or test hosts; elsewhere, the node's ranks against its cores."""
+    recorded = recorded_cpus(os.environ)
+    if recorded is not None:
+        return world.size > len(recorded)
+    return world.local_size > (os.cpu_count() or 1)
+
+
 def prepare_world(world: Communicator) -> None:
     """Register the world group and attach its transports, at ``spmd.init`` where every rank
     takes part: then the first collective on the world, tracing one, or asking for its
@@ -341,6 +352,8 @@ def prepare_world(world: Communicator) -> None:
     without collectives still run. (The GPU side is set up at the first collective.)"""
     if world.size == 1:
         return
+    # More ranks than cores on this machine: MPI waits yield their core after every poll.
+    native().mpi_oversubscribed(_oversubscribed(world))
     with _lock:
         try:
             ng = native_group(world, p2p=True)
