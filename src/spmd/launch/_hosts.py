@@ -76,7 +76,21 @@ def unavailable() -> str:
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:
         return f"cannot create a network namespace: {made.stderr.strip()}"
-    _ip("netns", "del", probe, check=False)
+    try:  # what creating the hosts and entering one takes, tried in the probe namespace
+        for what, args in (
+            ("a bridge", ["ip", "-n", probe, "link", "add", BRIDGE, "type", "bridge"]),
+            ("a veth pair", ["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer",
+                             "name", "p1"]),
+            ("UTS, IPC and mount namespaces", ["ip", "netns", "exec", probe, "unshare", "--uts",
+                                               "--ipc", "--mount", "--propagation", "private",
+                                               "mount", "-t", "tmpfs", "spmd-probe",
+                                               "/dev/shm"]),
+        ):  # fmt: skip
+            out = subprocess.run(args, capture_output=True, text=True, timeout=30)
+            if out.returncode != 0:
+                return f"cannot make {what} for test hosts: {out.stderr.strip()}"
+    finally:
+        _ip("netns", "del", probe, check=False)
     return ""
 
 
