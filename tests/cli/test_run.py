@@ -83,6 +83,15 @@ def test_exit_code_of_a_failing_program_is_returned():
     assert "spmd-run: rank 1 failed: exit 3" in out.stderr
 
 
+def test_a_program_that_is_not_python_code_can_start_mpi():
+    """A console script or a shell wrapper (spmd-bench, say) reaches the launcher's PMI
+    connection: the wrapper passes its descriptor on."""
+    code = "from mpi4py import MPI; c = MPI.COMM_WORLD; print(c.Get_rank(), c.Get_size())"
+    out, _ = spmd_run("-n", "2", "sh", "-c", f'exec "{sys.executable}" -c "{code}"')
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["0 2", "1 2"]
+
+
 def test_sys_exit_nonzero_is_a_failure():
     out, _ = spmd_run(
         "-n",

@@ -107,8 +107,11 @@ def _user_frames(tb: TracebackType | None) -> TracebackType | None:
 
 
 def _run_program(rank: int, argv: list[str]) -> int:
+    # The launcher's PMI connection is a file descriptor the program needs for MPI_Init
+    # (subprocess closes every other descriptor by default).
+    pmi = [int(os.environ[v]) for v in ("PMI_FD", "PMI2_FD") if os.environ.get(v, "").isdigit()]
     try:
-        code = subprocess.call(argv)
+        code = subprocess.call(argv, pass_fds=pmi)
     except OSError as e:
         sys.stderr.write(f"[rank {rank}] cannot run {argv[0]!r}: {e}\n")
         code = 127
