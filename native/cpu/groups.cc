@@ -30,9 +30,14 @@ Status MakeTransport(const Group& g, TransportKind kind, std::unique_ptr<Transpo
         return missing("node-local shared memory and an MPI communicator (a group spanning "
                        "nodes, under an MPI launcher)");
       }
-      *out = std::make_unique<HierTransport>(*g.local, g.is_leader ? &g.leaders : nullptr, g.mpi,
+    {
+      NodeLayout layout = NodeLayout::Of(g.node_of);
+      const bool rails = g.has_rail && layout.per_node == g.local->size();
+      *out = std::make_unique<HierTransport>(*g.local, g.is_leader ? &g.leaders : nullptr,
+                                             rails ? &g.rail : nullptr, g.mpi, std::move(layout),
                                              g.one_shot_max);
       return Status::Ok();
+    }
   }
   return Status::Error("unknown transport code " + std::to_string(static_cast<int>(kind)) +
                        "; expected " + CodeList(kTransportKinds));
@@ -95,7 +100,7 @@ Status GroupAttachMpi(int64_t id, int which, MpiHandle comm, int rank, int size,
   if (g == nullptr) return Status::Error("no group " + std::to_string(id));
   if (!MpiLoaded()) return Status::Error("MPI is not loaded");
   std::lock_guard<std::mutex> lock(g->mu);
-  MpiComm& m = which == 0 ? g->mpi : g->leaders;
+  MpiComm& m = which == 0 ? g->mpi : which == 1 ? g->leaders : g->rail;
   m.comm = comm;
   m.rank = rank;
   m.size = size;
@@ -107,9 +112,23 @@ Status GroupAttachMpi(int64_t id, int which, MpiHandle comm, int rank, int size,
   MpiWatchAdd(m.watch);
   if (which == 0) {
     g->has_mpi = true;
-  } else {
+  } else if (which == 1) {
     g->is_leader = true;
+  } else {
+    g->has_rail = true;
   }
+  return Rebuild(*g);
+}
+
+Status GroupSetNodes(int64_t id, std::vector<int> node_of) {
+  std::shared_ptr<Group> g = GroupFind(id);
+  if (g == nullptr) return Status::Error("no group " + std::to_string(id));
+  if (static_cast<int>(node_of.size()) != g->size) {
+    return Status::Error("node_of must name a node for each of the group's " +
+                         std::to_string(g->size) + " ranks");
+  }
+  std::lock_guard<std::mutex> lock(g->mu);
+  g->node_of = std::move(node_of);
   return Rebuild(*g);
 }
 

@@ -32,6 +32,9 @@ struct Group {
   std::unique_ptr<ShmGroup> local;  // hierarchical: the group's ranks on this node
   bool is_leader = false;
   MpiComm leaders;                  // hierarchical: local rank 0 of each node
+  bool has_rail = false;
+  MpiComm rail;                     // hierarchical, nodes of equal size: this local index's ranks
+  std::vector<int> node_of;         // hierarchical: each group rank's node (GroupSetNodes)
   // The transport the group's collectives use, built on the parts above (declared after them,
   // so that it goes first); null until Python chooses one. Point-to-point calls use `mpi`.
   std::unique_ptr<Transport> transport;
@@ -50,8 +53,13 @@ Status GroupCreate(int64_t id, int rank, int size, std::vector<int> world_ranks,
 Status GroupAttachShm(int64_t id, int which, const std::string& name, bool create, int rank,
                       int size, std::vector<int> world_ranks, size_t chunk,
                       ShmGroup::Staging staging);
+// which: 0 = the whole group, 1 = the node leaders, 2 = this rank's rail (one rank of each node,
+// the same local index; its rank is the node's number).
 Status GroupAttachMpi(int64_t id, int which, MpiHandle comm, int rank, int size,
                       std::vector<int> world_ranks);
+// Where the group's ranks sit, for the hierarchical transport: node_of[r] is group rank r's node,
+// the nodes numbered in the order of their first rank.
+Status GroupSetNodes(int64_t id, std::vector<int> node_of);
 // The group's shared-memory staging probe (ShmGroup::Hop); every rank of the group calls it.
 Status GroupShmHop(int64_t id, double* hop_ns);
 // Chooses the group's transport; an error if what it needs is not attached to the group.

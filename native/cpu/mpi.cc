@@ -384,14 +384,15 @@ Status MpiComm::Allreduce(const void* in, void* out, size_t count, xla::ffi::Dat
   return Status::Ok();
 }
 
-Status MpiComm::Allgatherv(const void* in, void* out, const std::vector<size_t>& bytes) const {
+Status MpiComm::Allgatherv(const void* in, void* out, const std::vector<size_t>& bytes,
+                           const std::vector<size_t>* at_bytes) const {
   SPMD_RETURN_IF_ERROR(Usable());
   std::vector<Count> counts(size);
   std::vector<Aint> displs(size);
   Aint at = 0;
   for (int r = 0; r < size; ++r) {
     counts[r] = static_cast<Count>(bytes[r]);
-    displs[r] = at;
+    displs[r] = at_bytes != nullptr ? static_cast<Aint>((*at_bytes)[r]) : at;
     at += static_cast<Aint>(bytes[r]);
   }
   H request = 0;

@@ -86,7 +86,9 @@ struct MpiComm {
 
   Status Allreduce(const void* in, void* out, size_t count, xla::ffi::DataType dtype,
                    ReduceOp op) const;
-  Status Allgatherv(const void* in, void* out, const std::vector<size_t>& bytes) const;
+  // Rank r's bytes[r] land at byte `displs[r]` of `out` (without displs, one after another).
+  Status Allgatherv(const void* in, void* out, const std::vector<size_t>& bytes,
+                    const std::vector<size_t>* displs = nullptr) const;
   Status ReduceScatterv(const void* in, void* out, const std::vector<size_t>& counts,
                         xla::ffi::DataType dtype, ReduceOp op) const;
   Status Broadcast(void* buf, size_t bytes, int root) const;

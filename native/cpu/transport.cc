@@ -249,6 +249,54 @@ Status MpiTransport::BarrierNow(const Signature&) { return comm_.Barrier(); }
 
 // -- hierarchical -----------------------------------------------------------------------------
 
+NodeLayout NodeLayout::Of(const std::vector<int>& node_of) {
+  NodeLayout l;
+  l.node_of = node_of;
+  std::vector<int> count;
+  for (int n : node_of) {
+    if (n < 0) return NodeLayout{};
+    if (n >= static_cast<int>(count.size())) count.resize(n + 1, 0);
+    l.local_of.push_back(count[n]++);
+  }
+  l.nodes = static_cast<int>(count.size());
+  l.per_node = count.empty() ? 0 : count[0];
+  for (int c : count) l.per_node = c == l.per_node ? l.per_node : 0;
+  l.contiguous = l.per_node > 0;
+  for (size_t r = 0; l.contiguous && r < node_of.size(); ++r) {
+    l.contiguous = node_of[r] == static_cast<int>(r) / l.per_node;
+  }
+  return l;
+}
+
+namespace {
+
+// `count` elements of `elem` bytes cut into `parts` pieces as even as whole elements allow:
+// piece k is bytes[k] long and starts at off[k].
+void EvenPieces(size_t count, size_t elem, int parts, std::vector<size_t>* bytes,
+                std::vector<size_t>* off) {
+  bytes->assign(static_cast<size_t>(parts), 0);
+  off->assign(static_cast<size_t>(parts), 0);
+  size_t at = 0;
+  for (int k = 0; k < parts; ++k) {
+    const size_t n = count / parts + (static_cast<size_t>(k) < count % parts ? 1 : 0);
+    (*bytes)[k] = n * elem;
+    (*off)[k] = at;
+    at += n * elem;
+  }
+}
+
+// The hierarchical ops' scratch and layouts, kept between calls.
+thread_local std::vector<size_t> hier_bytes, hier_off, hier_node, hier_at;
+thread_local std::vector<char> hier_piece, hier_regroup;
+
+std::vector<size_t> Starts(const std::vector<size_t>& bytes) {
+  std::vector<size_t> off(bytes.size() + 1, 0);
+  for (size_t r = 0; r < bytes.size(); ++r) off[r + 1] = off[r] + bytes[r];
+  return off;
+}
+
+}  // namespace
+
 Status HierTransport::AllreduceLeaves(const Signature& sig, ReduceOp op, const Leaves& in,
                                       const Leaves& out) {
   bool half = false;
@@ -268,6 +316,35 @@ Status HierTransport::AllreduceLeaves(const Signature& sig, ReduceOp op, const L
 
 Status HierTransport::Steps(const Signature& sig, ReduceOp op, const Leaves& in,
                             const Leaves& out) {
+  if (rail_ != nullptr) {
+    if (in.size() == 1) return RailAllreduce(sig, op, in[0], out[0]);
+    // Several leaves: those of one dtype go as one buffer (three steps for them all, not three
+    // per leaf), packed into scratch in leaf order and unpacked after.
+    std::vector<bool> done(in.size(), false);
+    for (size_t i = 0; i < in.size(); ++i) {
+      if (done[i]) continue;
+      size_t total = 0;
+      for (size_t j = i; j < in.size(); ++j) total += in[j].dtype == in[i].dtype ? in[j].bytes : 0;
+      if (hier_scratch.size() < total) hier_scratch.resize(total);
+      size_t at = 0;
+      for (size_t j = i; j < in.size(); ++j) {
+        if (in[j].dtype != in[i].dtype) continue;
+        std::memcpy(hier_scratch.data() + at, in[j].data, in[j].bytes);
+        at += in[j].bytes;
+      }
+      Leaf all = ScratchLeaf(hier_scratch.data(), total, in[i].dtype, in[i].elem);
+      SPMD_RETURN_IF_ERROR(RailAllreduce(sig, op, all, all));
+      at = 0;
+      for (size_t j = i; j < in.size(); ++j) {
+        if (in[j].dtype != in[i].dtype) continue;
+        std::memcpy(out[j].data, hier_scratch.data() + at, out[j].bytes);
+        at += out[j].bytes;
+        done[j] = true;
+      }
+    }
+    return Status::Ok();
+  }
+  // Unequal nodes: through the node leaders.
   SPMD_RETURN_IF_ERROR(local_.Allreduce(sig, op, in, out, one_shot_max_));
   for (const Leaf& o : out) {
     if (leaders_ == nullptr) {  // only the leader's value is read; no scratch here
@@ -280,6 +357,24 @@ Status HierTransport::Steps(const Signature& sig, ReduceOp op, const Leaves& in,
     SPMD_RETURN_IF_ERROR(local_.Broadcast(sig, 0, tmp, o));
   }
   return Status::Ok();
+}
+
+// Piece k of the node's sum on local rank k, that piece summed over the nodes on rail k, the
+// pieces gathered inside the node. `in` and `out` may be one buffer: each step reads what the
+// one before wrote, and the peers read only the shared slots.
+Status HierTransport::RailAllreduce(const Signature& sig, ReduceOp op, const Leaf& in,
+                                    const Leaf& out) {
+  const int k = local_.rank();
+  EvenPieces(in.bytes / in.elem, in.elem, local_.size(), &hier_bytes, &hier_off);
+  const size_t len = hier_bytes[k];
+  if (hier_piece.size() < len) hier_piece.resize(len);
+  Leaf piece = ScratchLeaf(hier_piece.data(), len, in.dtype, in.elem);
+  SPMD_RETURN_IF_ERROR(local_.ReduceScatterv(sig, op, in, piece, hier_bytes));
+  Leaf mine = ScratchLeaf(out.data + hier_off[k], len, in.dtype, in.elem);
+  if (len > 0) {  // (every rank of rail k has a piece of the same length)
+    SPMD_RETURN_IF_ERROR(rail_->Allreduce(piece.data, mine.data, len / in.elem, in.dtype, op));
+  }
+  return local_.Allgatherv(sig, mine, out, hier_bytes);
 }
 
 Status HierTransport::Widened(const Signature& sig, ReduceOp op, const Leaves& in,
@@ -310,6 +405,101 @@ Status HierTransport::Widened(const Signature& sig, ReduceOp op, const Leaves& i
     at += n;
   }
   return Status::Ok();
+}
+
+// Rank (n, k) (node n, local index k) sends its block over rail k, which places block (m, k) of
+// every node m; then node m's blocks are gathered inside the node, one node after another.
+Status HierTransport::AllgathervLeaf(const Signature& sig, const Leaf& in, const Leaf& out,
+                                     const std::vector<size_t>& bytes) {
+  if (!BlocksOnRails()) return MpiTransport::AllgathervLeaf(sig, in, out, bytes);
+  const int nodes = layout_.nodes, per = layout_.per_node, k = local_.rank();
+  const std::vector<size_t> off = Starts(bytes);
+  hier_node.assign(nodes, 0);
+  hier_at.assign(nodes, 0);
+  for (int m = 0; m < nodes; ++m) {
+    hier_node[m] = bytes[m * per + k];
+    hier_at[m] = off[m * per + k];
+  }
+  SPMD_RETURN_IF_ERROR(rail_->Allgatherv(in.data, out.data, hier_node, &hier_at));
+  for (int m = 0; m < nodes; ++m) {
+    hier_bytes.assign(bytes.begin() + m * per, bytes.begin() + (m + 1) * per);
+    Leaf part = ScratchLeaf(out.data + off[m * per], off[(m + 1) * per] - off[m * per],
+                            out.dtype, out.elem);
+    Leaf mine = ScratchLeaf(out.data + off[m * per + k], bytes[m * per + k], out.dtype, out.elem);
+    SPMD_RETURN_IF_ERROR(local_.Allgatherv(sig, mine, part, hier_bytes));
+  }
+  return Status::Ok();
+}
+
+// Node m's part of the input reduced inside the node, local rank k keeping block (m, k) of it;
+// those blocks reduced over rail k, rank (n, k) keeping its own. Half-precision sums and
+// products go over the whole group's MPI, which rounds once.
+Status HierTransport::ReduceScattervLeaf(const Signature& sig, ReduceOp op, const Leaf& in,
+                                         const Leaf& out, const std::vector<size_t>& bytes) {
+  const bool rounds_twice = IsHalf(in.dtype) && (op == ReduceOp::kSum || op == ReduceOp::kProd);
+  if (!BlocksOnRails() || rounds_twice) {
+    return MpiTransport::ReduceScattervLeaf(sig, op, in, out, bytes);
+  }
+  const int nodes = layout_.nodes, per = layout_.per_node, k = local_.rank();
+  const std::vector<size_t> off = Starts(bytes);
+  size_t total = 0;
+  for (int m = 0; m < nodes; ++m) total += bytes[m * per + k];
+  if (hier_piece.size() < total) hier_piece.resize(total);
+  std::vector<size_t> counts(nodes);
+  size_t at = 0;
+  for (int m = 0; m < nodes; ++m) {
+    hier_bytes.assign(bytes.begin() + m * per, bytes.begin() + (m + 1) * per);
+    Leaf part = ScratchLeaf(in.data + off[m * per], off[(m + 1) * per] - off[m * per], in.dtype,
+                            in.elem);
+    Leaf mine = ScratchLeaf(hier_piece.data() + at, bytes[m * per + k], in.dtype, in.elem);
+    SPMD_RETURN_IF_ERROR(local_.ReduceScatterv(sig, op, part, mine, hier_bytes));
+    counts[m] = bytes[m * per + k] / in.elem;
+    at += bytes[m * per + k];
+  }
+  return rail_->ReduceScatterv(hier_piece.data(), out.data, counts, in.dtype, op);
+}
+
+// Inside the root's node first; then piece k from the root's node over rail k; then the pieces
+// gathered inside every other node.
+Status HierTransport::BroadcastLeaf(const Signature& sig, int root, const Leaf& in,
+                                    const Leaf& out) {
+  if (rail_ == nullptr) return MpiTransport::BroadcastLeaf(sig, root, in, out);
+  const int k = local_.rank(), home = layout_.node_of[root];
+  const bool at_home = rail_->rank == home;
+  if (at_home) SPMD_RETURN_IF_ERROR(local_.Broadcast(sig, layout_.local_of[root], in, out));
+  EvenPieces(out.bytes / out.elem, out.elem, local_.size(), &hier_bytes, &hier_off);
+  Leaf mine = ScratchLeaf(out.data + hier_off[k], hier_bytes[k], out.dtype, out.elem);
+  if (mine.bytes > 0) SPMD_RETURN_IF_ERROR(rail_->Broadcast(mine.data, mine.bytes, home));
+  if (!at_home) SPMD_RETURN_IF_ERROR(local_.Allgatherv(sig, mine, out, hier_bytes));
+  return Status::Ok();
+}
+
+// Block (n, l) -> (m, k) travels inside node n from local rank l to k, then over rail k from
+// node n to m: the input regrouped by destination local rank, an all_to_all inside the node,
+// regrouped by destination node, an all_to_all over the rail, whose result is in source order.
+Status HierTransport::AllToAllLeaf(const Signature& sig, const Leaf& in, const Leaf& out,
+                                   size_t block) {
+  if (!BlocksOnRails() || in.bytes > kHierAllToAllMax) {
+    return MpiTransport::AllToAllLeaf(sig, in, out, block);
+  }
+  const size_t nodes = layout_.nodes, per = layout_.per_node;
+  if (hier_regroup.size() < 2 * in.bytes) hier_regroup.resize(2 * in.bytes);
+  char* a = hier_regroup.data();
+  char* b = a + in.bytes;
+  for (size_t l = 0; l < per; ++l) {  // a[l][m] = in[m][l]: block for (m, l)
+    for (size_t m = 0; m < nodes; ++m) {
+      std::memcpy(a + (l * nodes + m) * block, in.data + (m * per + l) * block, block);
+    }
+  }
+  SPMD_RETURN_IF_ERROR(local_.AllToAll(sig, ScratchLeaf(a, in.bytes, in.dtype, in.elem),
+                                       ScratchLeaf(b, in.bytes, in.dtype, in.elem),
+                                       nodes * block));
+  for (size_t l = 0; l < per; ++l) {  // b[l][m]: from (n, l) for (m, k); into a[m][l]
+    for (size_t m = 0; m < nodes; ++m) {
+      std::memcpy(a + (m * per + l) * block, b + (l * nodes + m) * block, block);
+    }
+  }
+  return rail_->AllToAll(a, out.data, per * block);
 }
 
 }  // namespace spmd

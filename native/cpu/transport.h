@@ -149,12 +149,12 @@ class MpiTransport : public Transport {
   Status AllreduceNarrowedLeaves(const Signature& sig, bool bf16, float div, const Leaves& in,
                                  const Leaves& out) final;
   Status AllgathervLeaf(const Signature& sig, const Leaf& in, const Leaf& out,
-                        const std::vector<size_t>& bytes) final;
+                        const std::vector<size_t>& bytes) override;
   Status ReduceScattervLeaf(const Signature& sig, ReduceOp op, const Leaf& in, const Leaf& out,
-                            const std::vector<size_t>& bytes) final;
-  Status BroadcastLeaf(const Signature& sig, int root, const Leaf& in, const Leaf& out) final;
+                            const std::vector<size_t>& bytes) override;
+  Status BroadcastLeaf(const Signature& sig, int root, const Leaf& in, const Leaf& out) override;
   Status AllToAllLeaf(const Signature& sig, const Leaf& in, const Leaf& out,
-                      size_t block) final;
+                      size_t block) override;
   // An allgather of the counts, then one MPI_Alltoallv.
   Status AllToAllvNow(const Signature& sig, const Leaf& in, const Leaf& out,
                       const a2av::Rows& rows, const std::vector<int64_t>& record,
@@ -164,34 +164,82 @@ class MpiTransport : public Transport {
   const MpiComm& comm_;
 };
 
-// Hierarchical, for a group spanning nodes: allreduce reduces in shared memory inside each node,
-// across the node leaders over MPI, then broadcasts inside the node; the other ops, and the
-// signature check, run over the whole group's MPI communicator. The check runs on every rank of
-// the group: shared memory compares the calls inside each node only, and a node whose ranks
-// agree among themselves but not with another node must raise on every rank, not only on the
-// leaders.
+// Where the ranks of a group spanning nodes sit: group rank r is on node node_of[r], the nodes
+// numbered in the order of their first rank. `per_node`: the ranks of each node where every node
+// holds as many, else 0; `contiguous`: each node's ranks are consecutive in the group, node after
+// node (what `spmd-run --nodes`/`--hosts` and a launcher's block placement give the world).
+struct NodeLayout {
+  std::vector<int> node_of, local_of;  // per group rank: its node, and its index there
+  int nodes = 0, per_node = 0;
+  bool contiguous = false;
+  static NodeLayout Of(const std::vector<int>& node_of);
+};
+
+// Hierarchical, for a group spanning nodes. Where every node holds L ranks, the ops run in two
+// dimensions: shared memory inside each node, and MPI across the nodes over L *rails* (the
+// ranks with the same local index, one per node), all rails at once, each carrying 1/L of what
+// crosses between nodes:
+// - allreduce: reduce_scatter inside the node (local rank k holds piece k of the node's sum),
+//   allreduce of piece k over rail k, allgather inside the node;
+// - allgather (nodes of consecutive ranks): each rank's block over its rail to the other nodes,
+//   then an allgather inside the node for each node's part;
+// - reduce_scatter (the same layout): a reduce_scatter inside the node for each node's part
+//   (local rank k sums block k of it), then a reduce_scatter over the rail;
+// - broadcast: inside the root's node, then piece k over rail k from the root's node, then an
+//   allgather of the pieces inside every other node;
+// - all_to_all (the same layout, up to kHierAllToAllMax bytes per rank): blocks regrouped by
+//   destination local rank, an all_to_all inside the node, regrouped by destination node, an
+//   all_to_all over the rail: each rank sends N - 1 messages across nodes instead of (N - 1) L.
+// Every byte that crosses between nodes crosses once per node that needs it, as with a single
+// node leader, but on L streams. With unequal nodes, allreduce reduces inside each node, across
+// the node leaders over MPI, and broadcasts inside the node; every other op (and any op the
+// layout does not allow) runs over the whole group's MPI communicator. The signature check runs
+// there too, on every rank: shared memory compares the calls inside each node only, and a node
+// whose ranks agree among themselves but not with another node must raise on every rank.
 class HierTransport final : public MpiTransport {
  public:
-  // `leaders`: the node leaders' communicator on a node leader (local rank 0), else nullptr.
-  HierTransport(ShmGroup& local, const MpiComm* leaders, const MpiComm& group,
-                size_t one_shot_max)
-      : MpiTransport(group), local_(local), leaders_(leaders), one_shot_max_(one_shot_max) {}
+  // `leaders`: the node leaders' communicator on a node leader (local rank 0), else nullptr;
+  // `rail`: this rank's rail where every node holds as many ranks, else nullptr.
+  HierTransport(ShmGroup& local, const MpiComm* leaders, const MpiComm* rail,
+                const MpiComm& group, NodeLayout layout, size_t one_shot_max)
+      : MpiTransport(group),
+        local_(local),
+        leaders_(leaders),
+        rail_(rail),
+        layout_(layout),
+        one_shot_max_(one_shot_max) {}
+
+  // all_to_all goes in two dimensions up to this many bytes per rank (its whole input): above
+  // it the regrouping copies cost more than the messages saved (docs/hosts.md).
+  static constexpr size_t kHierAllToAllMax = size_t{1} << 20;
 
  protected:
   // Sums and products of float16/bfloat16 leaves run in float32 from end to end (Widened).
   Status AllreduceLeaves(const Signature& sig, ReduceOp op, const Leaves& in,
                          const Leaves& out) override;
+  Status AllgathervLeaf(const Signature& sig, const Leaf& in, const Leaf& out,
+                        const std::vector<size_t>& bytes) override;
+  Status ReduceScattervLeaf(const Signature& sig, ReduceOp op, const Leaf& in, const Leaf& out,
+                            const std::vector<size_t>& bytes) override;
+  Status BroadcastLeaf(const Signature& sig, int root, const Leaf& in, const Leaf& out) override;
+  Status AllToAllLeaf(const Signature& sig, const Leaf& in, const Leaf& out,
+                      size_t block) override;
 
  private:
-  // The three steps, leaf by leaf.
+  // The steps, leaf by leaf: over the rails, or through the node leaders.
   Status Steps(const Signature& sig, ReduceOp op, const Leaves& in, const Leaves& out);
-  // Half-precision leaves widened into one float32 buffer, reduced in three steps, and rounded
-  // once at the end, as the flat paths round once (rounding each node's partial result first
-  // would round twice).
+  Status RailAllreduce(const Signature& sig, ReduceOp op, const Leaf& in, const Leaf& out);
+  // Half-precision leaves widened into one float32 buffer, reduced in steps, and rounded once
+  // at the end, as the flat paths round once (rounding each node's partial result first would
+  // round twice).
   Status Widened(const Signature& sig, ReduceOp op, const Leaves& in, const Leaves& out);
+  // Whether the ops that place blocks by rank can run over the rails.
+  bool BlocksOnRails() const { return rail_ != nullptr && layout_.contiguous; }
 
   ShmGroup& local_;
   const MpiComm* leaders_;
+  const MpiComm* rail_;
+  const NodeLayout layout_;
   const size_t one_shot_max_;
 };
 

@@ -166,6 +166,18 @@ PyObject* GroupAttachMpi(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// group_set_nodes(id, node_of) -> None: each group rank's node, for the hierarchical transport.
+PyObject* GroupSetNodes(PyObject*, PyObject* args) {
+  long long id;
+  PyObject* nodes;
+  if (!PyArg_ParseTuple(args, "LO", &id, &nodes)) return nullptr;
+  std::vector<int> n;
+  if (!IntList(nodes, &n)) return nullptr;
+  spmd::Status s = spmd::GroupSetNodes(id, std::move(n));
+  if (!s.ok()) return Raise(s);
+  Py_RETURN_NONE;
+}
+
 // group_set_transport(id, code) -> None: the group's transport (TransportKind); an error if what
 // it needs is not attached to the group.
 PyObject* GroupSetTransport(PyObject*, PyObject* args) {
@@ -406,6 +418,7 @@ PyMethodDef kMethods[] = {
     {"group_create", GroupCreate, METH_VARARGS, "Register a group."},
     {"group_attach_shm", GroupAttachShm, METH_VARARGS, "Map a group's shared-memory segment."},
     {"group_attach_mpi", GroupAttachMpi, METH_VARARGS, "Give a group an MPI communicator."},
+    {"group_set_nodes", GroupSetNodes, METH_VARARGS, "Say which node each group rank is on."},
     {"group_set_transport", GroupSetTransport, METH_VARARGS, "Choose how a group moves data."},
     {"group_shm_hop_ns", GroupShmHopNs, METH_VARARGS, "Time the shared-memory staging probe."},
     {"shm_dumps_stack", ShmDumpsStack, METH_VARARGS,
