@@ -136,7 +136,9 @@ def cores_tag() -> str:
 
 def run_tag(n: int, transport_forced: str | None) -> str:
     tag = f"{cores_tag()}-n{n}"
-    return f"{tag}-{transport_forced}" if transport_forced and transport_forced != "auto" else tag
+    if not transport_forced or transport_forced == "auto":
+        return tag
+    return f"{tag}-{transport_forced.replace(',', '+')}"
 
 
 def in_job() -> bool:

@@ -75,6 +75,9 @@ class Bound:
     call: Callable[[], object]  # one complete call (the timed unit)
     result: Callable[[], Array]  # run once on the check input; this rank's flat result
     after_check: Callable[[], None] = lambda: None  # reset buffers an in-place call mutated
+    # Run on every rank before the result and before each series of calls (spmd under a forced
+    # transport sets it here: between series, when no call is in flight).
+    enter: Callable[[], None] = lambda: None
 
 
 @dataclass
@@ -108,7 +111,8 @@ def _jax_bound(fn: Callable[[Any], Any], x_np: Array) -> Bound:
     return Bound(call, result)
 
 
-def bind_spmd(env: Env, op: str, count: int) -> Bound:
+def bind_spmd(env: Env, op: str, count: int, transport: str | None = None) -> Bound:
+    """spmd's op; with ``transport``, under that transport (``spmd-<transport>``)."""
     from .. import ops
 
     fns: dict[str, Callable[[Any], Any]] = {
@@ -118,7 +122,10 @@ def bind_spmd(env: Env, op: str, count: int) -> Bound:
         "broadcast": lambda x: ops.broadcast(x, root=0),
         "all_to_all": lambda x: ops.all_to_all(x),
     }
-    return _jax_bound(fns[op], op_input(op, count, env.rank, env.n, env.dtype))
+    bound = _jax_bound(fns[op], op_input(op, count, env.rank, env.n, env.dtype))
+    if transport is not None:
+        bound.enter = lambda: ops.set_transport(transport)
+    return bound
 
 
 def first(out: Any) -> Any:
@@ -232,6 +239,8 @@ def bind_torch(env: Env, op: str, count: int) -> Bound:
 def bind(env: Env, impl: str, op: str, count: int) -> Bound:
     if impl == SPMD:
         return bind_spmd(env, op, count)
+    if impl.startswith(f"{SPMD}-"):
+        return bind_spmd(env, op, count, transport=impl[len(SPMD) + 1 :])
     if impl == "mpi4py":
         return bind_mpi4py(env, op, count, in_place=False)
     if impl == "mpi4py-inplace":

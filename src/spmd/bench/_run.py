@@ -37,7 +37,8 @@ class Settings:
     iters: int | None = None  # timed calls per series; None: by size
     warmup: int | None = None  # untimed calls first; None: iters / 10, at least 2
     rounds: int = 3
-    transport: str | None = None  # spmd's transport forced; None: its own choice
+    # spmd's transport forced; None: its own choice; a comma list: spmd once per transport.
+    transport: str | None = None
     check: bool = True
     small: bool = True
     nprocs: int | None = None  # the ranks asked for, to say so when the job has others
@@ -71,16 +72,18 @@ def _run_rank(settings: Settings, command: str, rank: int, n: int) -> int:
 
         config: Any = jax.config
         config.update("jax_enable_x64", True)
-    if settings.transport:
-        ops.set_transport(settings.transport)
+    compared = settings.transport.split(",") if settings.transport else []
+    if len(compared) == 1:
+        ops.set_transport(compared[0])
     if settings.nprocs is not None and settings.nprocs != n:
         say(f"spmd-bench: -n {settings.nprocs} ignored: this job has {n} ranks")
     op_list, peers, sizes = settings.ops, settings.peers, settings.sizes
     env = Env(rank, n, dtype, MPI, MPI.COMM_WORLD)
     peer_impls, skipped = load_peers(env, peers)
-    impls = [SPMD, *peer_impls]
+    mine = [SPMD] if len(compared) < 2 else [f"{SPMD}-{t}" for t in compared]
+    impls = [*mine, *peer_impls]
     ops.barrier()  # registers spmd's world group, so that its transport is known
-    transport = ops.get_transport()
+    transport = ops.get_transport() if len(compared) < 2 else "+".join(compared)
     info = machine_info(env, transport)
     info["shm_hop_ns_at_start"] = shm_hop()
     say(f"spmd-bench: {n} ranks, spmd transport {transport}, {info['cpu']} ({info['cores']} cores)")

@@ -148,6 +148,7 @@ def prepare(
     wrong = False
     try:
         bound = bind(env, impl, op, count)
+        bound.enter()
         if check:
             got = bound.result()
             want = expected(op, count, env.rank, env.n, env.dtype)
@@ -185,6 +186,7 @@ def measure_size(
     for _ in range(rounds):
         for impl, (_, bound) in prepared.items():
             if bound is not None:
+                bound.enter()
                 times[impl] += time_series(env.world, bound.call, iters, warmup)
     rows = {}
     for impl, (res, bound) in prepared.items():

@@ -23,6 +23,8 @@ from ..bench import DTYPES, OPS, PEERS, Files, Settings, parse_size, run_rank, s
 from ..launch import launch
 from ..runtime import mpi_rank_size
 
+TRANSPORTS = ("auto", "shm", "mpi", "hier")
+
 
 def _list(text: str, allowed: Sequence[str], what: str) -> list[str]:
     items = [t.strip() for t in text.split(",") if t.strip()]
@@ -71,8 +73,8 @@ def parser(prog: str = "spmd-bench") -> argparse.ArgumentParser:
         "--transport",
         "--backend",  # the former name
         dest="transport",
-        choices=("auto", "shm", "mpi", "hier"),
-        help="force spmd's transport",
+        help="force spmd's transport: auto, shm, mpi or hier; a comma list (hier,mpi) measures "
+        "spmd once per transport, side by side (columns spmd-hier, spmd-mpi)",
     )
     p.add_argument("--no-check", action="store_true", help="skip the result check")
     p.add_argument("--no-small", action="store_true", help="skip the small-message section")
@@ -123,6 +125,12 @@ def resolve_args(args: argparse.Namespace) -> Settings:
         sizes = size_sweep(parse_size(args.min_bytes), parse_size(args.max_bytes), args.factor)
     if not op_list or not sizes:
         raise SpmdError("no ops or no sizes to run", rank=None)
+    transports = _list(args.transport, TRANSPORTS, "transport") if args.transport else []
+    if len(transports) > 1 and "auto" in transports:
+        raise SpmdError(
+            f"--transport {args.transport}: name the transports to compare (auto is one of them)",
+            rank=None,
+        )
     return Settings(
         ops=op_list,
         peers=peers,
@@ -131,7 +139,7 @@ def resolve_args(args: argparse.Namespace) -> Settings:
         iters=args.iters,
         warmup=args.warmup,
         rounds=args.rounds,
-        transport=args.transport,
+        transport=",".join(transports) or None,
         check=not args.no_check,
         small=not args.no_small,
         nprocs=args.nprocs,
