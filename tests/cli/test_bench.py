@@ -111,3 +111,34 @@ def test_quick_is_allreduce_at_three_sizes_against_mpi4py(tmp_path: Path) -> Non
     assert rows == {("allreduce", i, b) for i in impls for b in (4, 65536, 4 << 20)}
     assert all(r["status"] == "ok" and r["iters"] == 20 for r in report["results"])
     assert not report["small_message"]  # the small-message section is skipped
+
+
+def test_several_transports_are_measured_side_by_side(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "spmd.cli.bench", "-n", "2", "--ops", "allreduce,all_to_all",
+           "--sizes", "4,1M", "--iters", "3", "--rounds", "1", "--peers", "none", "--no-small",
+           "--transport", "shm,mpi", "--out-dir", str(tmp_path), "--timeout", "150"]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (path,) = tmp_path.glob("collectives-*.json")
+    assert path.name == f"collectives-{cores_tag()}-n2-shm+mpi.json"
+    report = json.loads(path.read_text())
+    assert report["config"]["implementations"] == ["spmd-shm", "spmd-mpi"]
+    assert report["machine"]["spmd_transport"] == "shm+mpi"
+    rows = {(r["op"], r["impl"], r["bytes"]): r["status"] for r in report["results"]}
+    assert rows == {
+        (op, impl, b): "ok"
+        for op in ("allreduce", "all_to_all")
+        for impl in ("spmd-shm", "spmd-mpi")
+        for b in ((4 if op == "allreduce" else 8), 1 << 20)
+    }
+
+
+def test_transport_lists_that_cannot_be_compared() -> None:
+    from spmd import SpmdError
+    from spmd.cli.bench import parser, resolve_args
+
+    with pytest.raises(SpmdError, match="unknown transport gloo; expected some of auto, shm"):
+        resolve_args(parser().parse_args(["--transport", "shm,gloo"]))
+    with pytest.raises(SpmdError, match="name the transports to compare"):
+        resolve_args(parser().parse_args(["--transport", "auto,mpi"]))
+    assert resolve_args(parser().parse_args(["--transport", "hier, mpi"])).transport == "hier,mpi"
