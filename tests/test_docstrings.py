@@ -23,14 +23,19 @@ DOCUMENTED = [
     spmd.parallel.reduce_gradients,
     spmd.parallel.shard_state,
     spmd.parallel.chain,
+    spmd.perf,
 ]
 
 
-@pytest.mark.parametrize("obj", DOCUMENTED, ids=lambda obj: obj.__qualname__)
+def _name(obj):
+    return getattr(obj, "__qualname__", obj.__name__)
+
+
+@pytest.mark.parametrize("obj", DOCUMENTED, ids=_name)
 def test_docstring_example_runs(obj):
-    tests = doctest.DocTestFinder(recurse=False).find(obj, obj.__qualname__, globs={})
+    tests = doctest.DocTestFinder(recurse=False).find(obj, _name(obj), globs={})
     examples = [e for t in tests for e in t.examples]
-    assert examples, f"{obj.__qualname__} has no example in its docstring"
+    assert examples, f"{_name(obj)} has no example in its docstring"
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     report: list[str] = []
     for test in tests:

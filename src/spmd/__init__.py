@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from . import elastic as elastic
     from . import ops as ops
     from . import parallel as parallel
+    from . import perf as perf
     from . import sharded as sharded
     from .checkpoint import load as load
     from .checkpoint import save as save
@@ -102,7 +103,7 @@ _MODEL_PARALLEL = ("moe", "pipeline", "tensor_parallel")
 def __getattr__(name: str) -> Any:
     import importlib
 
-    if name in ("ops", "parallel", "data", "sharded", "checkpoint", "elastic"):
+    if name in ("ops", "parallel", "data", "sharded", "checkpoint", "elastic", "perf"):
         return importlib.import_module("." + name, __name__)
     if name in _MODEL_PARALLEL:
         return importlib.import_module(".parallel." + name, __name__)
@@ -128,6 +129,7 @@ __all__ = [
     "elastic",
     "ops",
     "parallel",
+    "perf",
     "sharded",
     "Communicator",
     "MessageQueue",
