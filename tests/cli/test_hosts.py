@@ -65,6 +65,62 @@ def test_ranks_on_two_hosts_have_their_own_hostname_address_and_shared_memory(tm
     assert _shm() - shm_before == set(), "shared memory was left behind"
 
 
+LINK_BYTES = """
+import json, sys
+import jax, jax.numpy as jnp
+import spmd
+comm = spmd.init()
+MiB = 1 << 20
+calls = {
+    "allreduce": (lambda x: spmd.allreduce(x), 4 * MiB),
+    "allgather": (lambda x: spmd.allgather(x), 4 * MiB // comm.size),
+    "reduce_scatter": (lambda x: spmd.reduce_scatter(x), 4 * MiB),
+    "broadcast": (lambda x: spmd.broadcast(x, root=0), 4 * MiB),
+    "all_to_all": (lambda x: spmd.all_to_all(x), MiB // 2),
+}
+def sent():
+    return int(open("/sys/class/net/eth0/statistics/tx_bytes").read())
+out = {}
+for transport in ("hier", "mpi"):
+    spmd.ops.set_transport(transport)
+    for op, (fn, nbytes) in calls.items():
+        f = jax.jit(fn)
+        x = jnp.ones(nbytes // 4, jnp.float32)
+        f(x).block_until_ready()
+        spmd.barrier()
+        before = sent()
+        for _ in range(4):
+            f(x).block_until_ready()
+        spmd.barrier()
+        out[f"{op}/{transport}"] = (sent() - before) / 4
+if comm.rank == 0:
+    print(json.dumps(out), flush=True)
+"""
+
+
+def test_each_hosts_link_carries_the_bytes_the_cost_model_counts(tmp_path):
+    """Per call of every op, hierarchical and one MPI call over the group: the bytes h0 sends on
+    its link are those spmd.perf's model puts there (TCP's headers and acknowledgements aside).
+    The hierarchical allgather and reduce_scatter send half of what MPI sends."""
+    from spmd.perf import collective_cost
+
+    script = tmp_path / "bytes.py"
+    script.write_text(LINK_BYTES)
+    out, _ = spmd_run("--hosts", "2", "-n", "4", sys.executable, str(script))
+    assert out.returncode == 0, out.stderr
+    sent = json.loads(out.stdout.strip().splitlines()[-1])
+    mib = 1 << 20
+    sizes = {"allreduce": 4 * mib, "allgather": 4 * mib, "reduce_scatter": 4 * mib,
+             "broadcast": 4 * mib, "all_to_all": mib // 2}  # fmt: skip
+    for key, got in sent.items():
+        op, algorithm = key.split("/")
+        model = collective_cost(op, sizes[op], 2, 2, algorithm)["net_beta"]
+        # The barrier's bytes, and 4-8% of TCP/IP headers and acknowledgements on top.
+        assert 0.99 * model <= got <= 1.08 * model + (64 << 10), (key, got, model)
+    assert sent["allgather/hier"] < 0.7 * sent["allgather/mpi"], sent
+    assert sent["reduce_scatter/hier"] < 0.6 * sent["reduce_scatter/mpi"], sent
+
+
 def test_a_rank_on_another_host_that_leaves_early_is_named_by_the_peer_watch(tmp_path):
     """Across hosts no segment shows a peer: the peer watch asks it over TCP."""
     script = tmp_path / "leave.py"
@@ -131,6 +187,49 @@ def test_a_host_that_loses_its_link_is_named_and_the_job_ends_at_the_timeout(tmp
     assert _test_namespaces() == before, "test hosts were left behind"
 
 
+def test_a_host_whose_processes_are_all_killed_is_named(tmp_path):
+    """Every process of h1 (its ranks, their wrappers, the launcher's proxy) SIGKILLed mid-job,
+    as a host that dies: nobody on h1 can report, the launcher stops the others, and spmd-run
+    names the rank of h1 that ended first (the kernel tells it when each rank's process ended)."""
+    script = tmp_path / "die.py"
+    marker = tmp_path / "ready"
+    script.write_text(
+        "import time\nimport jax.numpy as jnp\nimport spmd\n"
+        "comm = spmd.init()\nspmd.allreduce(jnp.ones(3))\n"
+        f"if comm.rank == 0:\n    open({str(marker)!r}, 'w').close()\n"
+        "for _ in range(1200):\n    spmd.allreduce(jnp.ones(3))\n    time.sleep(0.05)\n"
+    )
+    before, shm_before = _test_namespaces(), _shm()
+    proc = subprocess.Popen([*SPMD_RUN, "--hosts", "2", "-n", "4", sys.executable, str(script)],
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "the job never got past its first collective"
+        h1 = next(n for n in _test_namespaces() - before if n.startswith(f"spmd-{proc.pid}-")
+                  and n.endswith("-h1"))  # fmt: skip
+        pids = subprocess.run(["ip", "netns", "pids", h1], capture_output=True, text=True,
+                              check=True).stdout.split()  # fmt: skip
+        for pid in pids:
+            os.kill(int(pid), signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=30)
+    assert proc.returncode != 0, stderr
+    assert "ranks without a clean end: [0, 1, 2, 3]" in stderr, stderr
+    first = next(line for line in stderr.splitlines() if "ended first" in line)
+    assert first.startswith(("spmd-run: rank 2 (host h1) ended first", "spmd-run: rank 3 (host "
+                             "h1) ended first")), stderr  # fmt: skip
+    assert "without reporting how (killed together with its wrapper, or its host lost)" in first
+    assert time.monotonic() - killed < 10, f"the job ended {time.monotonic() - killed:.1f} s late"
+    assert _test_namespaces() == before, "test hosts were left behind"
+    assert _shm() - shm_before == set(), "shared memory was left behind"
+
+
 def test_links_are_shaped(tmp_path):
     """A rate (netem, or tbf where the kernel has no netem) on each host's end of its link."""
     script = tmp_path / "qdisc.py"
@@ -188,6 +287,7 @@ def test_the_harness_spreads_its_ranks_over_test_hosts(monkeypatch):
 ON_HOSTS = [
     "tests/ops/test_values.py::test_every_op_dtype_and_form_in_jit[4]",
     "tests/ops/test_values.py::test_send_recv_pairs[4]",
+    "tests/ops/test_hierarchical.py::test_two_nodes_of_two[4]",
     "tests/parallel/test_data_parallel.py::test_parity_with_one_process[4]",
     "tests/parallel/test_zero.py::test_parity_with_data_parallel[4]",
     "tests/test_checkpoint.py::test_sharded_arrays_round_trip_and_each_shard_is_written_once[4]",

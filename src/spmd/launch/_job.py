@@ -27,6 +27,7 @@ from typing import Any, TextIO
 
 from .._errors import SpmdError
 from ..runtime import bind_mode, flight_report, merge_timeline, record_cpus, timeline_dir
+from ._exits import ExitWatch
 from ._hosts import TestHosts
 from ._leftovers import remove_leftovers
 from ._mpiexec import mpiexec_argv
@@ -311,13 +312,15 @@ def _launch(
     # SIGTERM or SIGHUP to spmd-run (kill, timeout, a batch system, a closed terminal) must
     # stop the job as Ctrl-C does, not leave it running without us.
     previous = _catch_termination()
+    exits = ExitWatch()
     try:
         while proc.poll() is None:
-            time.sleep(0.05)
+            exits.wait(0.05)
             if on_poll is not None:
                 on_poll()
             now = time.monotonic()
             status = _read_status(status_dir)
+            exits.add(status)
             if failed_at is None and any(s["state"] == "failed" for s in status.values()):
                 failed_at = now
             # Every rank has ended, was killed, or failed and waits to be stopped: no grace left
@@ -352,8 +355,16 @@ def _launch(
         return 128 + e.signum
     finally:
         _restore(previous)
+        exits.wait(0)
+        exits.close()
     status = _read_status(status_dir)
-    code = _summarize(nprocs, status, proc.returncode, stopped, timed_out, timeout, report)
+    per_host = nprocs // hosts if hosts else 0
+
+    def where(rank: int) -> str:
+        return f"host h{rank // per_host}" if per_host else ""
+
+    code = _summarize(nprocs, status, proc.returncode, stopped, timed_out, timeout, report,
+                      lambda silent: exits.first(silent, where))  # fmt: skip
     if code != 0:  # where each group's ranks stood: who waited for whom, in which collective
         for line in flight_report(status_dir):
             print(f"spmd-run: {line}", file=report, flush=True)
@@ -416,6 +427,7 @@ def _summarize(
     timed_out: bool,
     timeout: float | None,
     report: TextIO,
+    first_silent: Callable[[list[int]], str] = lambda silent: "",
 ) -> int:
     failed = sorted(r for r, s in status.items() if s["state"] == "failed")
     exited = sorted(r for r, s in status.items() if s["state"] == "exited")
@@ -461,6 +473,8 @@ def _summarize(
         else:
             how = f"exited with code {returncode}"
         say(f"the launcher (mpiexec) {how}; ranks without a clean end: {unfinished}")
+        if cause := first_silent(unfinished):
+            say(cause)
         return returncode if returncode > 0 else 128 - returncode
     if unfinished:
         say(f"the launcher ended, but ranks {unfinished} never reported the end of their program")
