@@ -34,7 +34,7 @@ Status MakeTransport(const Group& g, TransportKind kind, std::unique_ptr<Transpo
       NodeLayout layout = NodeLayout::Of(g.node_of);
       const bool rails = g.has_rail && layout.per_node == g.local->size();
       *out = std::make_unique<HierTransport>(*g.local, g.is_leader ? &g.leaders : nullptr,
-                                             rails ? &g.rail : nullptr, g.mpi, std::move(layout),
+                                             rails ? &g.rail : nullptr, g.mpi, layout,
                                              g.one_shot_max);
       return Status::Ok();
     }

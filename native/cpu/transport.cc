@@ -251,12 +251,11 @@ Status MpiTransport::BarrierNow(const Signature&) { return comm_.Barrier(); }
 
 NodeLayout NodeLayout::Of(const std::vector<int>& node_of) {
   NodeLayout l;
-  l.node_of = node_of;
   std::vector<int> count;
   for (int n : node_of) {
     if (n < 0) return NodeLayout{};
     if (n >= static_cast<int>(count.size())) count.resize(n + 1, 0);
-    l.local_of.push_back(count[n]++);
+    ++count[n];
   }
   l.nodes = static_cast<int>(count.size());
   l.per_node = count.empty() ? 0 : count[0];
@@ -457,21 +456,6 @@ Status HierTransport::ReduceScattervLeaf(const Signature& sig, ReduceOp op, cons
     at += bytes[m * per + k];
   }
   return rail_->ReduceScatterv(hier_piece.data(), out.data, counts, in.dtype, op);
-}
-
-// Inside the root's node first; then piece k from the root's node over rail k; then the pieces
-// gathered inside every other node.
-Status HierTransport::BroadcastLeaf(const Signature& sig, int root, const Leaf& in,
-                                    const Leaf& out) {
-  if (rail_ == nullptr) return MpiTransport::BroadcastLeaf(sig, root, in, out);
-  const int k = local_.rank(), home = layout_.node_of[root];
-  const bool at_home = rail_->rank == home;
-  if (at_home) SPMD_RETURN_IF_ERROR(local_.Broadcast(sig, layout_.local_of[root], in, out));
-  EvenPieces(out.bytes / out.elem, out.elem, local_.size(), &hier_bytes, &hier_off);
-  Leaf mine = ScratchLeaf(out.data + hier_off[k], hier_bytes[k], out.dtype, out.elem);
-  if (mine.bytes > 0) SPMD_RETURN_IF_ERROR(rail_->Broadcast(mine.data, mine.bytes, home));
-  if (!at_home) SPMD_RETURN_IF_ERROR(local_.Allgatherv(sig, mine, out, hier_bytes));
-  return Status::Ok();
 }
 
 // Block (n, l) -> (m, k) travels inside node n from local rank l to k, then over rail k from

@@ -169,7 +169,6 @@ class MpiTransport : public Transport {
 // holds as many, else 0; `contiguous`: each node's ranks are consecutive in the group, node after
 // node (what `spmd-run --nodes`/`--hosts` and a launcher's block placement give the world).
 struct NodeLayout {
-  std::vector<int> node_of, local_of;  // per group rank: its node, and its index there
   int nodes = 0, per_node = 0;
   bool contiguous = false;
   static NodeLayout Of(const std::vector<int>& node_of);
@@ -185,15 +184,15 @@ struct NodeLayout {
 //   then an allgather inside the node for each node's part;
 // - reduce_scatter (the same layout): a reduce_scatter inside the node for each node's part
 //   (local rank k sums block k of it), then a reduce_scatter over the rail;
-// - broadcast: inside the root's node, then piece k over rail k from the root's node, then an
-//   allgather of the pieces inside every other node;
 // - all_to_all (the same layout, up to kHierAllToAllMax bytes per rank): blocks regrouped by
 //   destination local rank, an all_to_all inside the node, regrouped by destination node, an
 //   all_to_all over the rail: each rank sends N - 1 messages across nodes instead of (N - 1) L.
 // Every byte that crosses between nodes crosses once per node that needs it, as with a single
-// node leader, but on L streams. With unequal nodes, allreduce reduces inside each node, across
-// the node leaders over MPI, and broadcasts inside the node; every other op (and any op the
-// layout does not allow) runs over the whole group's MPI communicator. The signature check runs
+// node leader, but on L streams. Broadcast is one MPI call over the group: MPI's broadcast is
+// node-aware already (MPICH's sends the data to each other node once), and a two-dimensional
+// one only added its shared-memory steps (docs/hosts.md). With unequal nodes, allreduce reduces
+// inside each node, across the node leaders over MPI, and broadcasts inside the node; every
+// other op (and any op the layout does not allow) runs over the whole group's MPI communicator. The signature check runs
 // there too, on every rank: shared memory compares the calls inside each node only, and a node
 // whose ranks agree among themselves but not with another node must raise on every rank.
 class HierTransport final : public MpiTransport {
@@ -211,7 +210,7 @@ class HierTransport final : public MpiTransport {
 
   // all_to_all goes in two dimensions up to this many bytes per rank (its whole input): above
   // it the regrouping copies cost more than the messages saved (docs/hosts.md).
-  static constexpr size_t kHierAllToAllMax = size_t{1} << 20;
+  static constexpr size_t kHierAllToAllMax = size_t{256} << 10;
 
  protected:
   // Sums and products of float16/bfloat16 leaves run in float32 from end to end (Widened).
@@ -221,7 +220,6 @@ class HierTransport final : public MpiTransport {
                         const std::vector<size_t>& bytes) override;
   Status ReduceScattervLeaf(const Signature& sig, ReduceOp op, const Leaf& in, const Leaf& out,
                             const std::vector<size_t>& bytes) override;
-  Status BroadcastLeaf(const Signature& sig, int root, const Leaf& in, const Leaf& out) override;
   Status AllToAllLeaf(const Signature& sig, const Leaf& in, const Leaf& out,
                       size_t block) override;
 

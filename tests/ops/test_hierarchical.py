@@ -2,8 +2,8 @@
 memory inside each node and MPI across the nodes over rails, for every op, against NumPy, at
 sizes that take each path (pieces shorter than the ranks of a node, sizes that do not split
 evenly, the shared-memory chunk crossed, all_to_all on either side of its two-dimensional
-limit), on groups whose nodes are consecutive (every op on the rails) and on a reordered group
-(allreduce and broadcast on the rails, the others over the whole group's MPI)."""
+limit), on groups whose nodes are consecutive (every op but broadcast on the rails) and on a
+reordered group (allreduce on the rails, the others over the whole group's MPI)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_two_nodes_of_two(comm):
     assert spmd.ops.get_transport() == "hier"
     _every_op(comm, None, list(range(comm.size)), "world")
     # Group ranks 0, 1, 2, 3 are world ranks 0, 2, 1, 3: each node's ranks are not consecutive
-    # in the group, so only allreduce and broadcast take the rails.
+    # in the group, so only allreduce takes the rails.
     reordered = spmd.get_communicator([[0, 2, 1, 3]])
     assert _nodes_of(reordered) == [f"simulated-node-{i}" for i in (0, 1, 0, 1)]
     assert spmd.ops.get_transport(group=reordered) == "hier"

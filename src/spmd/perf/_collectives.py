@@ -16,7 +16,7 @@ ranks consecutive.
 
 The algorithms are the ones spmd runs (``native/cpu``): on one node shared memory; across nodes
 ``hier`` (the two-dimensional algorithms of native/cpu/transport.h: shared memory inside each
-node, MPI over the rails) or ``mpi`` (one MPI call over the whole group, whose algorithm MPICH
+node, MPI over the rails; broadcast and larger all_to_alls as one MPI call) or ``mpi`` (one MPI call over the whole group, whose algorithm MPICH
 chooses by size with its default thresholds, modelled below as MPICH 4-5 implements them; where
 MPICH is node-aware, as for a broadcast, so is the model). Every MPI-based call also pays the
 signature check, an 8-byte allgather over the group.
@@ -41,7 +41,7 @@ BCAST_SHORT = 12 << 10
 BCAST_LONG = 512 << 10
 REDSCAT_LONG = 512 << 10
 # The two-dimensional all_to_all's limit (HierTransport::kHierAllToAllMax).
-HIER_ALL_TO_ALL_MAX = 1 << 20
+HIER_ALL_TO_ALL_MAX = 256 << 10
 
 
 class Cost(dict[str, float]):
@@ -184,9 +184,8 @@ def _hier(op: str, nbytes: float, nodes: int, per: int) -> Cost:
     if op == "reduce_scatter":
         rail = mpi_cost("reduce_scatter", nbytes / L, n, 1, streams=L)
         return n * shm_cost("reduce_scatter", nbytes / n, L) + rail
-    if op == "broadcast":
-        rail = mpi_cost("broadcast", nbytes / L, n, 1, streams=L)
-        return shm_cost("broadcast", nbytes, L) + rail + shm_cost("allgather", nbytes, L)
+    if op == "broadcast":  # one MPI call: MPICH's broadcast is node-aware already
+        return mpi_cost("broadcast", nbytes, n, L)
     # all_to_all: two regrouping copies, one inside the node, one over the rail.
     if nbytes > HIER_ALL_TO_ALL_MAX:
         return mpi_cost("all_to_all", nbytes, n, L)
