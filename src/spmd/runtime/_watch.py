@@ -18,7 +18,9 @@ nodes each rank runs two threads from ``spmd.init``:
   peers that have not reached it, or do not answer (stopped, or their node unreachable), are
   named by the stall report (``SPMD_STALL_WARN``) and the timeout.
 
-A peer that has reached the collective is not asked again for it. The ports are exchanged in
+A peer that has reached the collective is not asked again for it; the others are asked up to
+16 at a time, so that a group of thousands with many peers silent is judged in a few ask
+timeouts (half a second each). The ports are exchanged in
 ``spmd.init`` over the setup channel, and each rank then asks the next one once: if any cannot
 reach its neighbour, the watch is off on every rank (rank 0 says why) and waits between nodes
 run to ``SPMD_TIMEOUT`` as before. ``SPMD_WATCH_ADDR`` sets the address to listen on (default:
@@ -34,6 +36,7 @@ import socket
 import threading
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from .._native_lib import native
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
 _POLL_S = 0.25  # how often the watcher looks for a wait
 _FIRST_S = 0.5  # a wait this long gets the peers asked
 _ASK_TIMEOUT_S = 0.5  # connecting to a peer and reading its answer, each
+_ASK_AT_ONCE = 16  # peers asked at the same time (a group of thousands: 16 answers at a time)
 
 _watch: _Watch | None = None
 
@@ -94,6 +98,7 @@ class _Watch:
         self.known: dict[tuple[tuple[int, ...], int], dict[int, dict[str, int] | str]] = {}
         self.asked: set[tuple[tuple[int, ...], int]] = set()
         self.pids: dict[int, int] = {}
+        self.pool: ThreadPoolExecutor | None = None
         self.thread = threading.Thread(target=self._watch, name="spmd-watch", daemon=True)
 
     def listen(self) -> None:
@@ -148,9 +153,16 @@ class _Watch:
             answer = known.get(r)
             return r == self.me or (isinstance(answer, dict) and answer["started"] >= call)
 
-        for r in ranks:
-            if not reached(r):  # one that has reached the collective is not asked again
-                known[r] = self.ask(r, ranks)
+        # One that has reached the collective is not asked again; the others a few at a time,
+        # so that many silent peers cost a few timeouts, not one each.
+        todo = [r for r in ranks if not reached(r)]
+        if len(todo) > 1:
+            if self.pool is None:
+                self.pool = ThreadPoolExecutor(_ASK_AT_ONCE, thread_name_prefix="spmd-watch-ask")
+            answers = list(self.pool.map(lambda r: self.ask(r, ranks), todo))
+        else:
+            answers = [self.ask(r, ranks) for r in todo]
+        known.update(zip(todo, answers, strict=True))
         gone, late, behind = "", [], []
         for r in ranks:
             answer = known.get(r)
@@ -199,6 +211,8 @@ class _Watch:
         self.stop.set()
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(timeout=2 * _POLL_S + 4 * _ASK_TIMEOUT_S)
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
         if self.port:
             native().watch_stop()
             self.port = 0
