@@ -211,7 +211,7 @@ def main() -> int:
                           "error": predicted / measured - 1})  # fmt: skip
     fit_rows, check_rows = compare(fitted_on, links), compare(checked, links)
     report = {
-        "command": "python benchmarks/cost_model.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python benchmarks/cost_model.py", *sys.argv[1:]]),
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
         "machine": host_info(),
         "link": args.link,
