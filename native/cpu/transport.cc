@@ -285,13 +285,14 @@ void EvenPieces(size_t count, size_t elem, int parts, std::vector<size_t>* bytes
 }
 
 // The hierarchical ops' scratch and layouts, kept between calls.
-thread_local std::vector<size_t> hier_bytes, hier_off, hier_node, hier_at;
-thread_local std::vector<char> hier_piece, hier_regroup;
+thread_local std::vector<size_t> hier_bytes, hier_off, hier_node, hier_at, hier_starts;
+thread_local std::vector<char> hier_piece, hier_regroup, hier_done;
 
-std::vector<size_t> Starts(const std::vector<size_t>& bytes) {
-  std::vector<size_t> off(bytes.size() + 1, 0);
-  for (size_t r = 0; r < bytes.size(); ++r) off[r + 1] = off[r] + bytes[r];
-  return off;
+// Where each rank's block starts in a buffer of the blocks `bytes`, and where the last ends.
+const std::vector<size_t>& Starts(const std::vector<size_t>& bytes) {
+  hier_starts.assign(bytes.size() + 1, 0);
+  for (size_t r = 0; r < bytes.size(); ++r) hier_starts[r + 1] = hier_starts[r] + bytes[r];
+  return hier_starts;
 }
 
 }  // namespace
@@ -319,9 +320,9 @@ Status HierTransport::Steps(const Signature& sig, ReduceOp op, const Leaves& in,
     if (in.size() == 1) return RailAllreduce(sig, op, in[0], out[0]);
     // Several leaves: those of one dtype go as one buffer (three steps for them all, not three
     // per leaf), packed into scratch in leaf order and unpacked after.
-    std::vector<bool> done(in.size(), false);
+    hier_done.assign(in.size(), 0);
     for (size_t i = 0; i < in.size(); ++i) {
-      if (done[i]) continue;
+      if (hier_done[i]) continue;
       size_t total = 0;
       for (size_t j = i; j < in.size(); ++j) total += in[j].dtype == in[i].dtype ? in[j].bytes : 0;
       if (hier_scratch.size() < total) hier_scratch.resize(total);
@@ -338,7 +339,7 @@ Status HierTransport::Steps(const Signature& sig, ReduceOp op, const Leaves& in,
         if (in[j].dtype != in[i].dtype) continue;
         std::memcpy(out[j].data, hier_scratch.data() + at, out[j].bytes);
         at += out[j].bytes;
-        done[j] = true;
+        hier_done[j] = 1;
       }
     }
     return Status::Ok();
@@ -412,7 +413,7 @@ Status HierTransport::AllgathervLeaf(const Signature& sig, const Leaf& in, const
                                      const std::vector<size_t>& bytes) {
   if (!BlocksOnRails()) return MpiTransport::AllgathervLeaf(sig, in, out, bytes);
   const int nodes = layout_.nodes, per = layout_.per_node, k = local_.rank();
-  const std::vector<size_t> off = Starts(bytes);
+  const std::vector<size_t>& off = Starts(bytes);
   hier_node.assign(nodes, 0);
   hier_at.assign(nodes, 0);
   for (int m = 0; m < nodes; ++m) {
@@ -440,11 +441,11 @@ Status HierTransport::ReduceScattervLeaf(const Signature& sig, ReduceOp op, cons
     return MpiTransport::ReduceScattervLeaf(sig, op, in, out, bytes);
   }
   const int nodes = layout_.nodes, per = layout_.per_node, k = local_.rank();
-  const std::vector<size_t> off = Starts(bytes);
+  const std::vector<size_t>& off = Starts(bytes);
   size_t total = 0;
   for (int m = 0; m < nodes; ++m) total += bytes[m * per + k];
   if (hier_piece.size() < total) hier_piece.resize(total);
-  std::vector<size_t> counts(nodes);
+  hier_at.assign(nodes, 0);  // the rail's counts, in elements
   size_t at = 0;
   for (int m = 0; m < nodes; ++m) {
     hier_bytes.assign(bytes.begin() + m * per, bytes.begin() + (m + 1) * per);
@@ -452,10 +453,10 @@ Status HierTransport::ReduceScattervLeaf(const Signature& sig, ReduceOp op, cons
                             in.elem);
     Leaf mine = ScratchLeaf(hier_piece.data() + at, bytes[m * per + k], in.dtype, in.elem);
     SPMD_RETURN_IF_ERROR(local_.ReduceScatterv(sig, op, part, mine, hier_bytes));
-    counts[m] = bytes[m * per + k] / in.elem;
+    hier_at[m] = bytes[m * per + k] / in.elem;
     at += bytes[m * per + k];
   }
-  return rail_->ReduceScatterv(hier_piece.data(), out.data, counts, in.dtype, op);
+  return rail_->ReduceScatterv(hier_piece.data(), out.data, hier_at, in.dtype, op);
 }
 
 // Block (n, l) -> (m, k) travels inside node n from local rank l to k, then over rail k from

@@ -197,8 +197,9 @@ struct NodeLayout {
 // whose ranks agree among themselves but not with another node must raise on every rank.
 class HierTransport final : public MpiTransport {
  public:
-  // `leaders`: the node leaders' communicator on a node leader (local rank 0), else nullptr;
-  // `rail`: this rank's rail where every node holds as many ranks, else nullptr.
+  // `rail`: this rank's rail where every node holds as many ranks, else nullptr; `leaders`:
+  // where they do not, the node leaders' communicator on a node leader (local rank 0), else
+  // nullptr.
   HierTransport(ShmGroup& local, const MpiComm* leaders, const MpiComm* rail,
                 const MpiComm& group, NodeLayout layout, size_t one_shot_max)
       : MpiTransport(group),

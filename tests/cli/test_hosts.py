@@ -143,6 +143,27 @@ def test_a_rank_on_another_host_that_leaves_early_is_named_by_the_peer_watch(tmp
     assert _test_namespaces() == before, "test hosts were left behind"
 
 
+def _fault_mid_job(argv, marker, fault, env=None):
+    """Run ``spmd-run *argv``; once ``marker`` exists, ``fault(namespaces)`` with the job's test
+    hosts' namespaces. Returns the exit code, standard error, and the seconds from the fault to
+    the job's end."""
+    before = _test_namespaces()
+    proc = subprocess.Popen([*SPMD_RUN, *argv], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "the job never got past its first collective"
+        fault([n for n in _test_namespaces() - before if n.startswith(f"spmd-{proc.pid}-")])
+        at = time.monotonic()
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=30)
+    return proc.returncode, stderr, time.monotonic() - at
+
+
 def test_a_host_that_loses_its_link_is_named_and_the_job_ends_at_the_timeout(tmp_path):
     """h1's link goes down between two collectives: its rank is alive but unreachable. The
     stall report and the timeout name it; the job ends, and the hosts are removed."""
@@ -156,24 +177,14 @@ def test_a_host_that_loses_its_link_is_named_and_the_job_ends_at_the_timeout(tmp
     )
     before = _test_namespaces()
     env = {**os.environ, "SPMD_TIMEOUT": "6", "SPMD_STALL_WARN": "2"}
-    proc = subprocess.Popen([*SPMD_RUN, "--hosts", "2", "-n", "2", sys.executable, str(script)],
-                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert marker.exists(), "rank 1 never got past its first collective"
-        mine = [n for n in _test_namespaces() - before if n.startswith(f"spmd-{proc.pid}-")]
-        switch = next(n for n in mine if n.endswith("-sw"))
+
+    def cut(namespaces):
+        switch = next(n for n in namespaces if n.endswith("-sw"))
         subprocess.run(["ip", "-n", switch, "link", "set", "vh1", "down"], check=True)
-        cut = time.monotonic()
-        _, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.communicate(timeout=30)
-    took = time.monotonic() - cut
-    assert proc.returncode == 1, stderr
+
+    argv = ["--hosts", "2", "-n", "2", sys.executable, str(script)]
+    code, stderr, took = _fault_mid_job(argv, marker, cut, env)
+    assert code == 1, stderr
     silent = (
         "rank 1 (node h1), which does not answer the peer watch (its process may be stopped, or "
         "its node unreachable)."
@@ -200,32 +211,23 @@ def test_a_host_whose_processes_are_all_killed_is_named(tmp_path):
         "for _ in range(1200):\n    spmd.allreduce(jnp.ones(3))\n    time.sleep(0.05)\n"
     )
     before, shm_before = _test_namespaces(), _shm()
-    proc = subprocess.Popen([*SPMD_RUN, "--hosts", "2", "-n", "4", sys.executable, str(script)],
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert marker.exists(), "the job never got past its first collective"
-        h1 = next(n for n in _test_namespaces() - before if n.startswith(f"spmd-{proc.pid}-")
-                  and n.endswith("-h1"))  # fmt: skip
+
+    def kill_h1(namespaces):
+        h1 = next(n for n in namespaces if n.endswith("-h1"))
         pids = subprocess.run(["ip", "netns", "pids", h1], capture_output=True, text=True,
                               check=True).stdout.split()  # fmt: skip
         for pid in pids:
             os.kill(int(pid), signal.SIGKILL)
-        killed = time.monotonic()
-        _, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.communicate(timeout=30)
-    assert proc.returncode != 0, stderr
+
+    argv = ["--hosts", "2", "-n", "4", sys.executable, str(script)]
+    code, stderr, took = _fault_mid_job(argv, marker, kill_h1)
+    assert code != 0, stderr
     assert "ranks without a clean end: [0, 1, 2, 3]" in stderr, stderr
     first = next(line for line in stderr.splitlines() if "ended first" in line)
     assert first.startswith(("spmd-run: rank 2 (host h1) ended first", "spmd-run: rank 3 (host "
                              "h1) ended first")), stderr  # fmt: skip
     assert "without reporting how (killed together with its wrapper, or its host lost)" in first
-    assert time.monotonic() - killed < 10, f"the job ended {time.monotonic() - killed:.1f} s late"
+    assert took < 10, f"the job ended {took:.1f} s after the kill"
     assert _test_namespaces() == before, "test hosts were left behind"
     assert _shm() - shm_before == set(), "shared memory was left behind"
 

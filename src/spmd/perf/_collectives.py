@@ -16,9 +16,10 @@ ranks consecutive.
 
 The algorithms are the ones spmd runs (``native/cpu``): on one node shared memory; across nodes
 ``hier`` (the two-dimensional algorithms of native/cpu/transport.h: shared memory inside each
-node, MPI over the rails; broadcast and larger all_to_alls as one MPI call) or ``mpi`` (one MPI call over the whole group, whose algorithm MPICH
-chooses by size with its default thresholds, modelled below as MPICH 4-5 implements them; where
-MPICH is node-aware, as for a broadcast, so is the model). Every MPI-based call also pays the
+node, MPI over the rails; broadcast and larger all_to_alls as one MPI call) or ``mpi`` (one MPI
+call over the whole group, whose algorithm MPICH chooses by size with its default thresholds,
+modelled below as MPICH 4-5 implements them; where MPICH is node-aware, as for a broadcast, so
+is the model). Every MPI-based call also pays the
 signature check, an 8-byte allgather over the group.
 """
 

@@ -10,8 +10,8 @@ the channel of ``barrier``/``allgather_object``. It makes:
   all that point-to-point calls need (``p2p``);
 - then, at the first collective other than a point-to-point one, a shared-memory segment for a
   group on one node, and for a group spanning nodes with several ranks on some node the
-  node-local segments plus a communicator of node leaders, and where every node holds as many
-  ranks a *rail* per local index (one rank of each node): the hierarchical path;
+  node-local segments plus, where every node holds as many ranks, a *rail* per local index
+  (one rank of each node), else a communicator of node leaders: the hierarchical path;
 - and, where JAX computes on a GPU, the group's GPU side (:mod:`._gpu`).
 
 Transports (how a CPU collective moves bytes): ``shm`` (shared memory, a group on one node),
@@ -267,15 +267,6 @@ def _attach(ng: NativeGroup) -> None:
             parts = list(nodes.values())
             local = nodes[comm.node_ids[comm.world_rank]]
             _attach_shm(ng.gid, 1, comm, parts)  # every node's segment
-            leader = local[0] == comm.rank
-            leaders = ng.data.Split(0 if leader else MPI.UNDEFINED, comm.rank)
-            if leader:
-                ng.mpi_comms.append(leaders)
-                leader_ranks = [comm.ranks[m[0]] for m in parts]
-                native().group_attach_mpi(
-                    ng.gid, 1, MPI._handleof(leaders), leaders.Get_rank(), leaders.Get_size(),
-                    leader_ranks,
-                )  # fmt: skip
             if len({len(m) for m in parts}) == 1:
                 # Rails: the ranks with one local index, ranked by node (the two-dimensional
                 # algorithms of the hierarchical transport, native/cpu/transport.h).
@@ -286,6 +277,15 @@ def _attach(ng: NativeGroup) -> None:
                     ng.gid, 2, MPI._handleof(rail), rail.Get_rank(), rail.Get_size(),
                     [comm.ranks[m[index]] for m in parts],
                 )  # fmt: skip
+            else:  # nodes of unequal size: allreduce through the node leaders
+                leader = local[0] == comm.rank
+                leaders = ng.data.Split(0 if leader else MPI.UNDEFINED, comm.rank)
+                if leader:
+                    ng.mpi_comms.append(leaders)
+                    native().group_attach_mpi(
+                        ng.gid, 1, MPI._handleof(leaders), leaders.Get_rank(),
+                        leaders.Get_size(), [comm.ranks[m[0]] for m in parts],
+                    )  # fmt: skip
             node_of = [0] * comm.size
             for n, members in enumerate(parts):
                 for m in members:
