@@ -83,11 +83,15 @@ def test_exit_code_of_a_failing_program_is_returned():
     assert "spmd-run: rank 1 failed: exit 3" in out.stderr
 
 
-def test_a_program_that_is_not_python_code_can_start_mpi():
+def test_a_program_that_is_not_python_code_can_start_mpi(tmp_path):
     """A console script or a shell wrapper (spmd-bench, say) reaches the launcher's PMI
     connection: the wrapper passes its descriptor on."""
-    code = "from mpi4py import MPI; c = MPI.COMM_WORLD; print(c.Get_rank(), c.Get_size())"
-    out, _ = spmd_run("-n", "2", "sh", "-c", f'exec "{sys.executable}" -c "{code}"')
+    program = tmp_path / "mpi_hello.py"
+    program.write_text(  # one write per line: the ranks' output is not buffered
+        "import os\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
+        "os.write(1, f'{c.Get_rank()} {c.Get_size()}\\n'.encode())\n"
+    )
+    out, _ = spmd_run("-n", "2", "sh", "-c", f'exec "{sys.executable}" "{program}"')
     assert out.returncode == 0, out.stderr
     assert sorted(out.stdout.splitlines()) == ["0 2", "1 2"]
 
