@@ -29,6 +29,11 @@ def _shm():
     return set(os.listdir("/dev/shm"))
 
 
+def _hydra_files():
+    """The MPI launcher's topology files in /tmp (its proxies on the hosts write them too)."""
+    return {f for f in os.listdir("/tmp") if f.startswith("hydra_hwloc_xmlfile_")}
+
+
 def test_ranks_on_two_hosts_have_their_own_hostname_address_and_shared_memory(tmp_path):
     script = tmp_path / "where.py"
     script.write_text(
@@ -175,7 +180,7 @@ def test_a_host_that_loses_its_link_is_named_and_the_job_ends_at_the_timeout(tmp
         f"if comm.rank == 1:\n    open({str(marker)!r}, 'w').close()\n    time.sleep(3)\n"
         "spmd.allreduce(jnp.ones(3))\n"
     )
-    before = _test_namespaces()
+    before, files_before = _test_namespaces(), _hydra_files()
     env = {**os.environ, "SPMD_TIMEOUT": "6", "SPMD_STALL_WARN": "2"}
 
     def cut(namespaces):
@@ -196,6 +201,8 @@ def test_a_host_that_loses_its_link_is_named_and_the_job_ends_at_the_timeout(tmp
     ) in stderr, stderr
     assert took < 6 + 10, f"the job ended {took:.1f} s after the cut"
     assert _test_namespaces() == before, "test hosts were left behind"
+    # The cut-off host's launcher proxy held its topology file open until the hosts went.
+    assert _hydra_files() - files_before == set(), "the launcher's files were left behind"
 
 
 def test_a_host_whose_processes_are_all_killed_is_named(tmp_path):
@@ -210,7 +217,7 @@ def test_a_host_whose_processes_are_all_killed_is_named(tmp_path):
         f"if comm.rank == 0:\n    open({str(marker)!r}, 'w').close()\n"
         "for _ in range(1200):\n    spmd.allreduce(jnp.ones(3))\n    time.sleep(0.05)\n"
     )
-    before, shm_before = _test_namespaces(), _shm()
+    before, shm_before, files_before = _test_namespaces(), _shm(), _hydra_files()
 
     def kill_h1(namespaces):
         h1 = next(n for n in namespaces if n.endswith("-h1"))
@@ -230,6 +237,7 @@ def test_a_host_whose_processes_are_all_killed_is_named(tmp_path):
     assert took < 10, f"the job ended {took:.1f} s after the kill"
     assert _test_namespaces() == before, "test hosts were left behind"
     assert _shm() - shm_before == set(), "shared memory was left behind"
+    assert _hydra_files() - files_before == set(), "the launcher's files were left behind"
 
 
 def test_links_are_shaped(tmp_path):

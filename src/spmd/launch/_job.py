@@ -218,6 +218,7 @@ def launch(
     thread (``%%spmd`` shows the output so far).
     """
     made: list[TestHosts] = []
+    began = time.time()
     try:
         return _launch(
             nprocs,
@@ -239,6 +240,8 @@ def launch(
     finally:
         for test_hosts in made:
             test_hosts.remove()
+        if made:  # what a host cut off from the launcher still had open is free now
+            remove_leftovers(began)
 
 
 def _launch(
