@@ -62,7 +62,7 @@ def test_ranks_on_two_hosts_have_their_own_hostname_address_and_shared_memory(tm
         assert r["total"] == 10.0 and r["gathered"] == [0, 10, 20, 30], r
         assert r["transport"] == "hier", r  # shared memory within a host, MPI across
     # The 16 MiB allreduce crossed the link: each host's end received at least half of it
-    # (the host leaders' MPI allreduce over TCP, not a shared-memory shortcut between hosts).
+    # (the rails' MPI allreduce over TCP, not a shared-memory shortcut between hosts).
     assert ranks[0]["received"] >= 8 << 20 and ranks[2]["received"] >= 8 << 20, ranks
     # The ranks of a host share a /dev/shm of their own; the hosts do not share one.
     assert ranks[0]["shm"] == ranks[1]["shm"] != ranks[2]["shm"] == ranks[3]["shm"]

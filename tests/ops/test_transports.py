@@ -55,7 +55,7 @@ def test_hierarchical_across_simulated_nodes(comm):
     assert spmd.ops.get_transport() == "hier"
     _all_ops_everywhere(comm, "eager")
     _all_ops_everywhere(comm, "jit")
-    # Bit-identical sums on every rank, through shared memory and MPI between leaders.
+    # Bit-identical sums on every rank, through shared memory and MPI between the nodes.
     x = jnp.asarray(np.random.default_rng(comm.rank).standard_normal(100_003), jnp.float32)
     y = np.asarray(spmd.allreduce(x))
     assert len({b for b in comm.allgather_object(y.tobytes())}) == 1

@@ -425,7 +425,7 @@ def test_half_precision_averages_divide_before_rounding(comm):
 @multirank(nprocs=(3, 4), env={"SPMD_SIMULATE_NODES": "2"})
 def test_half_precision_sums_round_once_hierarchical(comm):
     """Across nodes float16/bfloat16 sums stay in float32 until the end: each node adds its
-    ranks in order, the two node leaders add their partial sums, and the total is rounded once,
+    ranks in order, the two nodes' partial sums are added over MPI, and the total is rounded once,
     bit for bit what NumPy computes that way (rounding each node's partial sum to the half type
     first would round twice). A pytree mixing half and float32 leaves takes both paths."""
     assert spmd.ops.get_transport() == "hier"

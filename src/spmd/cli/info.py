@@ -79,9 +79,9 @@ def _collectives() -> list[str]:
     except SpmdError as e:
         requested = f"error: {e}"
     out.append(
-        f"  collective transport: {requested} (auto: shm inside one node, hier = shm + MPI between "
-        "node leaders when a group spans nodes with several ranks on some node, mpi otherwise; "
-        "send/recv always mpi)"
+        f"  collective transport: {requested} (auto: shm inside one node, hier = shm inside each "
+        "node + MPI between nodes when a group spans nodes with several ranks on some node, mpi "
+        "otherwise; send/recv always mpi)"
     )
     try:
         staging = shm_staging()
