@@ -31,6 +31,13 @@
 
 namespace spmd {
 
+// Where each block of `bytes` starts when the blocks are laid end to end, and (one more entry)
+// where the last one ends.
+inline void BlockStarts(const std::vector<size_t>& bytes, std::vector<size_t>* off) {
+  off->assign(bytes.size() + 1, 0);
+  for (size_t r = 0; r < bytes.size(); ++r) (*off)[r + 1] = (*off)[r] + bytes[r];
+}
+
 // The shared-memory collectives of one group's ranks on one node (see above).
 class ShmGroup {
  public:

@@ -40,11 +40,9 @@ size_t Piece(size_t bytes, size_t chunk) {
 // Where each rank's block starts in the concatenation of blocks of ``bytes`` (one more entry:
 // the total), and the largest block.
 std::vector<size_t> Offsets(const std::vector<size_t>& bytes, size_t* most) {
-  std::vector<size_t> off(bytes.size() + 1, 0);
-  for (size_t r = 0; r < bytes.size(); ++r) {
-    off[r + 1] = off[r] + bytes[r];
-    *most = std::max(*most, bytes[r]);
-  }
+  std::vector<size_t> off;
+  BlockStarts(bytes, &off);
+  for (size_t b : bytes) *most = std::max(*most, b);
   return off;
 }
 

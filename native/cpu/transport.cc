@@ -288,10 +288,8 @@ void EvenPieces(size_t count, size_t elem, int parts, std::vector<size_t>* bytes
 thread_local std::vector<size_t> hier_bytes, hier_off, hier_node, hier_at, hier_starts;
 thread_local std::vector<char> hier_piece, hier_regroup, hier_done;
 
-// Where each rank's block starts in a buffer of the blocks `bytes`, and where the last ends.
 const std::vector<size_t>& Starts(const std::vector<size_t>& bytes) {
-  hier_starts.assign(bytes.size() + 1, 0);
-  for (size_t r = 0; r < bytes.size(); ++r) hier_starts[r + 1] = hier_starts[r] + bytes[r];
+  BlockStarts(bytes, &hier_starts);
   return hier_starts;
 }
 
