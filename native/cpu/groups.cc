@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "messages.h"
+#include "recorder.h"
 #include "spmd/registry.h"
 #include "spmd/tables.h"
 
@@ -175,6 +176,44 @@ int CheckSignatureForGpu(int64_t group, const char* described, char* error, size
     error[error_size - 1] = 0;
   }
   return 1;
+}
+
+Status GroupSequence(int64_t id, uint64_t hash, std::string_view described) {
+  std::shared_ptr<Group> g = GroupFind(id);
+  if (g == nullptr) return Status::Ok();  // a group of one registers nothing here
+  // Not under the group's lock: this never waits, and a CPU collective of the group may.
+  ShmGroup* shm = g->shm ? g->shm.get() : g->local.get();
+  if (shm == nullptr || shm->size() == 1) return Status::Ok();
+  return shm->Sequence(hash, described);
+}
+
+void GroupSequenceReset(int64_t id) {
+  std::shared_ptr<Group> g = GroupFind(id);
+  ShmGroup* shm = g == nullptr ? nullptr : g->shm ? g->shm.get() : g->local.get();
+  if (shm != nullptr) shm->SequenceReset();
+}
+
+namespace {
+
+int SequenceForGpu(int64_t group, uint64_t hash, const char* described, size_t len, char* error,
+                   size_t error_size) {
+  Status s = GroupSequence(group, hash, std::string_view(described, len));
+  if (s.ok()) return 0;
+  if (error_size > 0) {
+    std::strncpy(error, s.message().c_str(), error_size - 1);
+    error[error_size - 1] = 0;
+  }
+  return 1;
+}
+
+void RecordEndForGpu(size_t slot, int8_t state) { RecorderEndIn(slot, state); }
+
+}  // namespace
+
+const GpuHooks* HooksForGpu() {
+  static const GpuHooks hooks{&CheckSignatureForGpu, &SequenceForGpu, &RecorderBegin,
+                              &RecordEndForGpu};
+  return &hooks;
 }
 
 void GroupDestroy(int64_t id) {

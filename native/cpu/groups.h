@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "mpi.h"
@@ -69,6 +70,14 @@ Status GroupSetTransport(int64_t id, TransportKind kind);
 Status GroupCheckSignature(int64_t id, const std::string& described);
 // GroupCheckSignature as the GPU module calls it (spmd/signature.h, CheckSignatureFn).
 int CheckSignatureForGpu(int64_t group, const char* described, char* error, size_t error_size);
+// The sequence check of a call compared in full only on its first run (ShmGroup::Sequence), on
+// the group's shared memory, or for a group spanning nodes among its ranks on this node; Ok
+// for a group of one or without shared memory.
+Status GroupSequence(int64_t id, uint64_t hash, std::string_view described);
+// ShmGroup::SequenceReset of the group's shared memory, if it has one.
+void GroupSequenceReset(int64_t id);
+// The functions the GPU handlers call here (spmd/signature.h).
+const GpuHooks* HooksForGpu();
 void GroupDestroy(int64_t id);
 // nullptr if no group has this id (not registered, or destroyed by spmd.finalize).
 std::shared_ptr<Group> GroupFind(int64_t id);

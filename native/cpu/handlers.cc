@@ -28,7 +28,7 @@ namespace spmd {
 namespace {
 
 // Op codes: hashed into the signature, and named in messages.
-using Code = CallCode;  // recorder.h
+using Code = CallCode;  // spmd/record.h
 
 // A CPU call: its group, its leaves, and what every rank must agree on.
 struct Call : CallBase {
@@ -409,7 +409,7 @@ ffi::Error SendRecvFfi(int64_t group, std::string_view meaning, int64_t src, int
   const MessageShape sent = in ? MessageShape::Of(in->bytes, in->dtype, in->dims) : none;
   const MessageShape expected = out ? MessageShape::Of(out->bytes, out->dtype, out->dims) : none;
   const size_t slot = RecorderBegin(g.id, ++g.p2p_calls, call.hash, in ? in->bytes : out->bytes,
-                                    kSendRecv, -1);
+                                    kSendRecv, kRecordP2p);
   const Status s = g.mpi.SendRecv(in ? in->data : nullptr, sent, static_cast<int>(dst),
                                   out ? out->data : nullptr, expected, static_cast<int>(src));
   RecorderEnd(slot, !s.ok());

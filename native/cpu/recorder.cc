@@ -86,13 +86,15 @@ size_t RecorderBegin(int64_t group, uint64_t call, uint64_t hash, uint64_t bytes
   return slot;
 }
 
-void RecorderEnd(size_t slot, bool failed) {
+void RecorderEnd(size_t slot, bool failed) { RecorderEndIn(slot, failed ? kFailed : kDone); }
+
+void RecorderEndIn(size_t slot, int8_t state) {
   if (slot == SIZE_MAX) return;
   RecorderHeader* head = g_head.load(std::memory_order_acquire);
   if (head == nullptr || slot >= head->capacity) return;
   Record& r = Slots(head)[slot];
   r.end_ns = NowNs();
-  r.state = failed ? kFailed : kDone;
+  r.state = state;
 }
 
 std::string RecorderSnapshot() {

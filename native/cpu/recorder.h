@@ -10,45 +10,10 @@
 #include <cstdint>
 #include <string>
 
+#include "spmd/record.h"
 #include "spmd/status.h"
-#include "spmd/tables.h"
 
 namespace spmd {
-
-// The CPU handlers, as records and errors name them.
-enum CallCode : int32_t {
-  kAllreduce = 1,
-  kAllgather,
-  kReduceScatter,
-  kBroadcast,
-  kAllToAll,
-  kSendRecv,
-  kBarrier,
-  kAllToAllv,
-  kMoeDispatch,
-  kMoeCombine
-};
-inline constexpr NamedCode kCallCodes[] = {
-    {"allreduce", kAllreduce}, {"allgather", kAllgather},  {"reduce_scatter", kReduceScatter},
-    {"broadcast", kBroadcast}, {"all_to_all", kAllToAll},  {"sendrecv", kSendRecv},
-    {"barrier", kBarrier},     {"all_to_allv", kAllToAllv},  {"moe.dispatch", kMoeDispatch},
-    {"moe.combine", kMoeCombine}};
-
-// One call, 64 bytes; the layout Python reads (spmd.runtime's recorder).
-struct Record {
-  uint64_t seq;       // this process's call number, from 1
-  int64_t group;      // the group's id
-  uint64_t call;      // the call's number on its group in this process, from 1
-  uint64_t hash;      // the signature the ranks compare
-  int64_t start_ns;   // CLOCK_MONOTONIC
-  int64_t end_ns;     // 0 while the call runs
-  uint64_t bytes;     // the bytes of its inputs (its outputs for recv)
-  int32_t code;       // the handler (kCallCodes)
-  int8_t state;       // kRunning, kDone, kFailed
-  int8_t transport;   // the group's TransportKind; -1 for point-to-point over MPI
-  int16_t unused;
-};
-static_assert(sizeof(Record) == 64, "Python reads 64-byte records");
 
 // The file's header, then `capacity` records; record k of the process is at slot (k - 1) % capacity.
 struct RecorderHeader {
@@ -60,7 +25,6 @@ struct RecorderHeader {
 static_assert(sizeof(RecorderHeader) == 64, "Python reads a 64-byte header");
 
 inline constexpr uint64_t kRecorderMagic = 0x3130434552444d53ull;  // "SMDREC01"
-enum RecordState : int8_t { kRunning = 0, kDone = 1, kFailed = 2 };
 
 // Starts recording into a ring of `capacity` calls (0: stop), in the file `path` (empty: this
 // process's memory). Replaces an earlier ring.
@@ -69,6 +33,8 @@ Status RecorderOpen(const std::string& path, size_t capacity);
 size_t RecorderBegin(int64_t group, uint64_t call, uint64_t hash, uint64_t bytes, int32_t code,
                      int8_t transport);
 void RecorderEnd(size_t slot, bool failed);
+// Ends it in `state` (RecordState).
+void RecorderEndIn(size_t slot, int8_t state);
 // The header and records as bytes (what the file holds), for Python.
 std::string RecorderSnapshot();
 

@@ -19,7 +19,10 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "reduce.h"
@@ -101,6 +104,20 @@ class ShmGroup {
   // for it when nothing else handles the signal): a peer reporting a stall asks for it.
   static void SetDumpsStack(bool on);
 
+  // The sequence check of calls made elsewhere (the GPU handlers' calls after their first,
+  // fully compared run; spmd/signature.h, GpuHooks::sequence): this rank's next call on the
+  // group has signature `hash` (`described`: the call written out). Each rank publishes, per
+  // call, a chain of its calls' hashes in a ring of its control block, and compares it with
+  // what each peer has published for the latest call both rings still hold: nothing waits, and
+  // a difference is found at the first call after both ranks made the differing one (within
+  // kSequenceRing calls of each other). The error names the first call that differs with each
+  // rank's call. Costs a lock, a hash lookup and a cache line from each peer per call.
+  static constexpr uint64_t kSequenceRing = 64;
+  static constexpr uint64_t kSequenceTexts = 64;
+  Status Sequence(uint64_t hash, std::string_view described);
+  // Forgets this rank's calls (for the tests: every rank, between two barriers of the group).
+  void SequenceReset();
+
   // Marks this process's ranks of every group as leaving (Python is exiting), so that a peer
   // waiting for one of them in a collective fails at once naming it instead of waiting for
   // SPMD_TIMEOUT. Called at interpreter exit (spmd.init registers it).
@@ -119,7 +136,25 @@ class ShmGroup {
     char pad1[48];
     char desc[512];
     alignas(64) std::atomic<uint64_t> token;  // the staging probe's ring (Ring)
+    // Sequence: the calls this rank has published, and call n's entry at n % kSequenceRing
+    // (`n` is written last, and zeroed first while the entry changes).
+    alignas(64) std::atomic<uint64_t> seq_latest;
+    struct SeqEntry {
+      std::atomic<uint64_t> n, chain, hash;
+    } seq_ring[kSequenceRing];
+    // The calls' texts by signature, for a peer's error: open addressing from hash %
+    // kSequenceTexts; `hash` is written after the text, once (0: free).
+    struct SeqText {
+      std::atomic<uint64_t> hash;
+      char text[248];
+    } seq_texts[kSequenceTexts];
   };
+  // Call n's entry in rank r's ring, or false when the ring no longer (or not yet) holds it.
+  bool SeqRead(int r, uint64_t n, uint64_t* chain, uint64_t* hash) const;
+  std::string SeqMismatch(int r, uint64_t upto);
+  // Publishes this rank's text of a signature; rank r's text of `hash` ("" if not published).
+  void SeqPublishText(uint64_t hash, const std::string& text);
+  std::string SeqText(int r, uint64_t hash) const;
 
   ShmGroup() = default;
   Ctrl* ctrl(int r) const { return reinterpret_cast<Ctrl*>(base_ + r * sizeof(Ctrl)); }
@@ -204,6 +239,11 @@ class ShmGroup {
   // is; asks it for its Python stack (SIGUSR1) when it registered for that.
   void ReportStall(int r, double waited_s) const;
   std::vector<int> world_ranks_;
+  // Sequence's own state: calls so far, their chain, and each signature's text seen here.
+  std::mutex seq_mu_;
+  uint64_t seq_calls_ = 0, seq_chain_ = 0;
+  std::unordered_map<uint64_t, std::string> seq_texts_;
+  std::string seq_broken_;
 };
 
 }  // namespace spmd

@@ -35,27 +35,54 @@ void ReleaseCar(CudaGroup& g) {
   g.peers = car::Peers{};
 }
 
-std::atomic<CheckSignatureFn> g_check{nullptr};
+std::atomic<const GpuHooks*> g_hooks{nullptr};
 std::atomic<bool> g_check_every_call{false};
 
 }  // namespace
 
-void SetSignatureCheck(CheckSignatureFn fn, bool every_call) {
+void SetGpuHooks(const GpuHooks* hooks, bool every_call) {
   g_check_every_call.store(every_call);
-  g_check.store(fn);
+  g_hooks.store(hooks);
 }
 
-Status CheckCall(CudaGroup& g, int64_t site, std::string_view described) {
-  CheckSignatureFn fn = g_check.load();
-  if (fn == nullptr || described.empty() || g.size == 1) return Status::Ok();
-  if (!g_check_every_call.load()) {
+Status CheckCall(CudaGroup& g, int64_t site, std::string_view described, bool captured,
+                 uint64_t* hash) {
+  *hash = 0;
+  const GpuHooks* hooks = g_hooks.load();
+  if (hooks == nullptr || described.empty()) return Status::Ok();
+  bool first = true;
+  {
     std::lock_guard<std::mutex> lock(g.check_mu);
-    if (!g.checked_sites.insert(site).second) return Status::Ok();
+    auto [it, added] = g.site_hashes.try_emplace(site, 0);
+    if (added) it->second = HashText(described);
+    *hash = it->second;
+    first = added;
   }
-  const std::string text(described);
+  if (g.size == 1) return Status::Ok();
   char error[2048] = {0};
-  if (fn(g.id, text.c_str(), error, sizeof(error)) == 0) return Status::Ok();
-  return Status::Error(error);
+  const bool every_call = g_check_every_call.load();
+  if (first || every_call) {
+    const std::string text(described);
+    if (hooks->check(g.id, text.c_str(), error, sizeof(error)) != 0) return Status::Error(error);
+    if (every_call) return Status::Ok();  // each call compared before it runs
+  }
+  if (captured) return Status::Ok();  // not counted: its replays are not seen here
+  if (hooks->sequence(g.id, *hash, described.data(), described.size(), error, sizeof(error)) != 0) {
+    return Status::Error(error);
+  }
+  return Status::Ok();
+}
+
+size_t RecordBegin(int64_t group, uint64_t call, uint64_t hash, uint64_t bytes, int32_t code) {
+  const GpuHooks* hooks = g_hooks.load();
+  if (hooks == nullptr) return SIZE_MAX;
+  return hooks->record_begin(group, call, hash, bytes, code, kRecordGpu);
+}
+
+void RecordEnd(size_t slot, bool failed) {
+  const GpuHooks* hooks = g_hooks.load();
+  if (hooks == nullptr || slot == SIZE_MAX) return;
+  hooks->record_end(slot, failed ? kFailed : kEnqueued);
 }
 
 uint32_t CheckPattern(uint32_t seed, int rank) {

@@ -5,16 +5,19 @@
 #ifndef SPMD_CUDA_GROUPS_H_
 #define SPMD_CUDA_GROUPS_H_
 
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
-#include <unordered_set>
+#include <unordered_map>
 #include <vector>
 
 #include "custom_ar.h"
 #include "nccl.h"
+#include "spmd/record.h"
 #include "spmd/signature.h"
 #include "spmd/status.h"
 
@@ -36,9 +39,12 @@ struct CudaGroup {
   bool car_ready = false;
   bool destroyed = false;  // by CudaGroupDestroy; its resources are released
   std::mutex mu;
-  // The call sites (CheckCall) whose calls the ranks have compared.
-  std::unordered_set<int64_t> checked_sites;
+  // The call sites (CheckCall) whose calls the ranks have compared in full, with their
+  // signatures.
+  std::unordered_map<int64_t, uint64_t> site_hashes;
   std::mutex check_mu;
+  // Calls made on the group by this process, as the flight recorder numbers them.
+  std::atomic<uint64_t> calls{0}, p2p_calls{0};
   int world_rank() const { return world_ranks[rank]; }
 };
 
@@ -63,18 +69,27 @@ std::shared_ptr<CudaGroup> CudaGroupFind(int64_t id);
 
 uint32_t CheckPattern(uint32_t seed, int rank);
 
-// How the GPU handlers compare their calls across the ranks of a group: `fn` is the CPU
-// module's comparison (spmd/signature.h); `every_call` compares every call (SPMD_DEBUG=1),
-// otherwise only the first run of each call site. Until this is called, nothing is compared.
-void SetSignatureCheck(CheckSignatureFn fn, bool every_call);
-// Compares this call with the other ranks' if it is due: `described` is the call written out
-// (empty: never compared, as for point-to-point calls, which involve two ranks of the group);
-// `site` identifies one call of one compiled program (the Python lowering numbers them), so
-// that ranks running the same programs compare each call site once, the first time it runs,
-// and ranks whose programs differ compare (and fail at) the first call that differs or that only
-// one of them runs for the first time. Blocks the host until the group's ranks arrive; the
-// stream is not touched.
-Status CheckCall(CudaGroup& g, int64_t site, std::string_view described);
+// How the GPU handlers compare and record their calls: `hooks` are the CPU module's
+// (spmd/signature.h); `every_call` compares every call in full (SPMD_DEBUG=1), otherwise the
+// first run of each call site in full and every call after it by the sequence check. Until this
+// is called, nothing is compared or recorded.
+void SetGpuHooks(const GpuHooks* hooks, bool every_call);
+// Compares this call with the other ranks' as due: `described` is the call written out (empty:
+// never compared, as for point-to-point calls, which involve two ranks of the group); `site`
+// identifies one call of one compiled program (the Python lowering numbers them), so that ranks
+// running the same programs compare each call site in full once, the first time it runs (a
+// barrier on the host: ranks whose programs differ fail at the first call that differs or that
+// only one of them runs for the first time), and every call by the sequence check, which never
+// waits and finds a difference (calls in another order, one call more) at the first call after
+// both ranks made it. `captured`: XLA is capturing the call in a CUDA graph, whose replays do
+// not run the handler: compared in full if due, but not counted by the sequence check. *hash:
+// the call's signature (0 for an uncompared call). The stream is not touched.
+Status CheckCall(CudaGroup& g, int64_t site, std::string_view described, bool captured,
+                 uint64_t* hash);
+// The flight recorder, through the hooks: a GPU call recorded from its start to the end of its
+// enqueueing (spmd/record.h, kEnqueued), or as failed.
+size_t RecordBegin(int64_t group, uint64_t call, uint64_t hash, uint64_t bytes, int32_t code);
+void RecordEnd(size_t slot, bool failed);
 
 }  // namespace spmd
 

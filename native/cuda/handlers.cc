@@ -73,23 +73,54 @@ bool CustomDType(ffi::DataType d, car::DType* t) {
   return false;
 }
 
-// Errors name the op as "<op> (GPU)".
+// Errors name the op as "<op> (GPU)". A call is recorded (the flight recorder, through the CPU
+// module) from its start until the handler returns: enqueued, or failed.
 struct Call : CallBase {
-  using CallBase::CallBase;
+  Call(const char* op, CallCode c) : CallBase(op), code(c) {}
+  Call(const Call&) = delete;
+  Call& operator=(const Call&) = delete;
+  ~Call() { RecordEnd(slot, failed); }
   cudaStream_t stream = nullptr;
   std::shared_ptr<CudaGroup> group;  // held for the whole call (spmd/registry.h)
+  CallCode code;
+  size_t slot = SIZE_MAX;
+  mutable bool failed = false;
 
   // Finds the group, compares the call with the other ranks' where that is due (`check`: the
   // call written out by the Python lowering, role included; `site`: which call of which
-  // program it is, see CheckCall), and decodes the leaves.
+  // program it is, see CheckCall), decodes the leaves and starts the call's record.
   ffi::Error Start(cudaStream_t s, int64_t group_attr, int64_t site, std::string_view check,
                    ffi::RemainingArgs args, ffi::RemainingRets rets) {
     stream = s;
     group = CudaGroupFind(GroupIdOf(group_attr));
     if (group == nullptr) return GroupMissing();
     set_world_rank(group->world_rank());
-    if (Status c = CheckCall(*group, site, check); !c.ok()) return Fail(c.message());
-    return Decode(args, rets);
+    // A call XLA captures in a CUDA graph runs this once, at the capture; its replays run
+    // without it, so they are neither compared nor recorded (and the capture is not counted).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    const bool captured = cudaStreamIsCapturing(s, &capture) == cudaSuccess &&
+                          capture != cudaStreamCaptureStatusNone;
+    uint64_t hash = 0;
+    if (Status c = CheckCall(*group, site, check, captured, &hash); !c.ok()) {
+      return Fail(c.message());
+    }
+    if (ffi::Error e = Decode(args, rets); e.failure()) return e;
+    if (captured) return ffi::Error::Success();
+    const bool p2p = check.empty();
+    uint64_t bytes = 0;
+    for (const Leaf& l : (p2p && in.empty() ? out : in)) bytes += l.bytes;
+    const uint64_t n = ++(p2p ? group->p2p_calls : group->calls);
+    slot = RecordBegin(group->id, n, hash, bytes, code);
+    return ffi::Error::Success();
+  }
+
+  // As CallBase's, marking the call's record failed.
+  ffi::Error Fail(const std::string& message) const {
+    failed = true;
+    return CallBase::Fail(message);
+  }
+  ffi::Error FromStatus(const Status& s) const {
+    return s.ok() ? ffi::Error::Success() : Fail(s.message());
   }
 };
 
@@ -119,7 +150,7 @@ ffi::Error AllreduceFfi(cudaStream_t stream, int64_t group, int64_t site,
                         std::string_view check, int32_t op,
                         ffi::Span<const int64_t> algos, int32_t codec_code,
                         ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  Call call("allreduce (GPU)");
+  Call call("allreduce (GPU)", kAllreduce);
   if (ffi::Error e = call.Start(stream, group, site, check, args, rets); e.failure()) return e;
   CudaGroup& g = *call.group;
   if (!HasCode(kReduceOps, op)) return call.Fail("unknown reduction code " + std::to_string(op));
@@ -176,7 +207,7 @@ ffi::Error AllreduceFfi(cudaStream_t stream, int64_t group, int64_t site,
 ffi::Error AllgatherFfi(cudaStream_t stream, int64_t group, int64_t site,
                         std::string_view check, ffi::Span<const int64_t> sizes,
                         ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  Call call(sizes.size() ? "allgatherv (GPU)" : "allgather (GPU)");
+  Call call(sizes.size() ? "allgatherv (GPU)" : "allgather (GPU)", kAllgather);
   if (ffi::Error e = call.Start(stream, group, site, check, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
@@ -228,7 +259,8 @@ ffi::Error ReduceScatterFfi(cudaStream_t stream, int64_t group, int64_t site,
                             std::string_view check, int32_t op,
                             ffi::Span<const int64_t> sizes, ffi::RemainingArgs args,
                             ffi::RemainingRets rets) {
-  Call call(sizes.size() ? "reduce_scatterv (GPU)" : "reduce_scatter (GPU)");
+  Call call(sizes.size() ? "reduce_scatterv (GPU)" : "reduce_scatter (GPU)",
+            kReduceScatter);
   if (ffi::Error e = call.Start(stream, group, site, check, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
@@ -275,7 +307,7 @@ ffi::Error ReduceScatterFfi(cudaStream_t stream, int64_t group, int64_t site,
 ffi::Error BroadcastFfi(cudaStream_t stream, int64_t group, int64_t site,
                         std::string_view check, int64_t root, ffi::RemainingArgs args,
                         ffi::RemainingRets rets) {
-  Call call("broadcast (GPU)");
+  Call call("broadcast (GPU)", kBroadcast);
   if (ffi::Error e = call.Start(stream, group, site, check, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
@@ -295,7 +327,7 @@ ffi::Error BroadcastFfi(cudaStream_t stream, int64_t group, int64_t site,
 ffi::Error AllToAllFfi(cudaStream_t stream, int64_t group, int64_t site,
                        std::string_view check, ffi::RemainingArgs args,
                        ffi::RemainingRets rets) {
-  Call call("all_to_all (GPU)");
+  Call call("all_to_all (GPU)", kAllToAll);
   if (ffi::Error e = call.Start(stream, group, site, check, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
@@ -359,7 +391,7 @@ Status GatherRecords(CudaGroup& g, std::vector<int64_t>* all, cudaStream_t strea
 ffi::Error AllToAllvFfi(cudaStream_t stream, int64_t group, int64_t site,
                         std::string_view check, bool exact, ffi::RemainingArgs args,
                         ffi::RemainingRets rets) {
-  Call call("all_to_allv (GPU)");
+  Call call("all_to_allv (GPU)", kAllToAllv);
   if (ffi::Error e = call.Start(stream, group, site, check, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
@@ -420,7 +452,7 @@ ffi::Error AllToAllvFfi(cudaStream_t stream, int64_t group, int64_t site,
 ffi::Error SendRecvFfi(cudaStream_t stream, int64_t group, int64_t site,
                        std::string_view check, int64_t src, int64_t dst,
                        ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  Call call("sendrecv (GPU)");
+  Call call("sendrecv (GPU)", kSendRecv);
   if (ffi::Error e = call.Start(stream, group, site, check, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
@@ -444,7 +476,7 @@ ffi::Error SendRecvFfi(cudaStream_t stream, int64_t group, int64_t site,
 ffi::Error BarrierFfi(cudaStream_t stream, int64_t group, int64_t site,
                       std::string_view check, ffi::RemainingArgs args,
                       ffi::RemainingRets rets) {
-  Call call("barrier (GPU)");
+  Call call("barrier (GPU)", kBarrier);
   if (ffi::Error e = call.Start(stream, group, site, check, args, rets); e.failure()) return e;
   if (ffi::Error e = NeedNccl(call); e.failure()) return e;
   CudaGroup& g = *call.group;
@@ -460,7 +492,7 @@ ffi::Error BarrierFfi(cudaStream_t stream, int64_t group, int64_t site,
 ffi::Error AllreduceRmsNormFfi(cudaStream_t stream, int64_t group, int64_t site,
                                std::string_view check, float eps, int32_t algo,
                                ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  Call call("allreduce_rmsnorm (GPU)");
+  Call call("allreduce_rmsnorm (GPU)", kAllreduceRmsNorm);
   if (ffi::Error e = call.Start(stream, group, site, check, args, rets); e.failure()) return e;
   CudaGroup& g = *call.group;
   if (call.in.size() != 3 || call.out.size() != 2) {

@@ -325,11 +325,36 @@ PyObject* RecorderSnapshot(PyObject*, PyObject*) {
   return PyBytes_FromStringAndSize(bytes.data(), static_cast<Py_ssize_t>(bytes.size()));
 }
 
-// signature_check() -> PyCapsule "spmd.CheckSignatureFn" of the function through which the GPU
-// handlers compare their calls on a group's CPU transport (spmd/signature.h).
-PyObject* SignatureCheck(PyObject*, PyObject*) {
-  spmd::CheckSignatureFn fn = &spmd::CheckSignatureForGpu;
-  return PyCapsule_New(reinterpret_cast<void*>(fn), "spmd.CheckSignatureFn", nullptr);
+// group_sequence_reset(id) -> None: forgets this rank's calls of the sequence check (for the
+// tests: every rank of the group, between two barriers).
+PyObject* GroupSequenceReset(PyObject*, PyObject* args) {
+  long long id;
+  if (!PyArg_ParseTuple(args, "L", &id)) return nullptr;
+  spmd::GroupSequenceReset(id);
+  Py_RETURN_NONE;
+}
+
+// gpu_hooks() -> PyCapsule "spmd.GpuHooks" of the functions through which the GPU handlers
+// compare their calls on a group's CPU transport and record them (spmd/signature.h).
+PyObject* GpuHooks(PyObject*, PyObject*) {
+  const spmd::GpuHooks* hooks = spmd::HooksForGpu();
+  return PyCapsule_New(const_cast<spmd::GpuHooks*>(hooks), "spmd.GpuHooks", nullptr);
+}
+
+// group_sequence(id, described) -> None: the sequence check of one call as the GPU handlers
+// make it (spmd/signature.h, GpuHooks::sequence): its hash is the text's. Raises on a mismatch.
+PyObject* GroupSequence(PyObject*, PyObject* args) {
+  long long id;
+  const char* text;
+  Py_ssize_t len;
+  if (!PyArg_ParseTuple(args, "Ls#", &id, &text, &len)) return nullptr;
+  const std::string_view described(text, static_cast<size_t>(len));
+  spmd::Status s = spmd::Status::Ok();
+  Py_BEGIN_ALLOW_THREADS;
+  s = spmd::GroupSequence(id, spmd::HashText(described), described);
+  Py_END_ALLOW_THREADS;
+  if (!s.ok()) return Raise(s);
+  Py_RETURN_NONE;
 }
 
 PyObject* GroupDestroy(PyObject*, PyObject* args) {
@@ -435,8 +460,12 @@ PyMethodDef kMethods[] = {
      "Mark this process's ranks of every shared-memory group as leaving."},
     {"recorder_open", RecorderOpen, METH_VARARGS, "Record this process's calls in a ring."},
     {"recorder_snapshot", RecorderSnapshot, METH_NOARGS, "The recorder's ring as bytes."},
-    {"signature_check", SignatureCheck, METH_NOARGS,
-     "The function through which the GPU handlers compare their calls (a capsule)."},
+    {"gpu_hooks", GpuHooks, METH_NOARGS,
+     "The functions the GPU handlers call in this module (a capsule)."},
+    {"group_sequence_reset", GroupSequenceReset, METH_VARARGS,
+     "Forget this rank's calls of the sequence check (tests)."},
+    {"group_sequence", GroupSequence, METH_VARARGS,
+     "The sequence check of one call of a group, as the GPU handlers make it."},
     {"group_destroy", GroupDestroy, METH_VARARGS, "Unregister a group."},
     {"quant_roundtrip", QuantRoundtrip, METH_VARARGS, "Encode and decode with a GPU codec."},
     {"quant_allreduce_reference", QuantAllreduceReference, METH_VARARGS,

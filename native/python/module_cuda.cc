@@ -215,15 +215,15 @@ PyObject* CarReadCheck(PyObject*, PyObject* args) {
   return list;
 }
 
-// set_signature_check(capsule, every_call) -> None: the CPU module's signature_check(), through
-// which the handlers compare their calls (groups.h, SetSignatureCheck).
-PyObject* SetSignatureCheck(PyObject*, PyObject* args) {
+// set_gpu_hooks(capsule, every_call) -> None: the CPU module's gpu_hooks(), through which the
+// handlers compare and record their calls (groups.h, SetGpuHooks).
+PyObject* SetGpuHooksPy(PyObject*, PyObject* args) {
   PyObject* capsule;
   int every_call;
   if (!PyArg_ParseTuple(args, "Op", &capsule, &every_call)) return nullptr;
-  void* fn = PyCapsule_GetPointer(capsule, "spmd.CheckSignatureFn");
-  if (fn == nullptr) return nullptr;
-  spmd::SetSignatureCheck(reinterpret_cast<spmd::CheckSignatureFn>(fn), every_call != 0);
+  void* hooks = PyCapsule_GetPointer(capsule, "spmd.GpuHooks");
+  if (hooks == nullptr) return nullptr;
+  spmd::SetGpuHooks(static_cast<const spmd::GpuHooks*>(hooks), every_call != 0);
   Py_RETURN_NONE;
 }
 
@@ -320,8 +320,8 @@ PyMethodDef kMethods[] = {
     {"car_open", CarOpen, METH_VARARGS, "Map the peers' custom all-reduce buffers."},
     {"car_write_check", CarWriteCheck, METH_VARARGS, "Write the peer-access check pattern."},
     {"car_read_check", CarReadCheck, METH_VARARGS, "Read every peer's pattern; failing ranks."},
-    {"set_signature_check", SetSignatureCheck, METH_VARARGS,
-     "Compare the handlers' calls through the CPU module's signature_check()."},
+    {"set_gpu_hooks", SetGpuHooksPy, METH_VARARGS,
+     "Hand over the CPU module's functions that compare and record the calls."},
     {"group_destroy", GroupDestroy, METH_VARARGS, "Unregister a GPU group."},
     {"sim_allreduce", SimAllreduce, METH_VARARGS, "Custom all-reduce over simulated ranks."},
     {"sim_allreduce_rmsnorm", SimAllreduceRmsNorm, METH_VARARGS,

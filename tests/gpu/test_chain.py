@@ -291,6 +291,7 @@ def test_a_pack_never_grows_past_the_buffer_where_nccl_is_down():
 
 def _gpu_call_comparison(comm):
     import ctypes
+    import zlib
 
     from spmd._native_lib import native
     from spmd.ops._primitive import describe_call, resolve
@@ -317,12 +318,23 @@ def _gpu_call_comparison(comm):
     # Two ranks of the group take part: not compared.
     assert texts(lambda x: spmd.sendrecv(x, src=1 - r, dst=1 - r)) == [""]
 
-    # The CPU module's comparison, as the GPU handlers call it through the capsule.
+    # The CPU module's comparison, as the GPU handlers call it through the capsule of hooks
+    # (spmd/signature.h, GpuHooks: check, sequence, record_begin, record_end).
     get = ctypes.pythonapi.PyCapsule_GetPointer
     get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    hooks = (ctypes.c_void_p * 4).from_address(get(native().gpu_hooks(), b"spmd.GpuHooks"))
     kind = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_char_p, ctypes.c_char_p,
                             ctypes.c_size_t)  # fmt: skip
-    check = kind(get(native().signature_check(), b"spmd.CheckSignatureFn"))
+    check = kind(hooks[0])
+    sequence = ctypes.CFUNCTYPE(
+        ctypes.c_int,
+        ctypes.c_int64,
+        ctypes.c_uint64,
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+    )(hooks[1])
     gid = resolve().gid
     error = ctypes.create_string_buffer(2048)
     assert check(gid, b"allreduce(op=sum) of float32[4]", error, 2048) == 0
@@ -333,6 +345,26 @@ def _gpu_call_comparison(comm):
     assert "rank 0: allreduce(op=sum) of float32[4]" in text, text
     assert "rank 1: allreduce(op=avg) of float32[4]" in text, text
     assert check(123456789, b"anything", error, 2048) == 0  # no such group here: nothing to compare
+    # The sequence check of calls after their first run: rank 1's second call differs.
+    native().group_sequence_reset(gid)
+    comm.barrier()
+    calls = [b"allreduce(op=sum) of float32[4]", b"allgather(axis=0) of float32[4]"]
+    if r == 1:
+        calls[1] = b"allgather(axis=0) of float32[8]"
+    # The signature: any hash of the text. The second call fails if the peer made its own.
+    c = calls[0]
+    assert sequence(gid, zlib.crc32(c), c, len(c), error, 2048) == 0
+    comm.barrier()
+    sequence(gid, zlib.crc32(calls[1]), calls[1], len(calls[1]), error, 2048)
+    comm.barrier()
+    c = b"barrier() of"
+    assert sequence(gid, zlib.crc32(c), c, len(c), error, 2048) == 1  # both published both, or
+    # the error of the second stays
+    text = error.value.decode()
+    assert "found by the sequence check" in text and "call #2 on this group is" in text, text
+    assert "rank 0: allgather(axis=0) of float32[4]" in text, text
+    assert "rank 1: allgather(axis=0) of float32[8]" in text, text
+    assert sequence(123456789, 1, c, len(c), error, 2048) == 0  # no such group here
     np.testing.assert_array_equal(spmd.allreduce(np.ones(2, np.float32)), [2.0, 2.0])
 
 

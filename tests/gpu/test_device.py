@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import ml_dtypes
 import numpy as np
@@ -369,6 +370,7 @@ _MISMATCH = """
     comm = spmd.init()
     r = comm.rank
     debug = os.environ.get("SPMD_DEBUG") == "1"
+    graphs = "command_buffer" in os.environ.get("XLA_FLAGS", "")
 
     def fails(f, x, *needles):
         try:
@@ -402,9 +404,51 @@ _MISMATCH = """
         g = jax.jit(lambda x: spmd.allreduce(x[:2048]))
         fails(f if r == 0 else g, x, "rank 0: allreduce(op=sum) of float32[4096]",
               "rank 1: allreduce(op=sum) of float32[2048]")
+    # The flight recorder holds the GPU calls, recorded as enqueued (or failed), unless
+    # replayed from a CUDA graph.
+    from spmd.runtime import _recorder
+    recs = _recorder.records()
+    gpu = recs[recs["transport"] == -2]
+    assert len(gpu) >= (1 if graphs else 3), recs
+    assert set(gpu["state"].tolist()) <= {2, 3}, gpu
     print("ok", r, flush=True)
     spmd.finalize()
 """
+
+
+_SEQUENCE = """
+    import time
+    import jax, jax.numpy as jnp, spmd
+    comm = spmd.init()
+    r = comm.rank
+    x = jnp.ones(4096, jnp.float32)
+    fa = jax.jit(lambda x: spmd.allreduce(x, op="sum"))
+    fb = jax.jit(lambda x: spmd.allreduce(x, op="avg"))
+    for g in (fa, fb, fa, fb):  # the first runs, compared in full, then the sequence check
+        jax.block_until_ready(g(x))
+    print("started", r, time.time(), flush=True)
+    for g in ((fa, fb) if r == 0 else (fb, fa)) * 2:
+        jax.block_until_ready(g(x))
+    print("not found", r, flush=True)
+"""
+
+
+def test_gpu_calls_in_another_order_after_their_first_runs_are_found():
+    """After each call site's first run, the GPU handlers' calls go through the sequence check,
+    which never waits: two call sites in another order on one rank fail the rank that finds it
+    (by its second call at the latest) naming both calls, and spmd-run ends the job, the peer's
+    kernel waiting for the call that never came included."""
+    env = {"SPMD_CUSTOM_AR": "force", "SPMD_BIND_DEVICE": "0", "SPMD_TIMEOUT": "60"}
+    start = time.monotonic()
+    done = _run(_SEQUENCE, env, 2)
+    took = time.monotonic() - start
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and "not found" not in out, out
+    assert out.count("started") == 2, out
+    assert "found by the sequence check" in out, out
+    assert "rank 0: allreduce(op=sum) of float32[4096]" in out, out
+    assert "rank 1: allreduce(op=avg) of float32[4096]" in out, out
+    assert took < 45, f"the job took {took:.0f} s to end"
 
 
 @pytest.mark.parametrize(

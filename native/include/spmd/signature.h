@@ -4,8 +4,8 @@
 //
 // The CPU handlers hash the call themselves and compare on every call, inside the transport's
 // first synchronisation. The GPU handlers enqueue work and never wait for the peers, so their
-// calls are compared through the CPU module (CheckSignatureFn, below): the GPU module holds a
-// pointer to it, handed over by the Python group layer.
+// calls are compared through the CPU module (GpuHooks, below): the GPU module holds pointers
+// to its functions, handed over by the Python group layer.
 #ifndef SPMD_SIGNATURE_H_
 #define SPMD_SIGNATURE_H_
 
@@ -45,6 +45,24 @@ inline uint64_t HashText(std::string_view text) {
 // not arrive within SPMD_TIMEOUT) in error[0..error_size). Blocks until the group's ranks arrive.
 using CheckSignatureFn = int (*)(int64_t group, const char* described, char* error,
                                  size_t error_size);
+
+// What the GPU module calls in the CPU module, handed over once by the Python group layer (a
+// capsule of the CPU module's one instance).
+struct GpuHooks {
+  // The full comparison of one call (above): a barrier.
+  CheckSignatureFn check;
+  // The sequence check of every call after its first, fully compared run: this rank's next
+  // call on group `group` has signature `hash` (`described`, `len` bytes: the call written
+  // out). Never waits (the CPU module's ShmGroup::Sequence); 0, or 1 with the error in
+  // error[0..error_size) when the calls published so far differ between ranks.
+  int (*sequence)(int64_t group, uint64_t hash, const char* described, size_t len, char* error,
+                  size_t error_size);
+  // The flight recorder (native/cpu/recorder.h): begin returns a slot for end; `state` and
+  // `transport` as spmd/record.h says.
+  size_t (*record_begin)(int64_t group, uint64_t call, uint64_t hash, uint64_t bytes,
+                         int32_t code, int8_t transport);
+  void (*record_end)(size_t slot, int8_t state);
+};
 
 }  // namespace spmd
 

@@ -124,8 +124,9 @@ def set_up(comm: Communicator, gid: int, settings: Callable[[], Any]) -> GpuGrou
     ``settings()`` gives the chain's settings on this rank (their ``custom_max_bytes`` sizes the
     custom all-reduce's buffer)."""
     mod = require_native_cuda()
-    # The handlers compare their calls on the group's CPU transport (prepared with the group).
-    mod.set_signature_check(native().signature_check(), debug_checks())
+    # The handlers compare their calls on the group's CPU transport (prepared with the group)
+    # and record them in the CPU module's flight recorder.
+    mod.set_gpu_hooks(native().gpu_hooks(), debug_checks())
     cfgs, error = comm._try_agree(settings)
     if cfgs is None:
         raise SpmdError(error, rank=None)

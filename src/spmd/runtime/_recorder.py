@@ -7,7 +7,8 @@ was doing when the job failed, also of a rank that was killed, and print where t
 group diverged (:func:`flight_report`). With ``SPMD_TIMELINE=dir`` each rank writes its calls as
 Chrome trace events to ``dir/rank<N>.trace.json`` at exit, and ``spmd-run`` merges them into
 ``dir/timeline.json``, one track per rank (:func:`merge_timeline`), for Perfetto or
-chrome://tracing. The GPU handlers are not recorded.
+chrome://tracing. The GPU handlers are recorded from their start to the end of their enqueueing
+on the stream (state "enqueued"): when the GPU ran a call is not tracked.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ _HEADER = 64
 _MAGIC = 0x3130434552444D53
 CAPACITY = 4096  # the flight recorder's last calls
 TIMELINE_CAPACITY = 1 << 18  # with SPMD_TIMELINE: the last 262144 calls (16 MiB)
-_STATES = ("running", "done", "failed")
+_STATES = ("running", "done", "failed", "enqueued")
+_ENDED = (1, 3)  # done, enqueued (a GPU call: its host side ended)
 _P2P = "sendrecv"
 
 _groups: dict[int, list[int]] = {}  # this process's native groups: id -> world ranks
@@ -100,7 +102,8 @@ def _names() -> dict[int, str]:
 def _transports() -> dict[int, str]:
     from .._native_lib import tables
 
-    return {code: name for name, code in tables()["transports"].items()} | {-1: "mpi p2p"}
+    codes = {code: name for name, code in tables()["transports"].items()}
+    return codes | {-1: "mpi p2p", -2: "gpu"}
 
 
 def trace_events(recs: np.ndarray, rank: int, groups: dict[int, list[int]]) -> list[dict[str, Any]]:
@@ -120,7 +123,7 @@ def trace_events(recs: np.ndarray, rank: int, groups: dict[int, list[int]]) -> l
             "ts": int(r["start_ns"]) / 1e3, "dur": max(end - int(r["start_ns"]), 0) / 1e3,
             "args": {"call": int(r["call"]), "bytes": int(r["bytes"]),
                      "transport": transports.get(int(r["transport"]), "?"),
-                     "state": _STATES[int(r["state"])] if 0 <= r["state"] < 3 else "?"},
+                     "state": _STATES[int(r["state"])] if 0 <= r["state"] < 4 else "?"},
         })  # fmt: skip
     return events
 
@@ -204,7 +207,7 @@ def flight_report(directory: str | Path) -> list[str]:
             continue  # a rank whose records are missing (it never started recording)
         calls = {m: per_rank.get(m, {}) for m in members}
         last = {m: max(c) if c else 0 for m, c in calls.items()}
-        running = any(int(r["state"]) != 1 for c in calls.values() for r in c.values())
+        running = any(int(r["state"]) not in _ENDED for c in calls.values() for r in c.values())
         common = set.intersection(*(set(c) for c in calls.values())) if calls else set()
         differ = sorted(k for k in common if len({int(calls[m][k]["hash"]) for m in members}) > 1)
         if len(set(last.values())) == 1 and not running and not differ:
@@ -215,8 +218,10 @@ def flight_report(directory: str | Path) -> list[str]:
                 lines.append(f"  rank {m}: no collective on this group")
                 continue
             r = calls[m][last[m]]
-            state = _STATES[int(r["state"])]
-            if state == "running":
+            state = _STATES[int(r["state"])] if 0 <= r["state"] < 4 else "?"
+            if state == "enqueued":
+                state = "enqueued on the GPU"
+            elif state == "running":
                 state = f"still running after {(now - int(r['start_ns'])) / 1e9:.1f} s"
             op = names.get(int(r["code"]), "?")
             lines.append(f"  rank {m}: collective #{last[m]} {op} of {int(r['bytes'])} bytes, "

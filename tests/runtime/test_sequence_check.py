@@ -1,0 +1,133 @@
+"""The sequence check: how the GPU handlers compare every call after a call site's first, fully
+compared run, without waiting (native ShmGroup::Sequence, reached through the CPU module's
+``group_sequence``, the function the GPU handlers call through their hooks). Run here on the
+ranks' shared memory under the real launcher; what a GPU adds (the handlers calling it) is in
+tests/gpu. Also: how the flight recorder reports a GPU call's record."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from spmd.testing import multirank
+
+SUM = "allreduce(op=sum) of float32[3]"
+AVG = "allreduce(op=avg) of float32[3]"
+GATHER = "allgather(axis=0) of float32[4, 2]"
+
+
+def _gid(comm):
+    """The world's native group, its sequence check forgotten on every rank (the ranks of a
+    pool run several tests)."""
+    from spmd._native_lib import native
+    from spmd.runtime._groups import native_group
+
+    gid = native_group(comm).gid
+    comm.barrier()
+    native().group_sequence_reset(gid)
+    comm.barrier()
+    return gid
+
+
+def _make(comm, texts):
+    """This rank's calls, in order, then twice (each time after every rank made its calls so
+    far) one more: the error of the first that failed, or None."""
+    from spmd._native_lib import native
+
+    gid = _gid(comm)
+    error = None
+    for t in [*texts, None, GATHER, None, GATHER]:
+        if t is None:
+            comm.barrier()  # every rank has published its calls
+            continue
+        if error is None:
+            try:
+                native().group_sequence(gid, t)
+            except RuntimeError as e:
+                error = e
+    return error
+
+
+@multirank(nprocs=(2, 3))
+def test_the_same_calls_pass_also_far_apart(comm):
+    # More calls than a ring holds, with ranks running ahead of each other: no false alarm.
+    calls = [SUM, AVG, GATHER] * 70
+    assert _make(comm, calls) is None
+    # One rank 100 calls ahead of the others before they start.
+    from spmd._native_lib import native
+
+    gid = _gid(comm)
+    for turn in (0, 1):
+        if (comm.rank == 0) == (turn == 0):
+            for _ in range(100):
+                native().group_sequence(gid, SUM)
+        comm.barrier()
+    native().group_sequence(gid, GATHER)
+
+
+@multirank(nprocs=(2, 3))
+def test_calls_in_another_order_fail_on_every_rank_naming_both(comm):
+    # Rank 1 makes the same two calls in the other order: sum against avg, the shapes alike.
+    calls = [SUM, AVG] if comm.rank != 1 else [AVG, SUM]
+    error = _make(comm, [GATHER] * 5 + calls)
+    assert error is not None, f"rank {comm.rank}: the swapped calls were not found"
+    msg = str(error)
+    assert "made different collective calls" in msg and "sequence check" in msg
+    # The first call that differs is #6 on every rank that compared with rank 1; a rank that
+    # compared only with another rank that agrees with it finds it through that rank's chain.
+    if comm.rank in (0, 1):
+        assert "call #6 on this group is" in msg, msg
+        me, other = (SUM, AVG) if comm.rank == 0 else (AVG, SUM)
+        peer = 1 - comm.rank
+        assert f"rank {comm.rank}: {me}" in msg and f"rank {peer}: {other}" in msg, msg
+
+
+@multirank(nprocs=(2,))
+def test_one_call_more_and_a_late_rank_are_found(comm):
+    # Rank 0 makes one call more; after it every rank makes the same call, so that the chains
+    # differ at call #3.
+    error = _make(comm, [SUM] * (3 if comm.rank == 0 else 2))
+    assert error is not None
+    assert f"call #3 on this group is\n  rank {comm.rank}: " in str(error)
+    theirs = GATHER if comm.rank == 0 else SUM
+    assert f"rank {1 - comm.rank}: {theirs}" in str(error), str(error)
+
+
+@multirank(nprocs=(2,))
+def test_a_difference_after_a_long_lead_is_found(comm):
+    from spmd._native_lib import native
+
+    gid = _gid(comm)
+    # Rank 0 makes 100 calls before rank 1 starts; rank 1's 100th differs.
+    if comm.rank == 0:
+        for _ in range(100):
+            native().group_sequence(gid, SUM)
+        comm.barrier()
+    else:
+        comm.barrier()
+        for _ in range(99):
+            native().group_sequence(gid, SUM)
+        with pytest.raises(RuntimeError, match=r"call #100 on this group is\n  rank 1: "):
+            native().group_sequence(gid, AVG)
+    comm.barrier()
+    # Rank 0 finds it at its next call; the error stays.
+    with pytest.raises(RuntimeError, match="call #100 on this group is"):
+        native().group_sequence(gid, SUM)
+    with pytest.raises(RuntimeError, match="call #100 on this group is"):
+        native().group_sequence(gid, SUM)
+
+
+def test_a_gpu_record_reads_as_enqueued():
+    from spmd.runtime import _recorder
+
+    recs = np.zeros(2, _recorder.RECORD)
+    names = {v: k for k, v in _recorder._names().items()}
+    for i, r in enumerate(recs):
+        r["seq"], r["group"], r["call"], r["bytes"] = i + 1, 7, i + 1, 12
+        r["start_ns"], r["end_ns"] = 1000 * (i + 1), 1000 * (i + 1) + 500
+        r["code"], r["state"], r["transport"] = names["allreduce_rmsnorm"], 3, -2
+    events = [e for e in _recorder.trace_events(recs, 0, {7: [0, 1]}) if e["ph"] == "X"]
+    assert [e["name"] for e in events] == ["allreduce_rmsnorm"] * 2
+    assert {e["args"]["state"] for e in events} == {"enqueued"}
+    assert {e["args"]["transport"] for e in events} == {"gpu"}
+    assert events[0]["dur"] == 0.5
