@@ -212,7 +212,7 @@ void RecordEndForGpu(size_t slot, int8_t state) { RecorderEndIn(slot, state); }
 
 const GpuHooks* HooksForGpu() {
   static const GpuHooks hooks{&CheckSignatureForGpu, &SequenceForGpu, &RecorderBegin,
-                              &RecordEndForGpu};
+                              &RecordEndForGpu, &RecorderSetTimes};
   return &hooks;
 }
 

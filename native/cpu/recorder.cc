@@ -97,6 +97,17 @@ void RecorderEndIn(size_t slot, int8_t state) {
   r.state = state;
 }
 
+void RecorderSetTimes(size_t slot, int64_t group, uint64_t call, int64_t start_ns,
+                      int64_t end_ns) {
+  RecorderHeader* head = g_head.load(std::memory_order_acquire);
+  if (head == nullptr || slot >= head->capacity) return;
+  Record& r = Slots(head)[slot];
+  if (r.group != group || r.call != call || r.transport != kRecordGpu) return;  // overwritten
+  r.start_ns = start_ns;
+  r.end_ns = end_ns;
+  r.state = kDone;
+}
+
 std::string RecorderSnapshot() {
   std::lock_guard<std::mutex> lock(g_mu);
   RecorderHeader* head = g_head.load();

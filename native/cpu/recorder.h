@@ -35,6 +35,9 @@ size_t RecorderBegin(int64_t group, uint64_t call, uint64_t hash, uint64_t bytes
 void RecorderEnd(size_t slot, bool failed);
 // Ends it in `state` (RecordState).
 void RecorderEndIn(size_t slot, int8_t state);
+// A GPU call's times as the GPU saw them (spmd/signature.h, GpuHooks::record_times).
+void RecorderSetTimes(size_t slot, int64_t group, uint64_t call, int64_t start_ns,
+                      int64_t end_ns);
 // The header and records as bytes (what the file holds), for Python.
 std::string RecorderSnapshot();
 

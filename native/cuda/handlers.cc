@@ -14,6 +14,7 @@
 
 #include "custom_ar.h"
 #include "groups.h"
+#include "timing.h"
 #include "spmd/alltoallv.h"
 #include "spmd/call.h"
 #include "spmd/common.h"
@@ -79,11 +80,15 @@ struct Call : CallBase {
   Call(const char* op, CallCode c) : CallBase(op), code(c) {}
   Call(const Call&) = delete;
   Call& operator=(const Call&) = delete;
-  ~Call() { RecordEnd(slot, failed); }
+  ~Call() {
+    RecordEnd(slot, failed);
+    timed.End(!failed);
+  }
   cudaStream_t stream = nullptr;
   std::shared_ptr<CudaGroup> group;  // held for the whole call (spmd/registry.h)
   CallCode code;
   size_t slot = SIZE_MAX;
+  GpuTimed timed;  // the GPU's times of the call, for the timeline (timing.h)
   mutable bool failed = false;
 
   // Finds the group, compares the call with the other ranks' where that is due (`check`: the
@@ -111,6 +116,7 @@ struct Call : CallBase {
     for (const Leaf& l : (p2p && in.empty() ? out : in)) bytes += l.bytes;
     const uint64_t n = ++(p2p ? group->p2p_calls : group->calls);
     slot = RecordBegin(group->id, n, hash, bytes, code);
+    timed.Begin(stream, slot, group->id, n);
     return ffi::Error::Success();
   }
 

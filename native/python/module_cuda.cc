@@ -14,6 +14,7 @@
 #include "../cuda/handlers.h"
 #include "../cuda/nccl.h"
 #include "../cuda/selftest.h"
+#include "../cuda/timing.h"
 #include "args.h"
 #include "spmd/common.h"
 
@@ -215,15 +216,27 @@ PyObject* CarReadCheck(PyObject*, PyObject* args) {
   return list;
 }
 
-// set_gpu_hooks(capsule, every_call) -> None: the CPU module's gpu_hooks(), through which the
-// handlers compare and record their calls (groups.h, SetGpuHooks).
+// set_gpu_hooks(capsule, every_call, timeline) -> None: the CPU module's gpu_hooks(), through
+// which the handlers compare and record their calls (groups.h, SetGpuHooks); `timeline`: also
+// the GPU's own times of each call (timing.h).
 PyObject* SetGpuHooksPy(PyObject*, PyObject* args) {
   PyObject* capsule;
-  int every_call;
-  if (!PyArg_ParseTuple(args, "Op", &capsule, &every_call)) return nullptr;
-  void* hooks = PyCapsule_GetPointer(capsule, "spmd.GpuHooks");
-  if (hooks == nullptr) return nullptr;
-  spmd::SetGpuHooks(static_cast<const spmd::GpuHooks*>(hooks), every_call != 0);
+  int every_call, timeline;
+  if (!PyArg_ParseTuple(args, "Opp", &capsule, &every_call, &timeline)) return nullptr;
+  void* p = PyCapsule_GetPointer(capsule, "spmd.GpuHooks");
+  if (p == nullptr) return nullptr;
+  const auto* hooks = static_cast<const spmd::GpuHooks*>(p);
+  spmd::SetGpuHooks(hooks, every_call != 0);
+  spmd::GpuTimingSet(hooks, timeline != 0);
+  Py_RETURN_NONE;
+}
+
+// gpu_timing_flush() -> None: the GPU's times of every call still queued, waited for, into
+// their records (before the timeline is written).
+PyObject* GpuTimingFlushPy(PyObject*, PyObject*) {
+  Py_BEGIN_ALLOW_THREADS;
+  spmd::GpuTimingFlush(true);
+  Py_END_ALLOW_THREADS;
   Py_RETURN_NONE;
 }
 
@@ -322,6 +335,8 @@ PyMethodDef kMethods[] = {
     {"car_read_check", CarReadCheck, METH_VARARGS, "Read every peer's pattern; failing ranks."},
     {"set_gpu_hooks", SetGpuHooksPy, METH_VARARGS,
      "Hand over the CPU module's functions that compare and record the calls."},
+    {"gpu_timing_flush", GpuTimingFlushPy, METH_NOARGS,
+     "Write the GPU's times of the calls still queued into their records."},
     {"group_destroy", GroupDestroy, METH_VARARGS, "Unregister a GPU group."},
     {"sim_allreduce", SimAllreduce, METH_VARARGS, "Custom all-reduce over simulated ranks."},
     {"sim_allreduce_rmsnorm", SimAllreduceRmsNorm, METH_VARARGS,

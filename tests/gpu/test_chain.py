@@ -322,7 +322,7 @@ def _gpu_call_comparison(comm):
     # (spmd/signature.h, GpuHooks: check, sequence, record_begin, record_end).
     get = ctypes.pythonapi.PyCapsule_GetPointer
     get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    hooks = (ctypes.c_void_p * 4).from_address(get(native().gpu_hooks(), b"spmd.GpuHooks"))
+    hooks = (ctypes.c_void_p * 5).from_address(get(native().gpu_hooks(), b"spmd.GpuHooks"))
     kind = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_char_p, ctypes.c_char_p,
                             ctypes.c_size_t)  # fmt: skip
     check = kind(hooks[0])
@@ -365,6 +365,42 @@ def _gpu_call_comparison(comm):
     assert "rank 0: allgather(axis=0) of float32[4]" in text, text
     assert "rank 1: allgather(axis=0) of float32[8]" in text, text
     assert sequence(123456789, 1, c, len(c), error, 2048) == 0  # no such group here
+    _gpu_records(hooks)
+
+
+def _gpu_records(hooks):
+    """The flight recorder as the GPU handlers write it through the hooks: a call begun, ended
+    as enqueued, then given the GPU's times (the timeline's CUDA events)."""
+    import ctypes
+
+    from spmd._native_lib import tables
+    from spmd.runtime import _recorder
+
+    c = ctypes
+    begin = c.CFUNCTYPE(c.c_size_t, c.c_int64, c.c_uint64, c.c_uint64, c.c_uint64, c.c_int32,
+                        c.c_int8)(hooks[2])  # fmt: skip
+    end = c.CFUNCTYPE(None, c.c_size_t, c.c_int8)(hooks[3])
+    times = c.CFUNCTYPE(None, c.c_size_t, c.c_int64, c.c_uint64, c.c_int64, c.c_int64)(hooks[4])
+    code = tables()["call_codes"]["allreduce_rmsnorm"]
+    group = 987654321  # no such group: only the records
+
+    def mine():
+        recs = _recorder.records()
+        return recs[recs["group"] == group]
+
+    slot = begin(group, 5, 0xABC, 4096, code, -2)
+    end(slot, 3)
+    (r,) = mine()
+    assert (int(r["call"]), int(r["hash"]), int(r["bytes"])) == (5, 0xABC, 4096)
+    assert (int(r["state"]), int(r["transport"])) == (3, -2) and r["end_ns"] >= r["start_ns"] > 0
+    times(slot, group, 6, 1, 2)  # another call than the slot's: nothing changes
+    assert int(mine()[0]["state"]) == 3
+    times(slot, group, 5, 1000, 3500)
+    (r,) = mine()
+    assert (int(r["state"]), int(r["start_ns"]), int(r["end_ns"])) == (1, 1000, 3500)
+    (event,) = [e for e in _recorder.trace_events(mine(), 0, {}) if e["ph"] == "X"]
+    assert (event["name"], event["dur"], event["args"]["state"]) == ("allreduce_rmsnorm", 2.5,
+                                                                     "done")  # fmt: skip
     np.testing.assert_array_equal(spmd.allreduce(np.ones(2, np.float32)), [2.0, 2.0])
 
 

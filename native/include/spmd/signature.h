@@ -62,6 +62,11 @@ struct GpuHooks {
   size_t (*record_begin)(int64_t group, uint64_t call, uint64_t hash, uint64_t bytes,
                          int32_t code, int8_t transport);
   void (*record_end)(size_t slot, int8_t state);
+  // The GPU's own start and end of the call in `slot` (the timeline's CUDA events, on the
+  // monotonic clock): the record is marked done, unless the slot now holds another call than
+  // `call` of `group`.
+  void (*record_times)(size_t slot, int64_t group, uint64_t call, int64_t start_ns,
+                       int64_t end_ns);
 };
 
 }  // namespace spmd

@@ -125,8 +125,11 @@ def set_up(comm: Communicator, gid: int, settings: Callable[[], Any]) -> GpuGrou
     custom all-reduce's buffer)."""
     mod = require_native_cuda()
     # The handlers compare their calls on the group's CPU transport (prepared with the group)
-    # and record them in the CPU module's flight recorder.
-    mod.set_gpu_hooks(native().gpu_hooks(), debug_checks())
+    # and record them in the CPU module's flight recorder, with the GPU's own times of each
+    # call under SPMD_TIMELINE.
+    from ._recorder import timeline_dir
+
+    mod.set_gpu_hooks(native().gpu_hooks(), debug_checks(), bool(timeline_dir()))
     cfgs, error = comm._try_agree(settings)
     if cfgs is None:
         raise SpmdError(error, rank=None)

@@ -8,7 +8,8 @@ group diverged (:func:`flight_report`). With ``SPMD_TIMELINE=dir`` each rank wri
 Chrome trace events to ``dir/rank<N>.trace.json`` at exit, and ``spmd-run`` merges them into
 ``dir/timeline.json``, one track per rank (:func:`merge_timeline`), for Perfetto or
 chrome://tracing. The GPU handlers are recorded from their start to the end of their enqueueing
-on the stream (state "enqueued"): when the GPU ran a call is not tracked.
+on the stream (state "enqueued"); with ``SPMD_TIMELINE`` a pair of CUDA events gives each GPU
+call the GPU's own start and end instead (state "done").
 """
 
 from __future__ import annotations
@@ -128,9 +129,23 @@ def trace_events(recs: np.ndarray, rank: int, groups: dict[int, list[int]]) -> l
     return events
 
 
+def _gpu_times() -> None:
+    """The GPU's own times of the GPU calls still waiting for them, into their records."""
+    import sys
+
+    if "spmd._native_cuda" not in sys.modules:  # no GPU group was set up
+        return
+    from .._native_lib import native_cuda
+
+    mod = native_cuda()
+    if mod is not None:
+        mod.gpu_timing_flush()
+
+
 def write_trace(directory: str, rank: int) -> None:
     """This rank's calls as ``directory/rank<rank>.trace.json`` (at exit, with SPMD_TIMELINE)."""
     try:
+        _gpu_times()
         Path(directory).mkdir(parents=True, exist_ok=True)
         events = trace_events(records(), rank, _groups)
         path = Path(directory) / f"rank{rank}.trace.json"
