@@ -1,6 +1,7 @@
 #include "groups.h"
 
 #include <cstring>
+#include <exception>
 
 #include "messages.h"
 #include "recorder.h"
@@ -181,7 +182,8 @@ int CheckSignatureForGpu(int64_t group, const char* described, char* error, size
 Status GroupSequence(int64_t id, uint64_t hash, std::string_view described) {
   std::shared_ptr<Group> g = GroupFind(id);
   if (g == nullptr) return Status::Ok();  // a group of one registers nothing here
-  // Not under the group's lock: this never waits, and a CPU collective of the group may.
+  // Not under the group's lock: this never waits, and a CPU collective of the group may. The
+  // segments are attached when the group is set up, before any GPU call of it.
   ShmGroup* shm = g->shm ? g->shm.get() : g->local.get();
   if (shm == nullptr || shm->size() == 1) return Status::Ok();
   return shm->Sequence(hash, described);
@@ -195,9 +197,8 @@ void GroupSequenceReset(int64_t id) {
 
 namespace {
 
-int SequenceForGpu(int64_t group, uint64_t hash, const char* described, size_t len, char* error,
-                   size_t error_size) {
-  Status s = GroupSequence(group, hash, std::string_view(described, len));
+// What the GPU module calls must not throw into it (an XLA handler): an exception is an error.
+int Report(const Status& s, char* error, size_t error_size) {
   if (s.ok()) return 0;
   if (error_size > 0) {
     std::strncpy(error, s.message().c_str(), error_size - 1);
@@ -206,12 +207,32 @@ int SequenceForGpu(int64_t group, uint64_t hash, const char* described, size_t l
   return 1;
 }
 
+int SequenceForGpu(int64_t group, uint64_t hash, const char* described, size_t len, char* error,
+                   size_t error_size) {
+  try {
+    return Report(GroupSequence(group, hash, std::string_view(described, len)), error,
+                  error_size);
+  } catch (const std::exception& e) {
+    return Report(Status::Error(std::string("the sequence check failed: ") + e.what()), error,
+                  error_size);
+  }
+}
+
+int CheckForGpu(int64_t group, const char* described, char* error, size_t error_size) {
+  try {
+    return CheckSignatureForGpu(group, described, error, error_size);
+  } catch (const std::exception& e) {
+    return Report(Status::Error(std::string("comparing the call failed: ") + e.what()), error,
+                  error_size);
+  }
+}
+
 void RecordEndForGpu(size_t slot, int8_t state) { RecorderEndIn(slot, state); }
 
 }  // namespace
 
 const GpuHooks* HooksForGpu() {
-  static const GpuHooks hooks{&CheckSignatureForGpu, &SequenceForGpu, &RecorderBegin,
+  static const GpuHooks hooks{&CheckForGpu, &SequenceForGpu, &RecorderBegin,
                               &RecordEndForGpu, &RecorderSetTimes};
   return &hooks;
 }

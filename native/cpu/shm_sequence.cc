@@ -54,6 +54,9 @@ Status ShmGroup::Sequence(uint64_t hash, std::string_view described) {
   e.hash.store(hash, std::memory_order_relaxed);
   e.n.store(n, std::memory_order_release);
   mine->seq_latest.store(n, std::memory_order_release);
+  // Publishing comes before reading the peers' (a store then loads: without the fence x86 may
+  // let two ranks each read the other's previous call, and both miss the differing one).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
   // Compare with each peer at the latest call that both have published.
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
@@ -106,38 +109,46 @@ void ShmGroup::SequenceReset() {
 }
 
 // The first call up to `upto` whose chains differ between this rank and rank r, of those both
-// rings still hold, with each rank's call.
+// rings still hold, with each rank's call: named only where the call before it was read alike
+// (or it is the first call), else the calls before it differ.
 std::string ShmGroup::SeqMismatch(int r, uint64_t upto) {
   auto text = [this](int rank, uint64_t hash) {
     std::string t = SeqText(rank, hash);
-    if (!t.empty()) return t;
-    auto it = seq_texts_.find(hash);
-    if (it != seq_texts_.end()) return it->second;
-    return "a call of signature " + Hex(hash);
+    if (t.empty()) {
+      auto it = seq_texts_.find(hash);
+      t = it != seq_texts_.end() ? it->second : "a call";
+    }
+    return t;
   };
+  const std::string head = "the ranks of the group " + RankList(world_ranks_) +
+                           " made different collective calls, found by the sequence check after "
+                           "their first runs (SPMD_DEBUG=1 compares every call before it runs): ";
   const uint64_t lo = upto >= kSequenceRing ? upto - kSequenceRing + 1 : 1;
-  bool first_held = true;
+  bool alike_before = lo == 1;  // the chains agree before call d
   for (uint64_t d = lo; d <= upto; ++d) {
     uint64_t theirs, their_hash, ours, our_hash;
-    if (!SeqRead(r, d, &theirs, &their_hash) || !SeqRead(rank_, d, &ours, &our_hash)) continue;
-    if (theirs == ours) {
-      first_held = false;
+    if (!SeqRead(r, d, &theirs, &their_hash) || !SeqRead(rank_, d, &ours, &our_hash)) {
+      alike_before = false;
       continue;
     }
-    const int a = world_ranks_[rank_], b = world_ranks_[r];
-    std::string head = "the ranks of the group " + RankList(world_ranks_) +
-                       " made different collective calls, found by the sequence check after "
-                       "their first runs (SPMD_DEBUG=1 compares every call before it runs): ";
-    if (first_held && ours != theirs && our_hash == their_hash) {
+    if (theirs == ours) {
+      alike_before = true;
+      continue;
+    }
+    if (!alike_before) {
       return head + "the calls before call #" + std::to_string(d) + " on this group differ " +
-             "(the rings hold the last " + std::to_string(kSequenceRing) + " calls)";
+             "(the check holds the last " + std::to_string(kSequenceRing) + " calls)";
+    }
+    std::string mine = text(rank_, our_hash), other = text(r, their_hash);
+    if (mine == other) {  // texts cut short, or alike: the signatures tell them apart
+      mine += " (signature " + Hex(our_hash) + ")";
+      other += " (signature " + Hex(their_hash) + ")";
     }
     return head + "call #" + std::to_string(d) + " on this group is\n  rank " +
-           std::to_string(a) + ": " + text(rank_, our_hash) + "\n  rank " + std::to_string(b) +
-           ": " + text(r, their_hash);
+           std::to_string(world_ranks_[rank_]) + ": " + mine + "\n  rank " +
+           std::to_string(world_ranks_[r]) + ": " + other;
   }
-  return "the ranks of the group " + RankList(world_ranks_) + " made different collective " +
-         "calls up to call #" + std::to_string(upto) + " (found by the sequence check)";
+  return head + "up to call #" + std::to_string(upto) + " on this group";
 }
 
 }  // namespace spmd

@@ -71,21 +71,24 @@ uint32_t CheckPattern(uint32_t seed, int rank);
 
 // How the GPU handlers compare and record their calls: `hooks` are the CPU module's
 // (spmd/signature.h); `every_call` compares every call in full (SPMD_DEBUG=1), otherwise the
-// first run of each call site in full and every call after it by the sequence check. Until this
-// is called, nothing is compared or recorded.
-void SetGpuHooks(const GpuHooks* hooks, bool every_call);
+// first run of each call site in full and the calls after it by the sequence check: every call
+// with `sequence_all` (the handlers are not registered for CUDA graphs, SPMD_CUDA_GRAPHS=0),
+// else only those XLA never captures (all_to_allv). Until this is called, nothing is compared
+// or recorded.
+void SetGpuHooks(const GpuHooks* hooks, bool every_call, bool sequence_all);
 // Compares this call with the other ranks' as due: `described` is the call written out (empty:
 // never compared, as for point-to-point calls, which involve two ranks of the group); `site`
 // identifies one call of one compiled program (the Python lowering numbers them), so that ranks
 // running the same programs compare each call site in full once, the first time it runs (a
 // barrier on the host: ranks whose programs differ fail at the first call that differs or that
-// only one of them runs for the first time), and every call by the sequence check, which never
-// waits and finds a difference (calls in another order, one call more) at the first call after
-// both ranks made it. `captured`: XLA is capturing the call in a CUDA graph, whose replays do
-// not run the handler: compared in full if due, but not counted by the sequence check. *hash:
-// the call's signature (0 for an uncompared call). The stream is not touched.
-Status CheckCall(CudaGroup& g, int64_t site, std::string_view described, bool captured,
-                 uint64_t* hash);
+// only one of them runs for the first time), and the calls after it by the sequence check
+// (SetGpuHooks says which), which never waits and finds a difference (calls in another order,
+// one call more) at the first call after both ranks made it. `captured`: XLA is capturing the
+// call in a CUDA graph, whose replays do not run the handler: compared in full if due, but not
+// counted by the sequence check. *hash: the call's signature (0 for an uncompared call). The
+// stream is not touched.
+Status CheckCall(CudaGroup& g, int64_t site, std::string_view described, CallCode code,
+                 bool captured, uint64_t* hash);
 // The flight recorder, through the hooks: a GPU call recorded from its start to the end of its
 // enqueueing (spmd/record.h, kEnqueued), or as failed.
 size_t RecordBegin(int64_t group, uint64_t call, uint64_t hash, uint64_t bytes, int32_t code);

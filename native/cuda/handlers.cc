@@ -81,52 +81,42 @@ struct Call : CallBase {
   Call(const Call&) = delete;
   Call& operator=(const Call&) = delete;
   ~Call() {
-    RecordEnd(slot, failed);
-    timed.End(!failed);
+    RecordEnd(slot, failed());
+    timed.End(!failed());
   }
   cudaStream_t stream = nullptr;
   std::shared_ptr<CudaGroup> group;  // held for the whole call (spmd/registry.h)
   CallCode code;
   size_t slot = SIZE_MAX;
   GpuTimed timed;  // the GPU's times of the call, for the timeline (timing.h)
-  mutable bool failed = false;
 
-  // Finds the group, compares the call with the other ranks' where that is due (`check`: the
-  // call written out by the Python lowering, role included; `site`: which call of which
-  // program it is, see CheckCall), decodes the leaves and starts the call's record.
+  // Finds the group, decodes the leaves, compares the call with the other ranks' where that is
+  // due (`check`: the call written out by the Python lowering, role included; `site`: which
+  // call of which program it is, see CheckCall) and starts the call's record (a call that
+  // fails the comparison is recorded as failed).
   ffi::Error Start(cudaStream_t s, int64_t group_attr, int64_t site, std::string_view check,
                    ffi::RemainingArgs args, ffi::RemainingRets rets) {
     stream = s;
     group = CudaGroupFind(GroupIdOf(group_attr));
     if (group == nullptr) return GroupMissing();
     set_world_rank(group->world_rank());
+    if (ffi::Error e = Decode(args, rets); e.failure()) return e;
     // A call XLA captures in a CUDA graph runs this once, at the capture; its replays run
-    // without it, so they are neither compared nor recorded (and the capture is not counted).
+    // without it, so they are neither compared by the sequence check nor recorded.
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     const bool captured = cudaStreamIsCapturing(s, &capture) == cudaSuccess &&
                           capture != cudaStreamCaptureStatusNone;
     uint64_t hash = 0;
-    if (Status c = CheckCall(*group, site, check, captured, &hash); !c.ok()) {
-      return Fail(c.message());
+    const Status c = CheckCall(*group, site, check, code, captured, &hash);
+    if (!captured) {
+      const bool p2p = check.empty();
+      uint64_t bytes = 0;
+      for (const Leaf& l : (p2p && in.empty() ? out : in)) bytes += l.bytes;
+      const uint64_t n = ++(p2p ? group->p2p_calls : group->calls);
+      slot = RecordBegin(group->id, n, hash, bytes, code);
+      if (c.ok()) timed.Begin(stream, slot, group->id, n);
     }
-    if (ffi::Error e = Decode(args, rets); e.failure()) return e;
-    if (captured) return ffi::Error::Success();
-    const bool p2p = check.empty();
-    uint64_t bytes = 0;
-    for (const Leaf& l : (p2p && in.empty() ? out : in)) bytes += l.bytes;
-    const uint64_t n = ++(p2p ? group->p2p_calls : group->calls);
-    slot = RecordBegin(group->id, n, hash, bytes, code);
-    timed.Begin(stream, slot, group->id, n);
-    return ffi::Error::Success();
-  }
-
-  // As CallBase's, marking the call's record failed.
-  ffi::Error Fail(const std::string& message) const {
-    failed = true;
-    return CallBase::Fail(message);
-  }
-  ffi::Error FromStatus(const Status& s) const {
-    return s.ok() ? ffi::Error::Success() : Fail(s.message());
+    return c.ok() ? ffi::Error::Success() : Fail(c.message());
   }
 };
 

@@ -216,17 +216,19 @@ PyObject* CarReadCheck(PyObject*, PyObject* args) {
   return list;
 }
 
-// set_gpu_hooks(capsule, every_call, timeline) -> None: the CPU module's gpu_hooks(), through
-// which the handlers compare and record their calls (groups.h, SetGpuHooks); `timeline`: also
-// the GPU's own times of each call (timing.h).
+// set_gpu_hooks(capsule, every_call, sequence_all, timeline) -> None: the CPU module's
+// gpu_hooks(), through which the handlers compare and record their calls (groups.h,
+// SetGpuHooks); `timeline`: also the GPU's own times of each call (timing.h).
 PyObject* SetGpuHooksPy(PyObject*, PyObject* args) {
   PyObject* capsule;
-  int every_call, timeline;
-  if (!PyArg_ParseTuple(args, "Opp", &capsule, &every_call, &timeline)) return nullptr;
+  int every_call, sequence_all, timeline;
+  if (!PyArg_ParseTuple(args, "Oppp", &capsule, &every_call, &sequence_all, &timeline)) {
+    return nullptr;
+  }
   void* p = PyCapsule_GetPointer(capsule, "spmd.GpuHooks");
   if (p == nullptr) return nullptr;
   const auto* hooks = static_cast<const spmd::GpuHooks*>(p);
-  spmd::SetGpuHooks(hooks, every_call != 0);
+  spmd::SetGpuHooks(hooks, every_call != 0, sequence_all != 0);
   spmd::GpuTimingSet(hooks, timeline != 0);
   Py_RETURN_NONE;
 }

@@ -405,7 +405,7 @@ _MISMATCH = """
         fails(f if r == 0 else g, x, "rank 0: allreduce(op=sum) of float32[4096]",
               "rank 1: allreduce(op=sum) of float32[2048]")
     # The flight recorder holds the GPU calls, recorded as enqueued (or failed), unless
-    # replayed from a CUDA graph.
+    # replayed from a CUDA graph (XLA runs a program's first executions uncaptured).
     from spmd.runtime import _recorder
     recs = _recorder.records()
     gpu = recs[recs["transport"] == -2]
@@ -434,11 +434,14 @@ _SEQUENCE = """
 
 
 def test_gpu_calls_in_another_order_after_their_first_runs_are_found():
-    """After each call site's first run, the GPU handlers' calls go through the sequence check,
-    which never waits: two call sites in another order on one rank fail the rank that finds it
-    (by its second call at the latest) naming both calls, and spmd-run ends the job, the peer's
-    kernel waiting for the call that never came included."""
-    env = {"SPMD_CUSTOM_AR": "force", "SPMD_BIND_DEVICE": "0", "SPMD_TIMEOUT": "60"}
+    """After each call site's first run, the GPU handlers' calls go through the sequence check
+    (every call with SPMD_CUDA_GRAPHS=0), which never waits: two call sites in another order on
+    one rank fail the rank that finds it (by its second call at the latest) naming both calls,
+    and spmd-run ends the job, the peer's kernel waiting for the call that never came
+    included."""
+    # Every call counts only where XLA may not capture the handlers in CUDA graphs.
+    env = {"SPMD_CUSTOM_AR": "force", "SPMD_BIND_DEVICE": "0", "SPMD_TIMEOUT": "60",
+           "SPMD_CUDA_GRAPHS": "0"}  # fmt: skip
     start = time.monotonic()
     done = _run(_SEQUENCE, env, 2)
     took = time.monotonic() - start

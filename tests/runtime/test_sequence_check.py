@@ -131,3 +131,38 @@ def test_a_gpu_record_reads_as_enqueued():
     assert {e["args"]["state"] for e in events} == {"enqueued"}
     assert {e["args"]["transport"] for e in events} == {"gpu"}
     assert events[0]["dur"] == 0.5
+
+
+def _ring(recs):
+    from spmd.runtime import _recorder
+
+    head = np.array([_recorder._MAGIC, len(recs), len(recs), 0, 0, 0, 0, 0], "<u8")
+    return head.tobytes() + recs.tobytes()
+
+
+def test_a_groups_gpu_and_cpu_calls_are_compared_apart(tmp_path):
+    import json
+
+    from spmd.runtime import _recorder
+
+    names = {v: k for k, v in _recorder._names().items()}
+    for rank in (0, 1):
+        # Call #1 of group 7 twice: a CPU barrier and a GPU allreduce, each alike on both ranks
+        # but made in another order; rank 1's GPU call #2 is still enqueued, rank 0 made none.
+        cpu, gpu = ("barrier", 0, 11, 1, 1), ("allreduce", -2, 22, 3, 1)
+        rows = [cpu, gpu] if rank == 0 else [gpu, cpu, ("allreduce", -2, 22, 3, 2)]
+        recs = np.zeros(len(rows), _recorder.RECORD)
+        for i, r in enumerate(recs):
+            op, transport, h, state, call = rows[i]
+            r["seq"], r["group"], r["call"], r["hash"] = i + 1, 7, call, h
+            r["start_ns"], r["end_ns"], r["bytes"] = 10 + i, 20 + i, 16
+            r["code"], r["state"], r["transport"] = names[op], state, transport
+        (tmp_path / f"rank{rank}.ring").write_bytes(_ring(recs))
+        (tmp_path / f"rank{rank}.groups").write_text(json.dumps([7, [0, 1]]) + "\n")
+    lines = _recorder.flight_report(tmp_path)
+    text = "\n".join(lines)
+    assert lines[0] == "flight recorder: the group [0, 1] (its GPU calls) when the job ended:"
+    assert "rank 0: collective #1 allreduce of 16 bytes, enqueued on the GPU" in text, text
+    assert "rank 1: collective #2 allreduce of 16 bytes, enqueued on the GPU" in text, text
+    assert "signature differs" not in text, text  # the CPU barrier is not the GPU's call #1
+    assert len(lines) == 3, text  # the CPU calls agree: not reported

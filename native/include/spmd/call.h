@@ -106,12 +106,16 @@ class CallBase {
     return xla::ffi::Error::Success();
   }
 
-  // "spmd.SpmdError: rank N: <op>: <message>".
+  // "spmd.SpmdError: rank N: <op>: <message>"; the call counts as failed from here on.
   xla::ffi::Error Fail(const std::string& message) const {
+    failed_ = true;
     return xla::ffi::Error(xla::ffi::ErrorCode::kInternal,
                            std::string(kErrorMarker) + "rank " + std::to_string(world_rank_) +
                                ": " + op_ + ": " + message);
   }
+
+  // Whether Fail was called (the GPU handlers' records say so).
+  bool failed() const { return failed_; }
 
   xla::ffi::Error FromStatus(const Status& s) const {
     return s.ok() ? xla::ffi::Error::Success() : Fail(s.message());
@@ -138,6 +142,7 @@ class CallBase {
 
   const char* op_;
   int world_rank_ = -1;
+  mutable bool failed_ = false;
 };
 
 }  // namespace spmd

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -24,6 +23,7 @@ from .._jax_compat import command_buffer_traits, core, dispatch, ir, mlir
 from .._native_lib import native, require_native_cuda, tables
 from ..mesh import resolve_group
 from ..runtime import find_native_group, gpu_active
+from ..runtime._env import cuda_graphs
 from . import _gpu_chain, _ordering
 
 _ROLES: dict[str, int] = tables()["roles"]
@@ -239,7 +239,7 @@ def _ensure_targets(platform: str) -> None:
             for name, capsule in native().cpu_handlers().items():
                 jax.ffi.register_ffi_target(name, capsule, platform="cpu")
         else:
-            graphs = os.environ.get("SPMD_CUDA_GRAPHS", "1") != "0"
+            graphs = cuda_graphs()
             for name, capsule in require_native_cuda().cuda_handlers().items():
                 traits = command_buffer_traits(graphs and name not in _WAITS_FOR_DEVICE)
                 jax.ffi.register_ffi_target(name, capsule, platform="CUDA", traits=traits)

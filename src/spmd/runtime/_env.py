@@ -168,6 +168,12 @@ def timeout_seconds(env: Mapping[str, str] = os.environ) -> float:
     return _seconds(env, "SPMD_TIMEOUT", 300.0, zero_ok=False)
 
 
+def cuda_graphs(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the GPU handlers are registered as command-buffer compatible, so that XLA may
+    capture them in CUDA graphs (``SPMD_CUDA_GRAPHS``, on unless ``0``)."""
+    return env.get("SPMD_CUDA_GRAPHS", "1") != "0"
+
+
 def debug_checks(env: Mapping[str, str] = os.environ) -> bool:
     """Whether the checks too costly to run always are on (``SPMD_DEBUG``: ``0`` or ``1``)."""
     value = env.get("SPMD_DEBUG", "0").strip()

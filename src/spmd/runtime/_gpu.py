@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._errors import SpmdError
 from .._native_lib import native, native_cuda, require_native_cuda
-from ._env import debug_checks, timeout_seconds
+from ._env import cuda_graphs, debug_checks, timeout_seconds
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -129,7 +129,10 @@ def set_up(comm: Communicator, gid: int, settings: Callable[[], Any]) -> GpuGrou
     # call under SPMD_TIMELINE.
     from ._recorder import timeline_dir
 
-    mod.set_gpu_hooks(native().gpu_hooks(), debug_checks(), bool(timeline_dir()))
+    # The sequence check counts every call only where no handler may be captured in a CUDA
+    # graph (groups.h, SetGpuHooks).
+    every = not cuda_graphs()
+    mod.set_gpu_hooks(native().gpu_hooks(), debug_checks(), every, bool(timeline_dir()))
     cfgs, error = comm._try_agree(settings)
     if cfgs is None:
         raise SpmdError(error, rank=None)

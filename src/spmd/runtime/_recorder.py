@@ -35,6 +35,7 @@ TIMELINE_CAPACITY = 1 << 18  # with SPMD_TIMELINE: the last 262144 calls (16 MiB
 _STATES = ("running", "done", "failed", "enqueued")
 _ENDED = (1, 3)  # done, enqueued (a GPU call: its host side ended)
 _P2P = "sendrecv"
+_GPU = -2  # Record::transport of a GPU call (spmd/record.h)
 
 _groups: dict[int, list[int]] = {}  # this process's native groups: id -> world ranks
 _rank = -1
@@ -206,8 +207,9 @@ def flight_report(directory: str | Path) -> list[str]:
     if not data:
         return []
     now = time.monotonic_ns()  # the ranks' clock (CLOCK_MONOTONIC, one machine)
-    # group (world ranks) -> rank -> {call number: record}
-    by_group: dict[tuple[int, ...], dict[int, dict[int, Any]]] = {}
+    # (group's world ranks, GPU calls) -> rank -> {call number: record}; a group's GPU calls
+    # are numbered apart from its CPU calls
+    by_group: dict[tuple[tuple[int, ...], bool], dict[int, dict[int, Any]]] = {}
     for rank, (recs, groups) in data.items():
         for r in recs:
             if names.get(int(r["code"])) == _P2P:
@@ -215,9 +217,10 @@ def flight_report(directory: str | Path) -> list[str]:
             members = tuple(groups.get(int(r["group"]), ()))
             if rank not in members:
                 continue
-            by_group.setdefault(members, {}).setdefault(rank, {})[int(r["call"])] = r
+            key = (members, int(r["transport"]) == _GPU)
+            by_group.setdefault(key, {}).setdefault(rank, {})[int(r["call"])] = r
     lines = []
-    for members, per_rank in sorted(by_group.items()):
+    for (members, gpu), per_rank in sorted(by_group.items()):
         if not all(m in data for m in members):
             continue  # a rank whose records are missing (it never started recording)
         calls = {m: per_rank.get(m, {}) for m in members}
@@ -227,7 +230,8 @@ def flight_report(directory: str | Path) -> list[str]:
         differ = sorted(k for k in common if len({int(calls[m][k]["hash"]) for m in members}) > 1)
         if len(set(last.values())) == 1 and not running and not differ:
             continue
-        lines.append(f"flight recorder: the group {list(members)} when the job ended:")
+        what = " (its GPU calls)" if gpu else ""
+        lines.append(f"flight recorder: the group {list(members)}{what} when the job ended:")
         for m in members:
             if not last[m]:
                 lines.append(f"  rank {m}: no collective on this group")
