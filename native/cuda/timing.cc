@@ -47,27 +47,33 @@ cudaEvent_t Take() {
   return cudaEventCreate(&e) == cudaSuccess ? e : nullptr;
 }
 
-// Under g_mu: the reference event, on the first timed call's stream (the host waits once).
-bool Anchor(cudaStream_t stream) {
+// Under g_mu: the reference event, at the first timed call, on a stream of its own that waits
+// for no other work (so the host waits for nothing else, such as a kernel that waits for a
+// peer); events of one device share one clock.
+bool Anchor() {
   if (g_ref != nullptr || g_ref_failed) return g_ref != nullptr;
+  cudaStream_t own = nullptr;
   cudaEvent_t ref = nullptr;
-  if (cudaEventCreate(&ref) != cudaSuccess || cudaEventRecord(ref, stream) != cudaSuccess ||
-      cudaEventSynchronize(ref) != cudaSuccess) {
+  const bool ok = cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking) == cudaSuccess &&
+                  cudaEventCreate(&ref) == cudaSuccess &&
+                  cudaEventRecord(ref, own) == cudaSuccess &&
+                  cudaEventSynchronize(ref) == cudaSuccess;
+  g_ref_ns = NowNs();
+  if (own != nullptr) cudaStreamDestroy(own);
+  if (!ok) {
     if (ref != nullptr) cudaEventDestroy(ref);
     g_ref_failed = true;
     return false;
   }
-  g_ref_ns = NowNs();
   g_ref = ref;
   return true;
 }
 
-// Under g_mu: the times of the oldest queued calls the GPU has passed (all, with `wait`).
-void Drain(bool wait) {
+// Under g_mu: the times of the oldest queued calls the GPU has passed.
+void Drain() {
   const GpuHooks* hooks = g_hooks.load();
   while (!g_pending.empty()) {
     Pending& p = g_pending.front();
-    if (wait) cudaEventSynchronize(p.end);
     const cudaError_t q = cudaEventQuery(p.end);
     if (q == cudaErrorNotReady) return;
     float start_ms = 0, end_ms = 0;
@@ -96,8 +102,8 @@ bool GpuTimingOn() { return g_on.load(std::memory_order_relaxed); }
 bool GpuTimed::Begin(cudaStream_t stream, size_t slot, int64_t group, uint64_t call) {
   if (!GpuTimingOn() || slot == SIZE_MAX) return false;
   std::lock_guard<std::mutex> lock(g_mu);
-  Drain(false);
-  if (g_pending.size() >= kMaxPending || !Anchor(stream)) return false;
+  Drain();
+  if (g_pending.size() >= kMaxPending || !Anchor()) return false;
   start_ = Take();
   end_ = Take();
   if (start_ == nullptr || end_ == nullptr || cudaEventRecord(start_, stream) != cudaSuccess) {
@@ -125,9 +131,17 @@ void GpuTimed::End(bool keep) {
   start_ = end_ = nullptr;
 }
 
-void GpuTimingFlush(bool wait) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  Drain(wait);
+void GpuTimingFlush(double wait_s) {
+  const int64_t deadline = NowNs() + static_cast<int64_t>(wait_s * 1e9);
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(g_mu);
+      Drain();
+      if (g_pending.empty() || NowNs() >= deadline) return;
+    }
+    const timespec pause{0, 1000000};  // 1 ms
+    nanosleep(&pause, nullptr);
+  }
 }
 
 }  // namespace spmd

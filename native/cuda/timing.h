@@ -32,9 +32,10 @@ class GpuTimed {
   cudaEvent_t start_ = nullptr, end_ = nullptr;
 };
 
-// Writes the times of the queued calls the GPU has passed (`wait`: waits for every one) into
-// their records.
-void GpuTimingFlush(bool wait);
+// Writes the times of the queued calls the GPU has passed into their records, waiting up to
+// `wait_s` seconds for the GPU to pass them all (a kernel waiting for a peer that is gone would
+// never end; such calls keep their enqueueing times).
+void GpuTimingFlush(double wait_s);
 
 }  // namespace spmd
 

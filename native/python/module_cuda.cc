@@ -233,11 +233,14 @@ PyObject* SetGpuHooksPy(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// gpu_timing_flush() -> None: the GPU's times of every call still queued, waited for, into
-// their records (before the timeline is written).
-PyObject* GpuTimingFlushPy(PyObject*, PyObject*) {
+// gpu_timing_flush(wait_s) -> None: the GPU's times of the calls still queued into their
+// records, waiting up to wait_s seconds for the GPU to pass them (before the timeline is
+// written).
+PyObject* GpuTimingFlushPy(PyObject*, PyObject* args) {
+  double wait_s;
+  if (!PyArg_ParseTuple(args, "d", &wait_s)) return nullptr;
   Py_BEGIN_ALLOW_THREADS;
-  spmd::GpuTimingFlush(true);
+  spmd::GpuTimingFlush(wait_s);
   Py_END_ALLOW_THREADS;
   Py_RETURN_NONE;
 }
@@ -337,7 +340,7 @@ PyMethodDef kMethods[] = {
     {"car_read_check", CarReadCheck, METH_VARARGS, "Read every peer's pattern; failing ranks."},
     {"set_gpu_hooks", SetGpuHooksPy, METH_VARARGS,
      "Hand over the CPU module's functions that compare and record the calls."},
-    {"gpu_timing_flush", GpuTimingFlushPy, METH_NOARGS,
+    {"gpu_timing_flush", GpuTimingFlushPy, METH_VARARGS,
      "Write the GPU's times of the calls still queued into their records."},
     {"group_destroy", GroupDestroy, METH_VARARGS, "Unregister a GPU group."},
     {"sim_allreduce", SimAllreduce, METH_VARARGS, "Custom all-reduce over simulated ranks."},

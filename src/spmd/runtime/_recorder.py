@@ -36,6 +36,7 @@ _STATES = ("running", "done", "failed", "enqueued")
 _ENDED = (1, 3)  # done, enqueued (a GPU call: its host side ended)
 _P2P = "sendrecv"
 _GPU = -2  # Record::transport of a GPU call (spmd/record.h)
+_GPU_WAIT_S = 5.0  # at exit, how long the timeline waits for the GPU to finish its calls
 
 _groups: dict[int, list[int]] = {}  # this process's native groups: id -> world ranks
 _rank = -1
@@ -140,7 +141,7 @@ def _gpu_times() -> None:
 
     mod = native_cuda()
     if mod is not None:
-        mod.gpu_timing_flush()
+        mod.gpu_timing_flush(_GPU_WAIT_S)
 
 
 def write_trace(directory: str, rank: int) -> None:
