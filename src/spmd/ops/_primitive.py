@@ -22,8 +22,7 @@ from .._errors import SpmdError
 from .._jax_compat import command_buffer_traits, core, dispatch, ir, mlir
 from .._native_lib import native, require_native_cuda, tables
 from ..mesh import resolve_group
-from ..runtime import find_native_group, gpu_active
-from ..runtime._env import cuda_graphs
+from ..runtime import cuda_graphs, find_native_group, gpu_active
 from . import _gpu_chain, _ordering
 
 _ROLES: dict[str, int] = tables()["roles"]

@@ -13,6 +13,7 @@ from ._affinity import record_cpus as record_cpus
 from ._affinity import recorded_cpus as recorded_cpus
 from ._communicator import Communicator as Communicator
 from ._device import gpu_active as gpu_active
+from ._env import cuda_graphs as cuda_graphs
 from ._env import detect as detect
 from ._env import mpi_rank_size as mpi_rank_size
 from ._env import timeout_seconds as timeout_seconds
@@ -52,6 +53,7 @@ __all__ = [
     "abort_job",
     "bind_mode",
     "bind_rank",
+    "cuda_graphs",
     "describe_gpu",
     "detect",
     "finalize",
