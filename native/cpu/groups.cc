@@ -169,8 +169,24 @@ Status GroupCheckSignature(int64_t id, const std::string& described) {
   return g->transport->Barrier(sig);
 }
 
-int CheckSignatureForGpu(int64_t group, const char* described, char* error, size_t error_size) {
-  Status s = GroupCheckSignature(group, described);
+namespace {
+
+// The shared memory a sequence check of group g runs on: the whole group's, or for a group
+// spanning nodes its ranks' on this node; null for neither. Not under the group's lock: the
+// check never waits, and a CPU collective of the group may. The segments are attached when the
+// group is set up, before any GPU call of it.
+ShmGroup* SequenceShm(const Group& g) { return g.shm ? g.shm.get() : g.local.get(); }
+
+// What the GPU module calls must not throw into it (an XLA handler): an exception is an
+// error, and an error goes into error[0..error_size) with 1 returned.
+template <typename F>
+int ForGpu(const char* what, char* error, size_t error_size, const F& body) {
+  Status s = Status::Ok();
+  try {
+    s = body();
+  } catch (const std::exception& e) {
+    s = Status::Error(std::string(what) + " failed: " + e.what());
+  }
   if (s.ok()) return 0;
   if (error_size > 0) {
     std::strncpy(error, s.message().c_str(), error_size - 1);
@@ -179,61 +195,36 @@ int CheckSignatureForGpu(int64_t group, const char* described, char* error, size
   return 1;
 }
 
+int CheckSignatureForGpu(int64_t group, const char* described, char* error, size_t error_size) {
+  return ForGpu("comparing the call", error, error_size,
+                [&] { return GroupCheckSignature(group, described); });
+}
+
+int SequenceForGpu(int64_t group, uint64_t hash, const char* described, size_t len, char* error,
+                   size_t error_size) {
+  return ForGpu("the sequence check", error, error_size, [&] {
+    return GroupSequence(group, hash, std::string_view(described, len));
+  });
+}
+
+}  // namespace
+
 Status GroupSequence(int64_t id, uint64_t hash, std::string_view described) {
   std::shared_ptr<Group> g = GroupFind(id);
-  if (g == nullptr) return Status::Ok();  // a group of one registers nothing here
-  // Not under the group's lock: this never waits, and a CPU collective of the group may. The
-  // segments are attached when the group is set up, before any GPU call of it.
-  ShmGroup* shm = g->shm ? g->shm.get() : g->local.get();
+  ShmGroup* shm = g == nullptr ? nullptr : SequenceShm(*g);  // no group: a group of one
   if (shm == nullptr || shm->size() == 1) return Status::Ok();
   return shm->Sequence(hash, described);
 }
 
 void GroupSequenceReset(int64_t id) {
   std::shared_ptr<Group> g = GroupFind(id);
-  ShmGroup* shm = g == nullptr ? nullptr : g->shm ? g->shm.get() : g->local.get();
+  ShmGroup* shm = g == nullptr ? nullptr : SequenceShm(*g);
   if (shm != nullptr) shm->SequenceReset();
 }
 
-namespace {
-
-// What the GPU module calls must not throw into it (an XLA handler): an exception is an error.
-int Report(const Status& s, char* error, size_t error_size) {
-  if (s.ok()) return 0;
-  if (error_size > 0) {
-    std::strncpy(error, s.message().c_str(), error_size - 1);
-    error[error_size - 1] = 0;
-  }
-  return 1;
-}
-
-int SequenceForGpu(int64_t group, uint64_t hash, const char* described, size_t len, char* error,
-                   size_t error_size) {
-  try {
-    return Report(GroupSequence(group, hash, std::string_view(described, len)), error,
-                  error_size);
-  } catch (const std::exception& e) {
-    return Report(Status::Error(std::string("the sequence check failed: ") + e.what()), error,
-                  error_size);
-  }
-}
-
-int CheckForGpu(int64_t group, const char* described, char* error, size_t error_size) {
-  try {
-    return CheckSignatureForGpu(group, described, error, error_size);
-  } catch (const std::exception& e) {
-    return Report(Status::Error(std::string("comparing the call failed: ") + e.what()), error,
-                  error_size);
-  }
-}
-
-void RecordEndForGpu(size_t slot, int8_t state) { RecorderEndIn(slot, state); }
-
-}  // namespace
-
 const GpuHooks* HooksForGpu() {
-  static const GpuHooks hooks{&CheckForGpu, &SequenceForGpu, &RecorderBegin,
-                              &RecordEndForGpu, &RecorderSetTimes};
+  static const GpuHooks hooks{&CheckSignatureForGpu, &SequenceForGpu, &RecorderBegin,
+                              &RecorderEndIn, &RecorderSetTimes};
   return &hooks;
 }
 

@@ -68,8 +68,6 @@ Status GroupSetTransport(int64_t id, TransportKind kind);
 // The group's ranks compare `described` (a call written out in full) on the group's transport:
 // a barrier whose signature is the text's hash. Ok for an id with no group here (a group of one).
 Status GroupCheckSignature(int64_t id, const std::string& described);
-// GroupCheckSignature as the GPU module calls it (spmd/signature.h, CheckSignatureFn).
-int CheckSignatureForGpu(int64_t group, const char* described, char* error, size_t error_size);
 // The sequence check of a call compared in full only on its first run (ShmGroup::Sequence), on
 // the group's shared memory, or for a group spanning nodes among its ranks on this node; Ok
 // for a group of one or without shared memory.
