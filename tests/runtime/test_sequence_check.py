@@ -73,13 +73,14 @@ def test_calls_in_another_order_fail_on_every_rank_naming_both(comm):
     assert error is not None, f"rank {comm.rank}: the swapped calls were not found"
     msg = str(error)
     assert "made different collective calls" in msg and "sequence check" in msg
-    # The first call that differs is #6 on every rank that compared with rank 1; a rank that
-    # compared only with another rank that agrees with it finds it through that rank's chain.
-    if comm.rank in (0, 1):
-        assert "call #6 on this group is" in msg, msg
-        me, other = (SUM, AVG) if comm.rank == 0 else (AVG, SUM)
-        peer = 1 - comm.rank
-        assert f"rank {comm.rank}: {me}" in msg and f"rank {peer}: {other}" in msg, msg
+    # Every rank finds the first call that differs, #6, against a rank whose call differs from
+    # its own: ranks 0 and 2 (sum first) against rank 1, rank 1 against whichever of them it
+    # compared with first.
+    assert "call #6 on this group is" in msg, msg
+    me, other = (AVG, SUM) if comm.rank == 1 else (SUM, AVG)
+    peers = [r for r in range(comm.size) if r != comm.rank and (r == 1) != (comm.rank == 1)]
+    assert f"rank {comm.rank}: {me}" in msg, msg
+    assert any(f"\n  rank {p}: {other}" in msg for p in peers), msg
 
 
 @multirank(nprocs=(2,))
