@@ -48,8 +48,42 @@ template void StreamCopy<kNoAlso>(char*, const char*, size_t, char*);
 template void StreamCopy<kCachedAlso>(char*, const char*, size_t, char*);
 template void StreamCopy<kStreamedAlso>(char*, const char*, size_t, char*);
 
+#if defined(__x86_64__)
+namespace {
+
+// Streamed zeros in 32-byte stores (16-byte stores stay for CPUs without AVX2). In a C loop on
+// the 2-core VM, 16 MiB took 0.4-0.75x the time of 16-byte stores, alone or with a second
+// process zeroing alongside, and about the time of AMD's clzero; spmd.moe's grouped dispatch
+// of 16 MiB per rank, whose zeros fill half its output, took 0.98x.
+__attribute__((target("avx2"))) void StreamZeros32(char* dst, size_t len) {
+  size_t head = std::min(len, (32 - reinterpret_cast<uintptr_t>(dst) % 32) % 32);
+  std::memset(dst, 0, head);
+  dst += head;
+  len -= head;
+  const size_t body = len / 128 * 128;
+  const __m256i z = _mm256_setzero_si256();
+  for (size_t i = 0; i < body; i += 128) {
+    for (int k = 0; k < 4; ++k) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32 * k), z);
+    }
+  }
+  std::memset(dst + body, 0, len - body);
+}
+
+bool HasAvx2() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return yes;
+}
+
+}  // namespace
+#endif
+
 void OutCopy::Zero(char* dst, size_t len) const {
 #if defined(__x86_64__)
+  if (stream_ && HasAvx2()) return StreamZeros32(dst, len);
   if (stream_) {
     size_t head = std::min(len, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
     std::memset(dst, 0, head);
