@@ -359,6 +359,8 @@ ffi::Error MoeExchangeFfi(int64_t group, std::string_view meaning, bool combine,
   rows.targets = static_cast<size_t>(y.dims[0]);
   thread_local std::vector<uint8_t> touched;
   rows.touched = &touched;
+  thread_local std::vector<int32_t> by_x;
+  rows.by_x = &by_x;
   thread_local moe::Exchange exchange;  // its buffers are kept from call to call
   exchange.Reset(combine, k, experts, slots, capacity, n, call.group->rank,
                  &call.group->world_ranks);

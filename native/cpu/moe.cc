@@ -206,11 +206,15 @@ std::string Exchange::Plan(const int64_t* all, a2av::Plan* p, a2av::Rows* rows,
     int64_t held = 0;  // rows of rank r's experts' layout
     for (int src = 0; src < n_; ++src) held += rows_to(src, r);
     if (slots > 0) held = per * slots;
-    if (held > room) {
-      return who(r) + "'s experts " + (combine_ ? "hold " : "receive ") +
-             std::to_string(held) + " rows, but its " + (combine_ ? "y has " : "output holds ") +
+    if (held > room && combine_) {
+      return who(r) + "'s experts hold " + std::to_string(held) + " rows, but its y has " +
              std::to_string(room) + "; expected the rows dispatch returns for this routing and "
              "group";
+    }
+    if (held > room) {  // the grouped layout sized by spmd.moe.dispatch's out_rows
+      return who(r) + "'s experts receive " + std::to_string(held) + " rows, but its output " +
+             "holds out_rows=" + std::to_string(room) + "; pass out_rows=" +
+             std::to_string(held) + " or more (the default holds any routing)";
     }
     for (int64_t j = 0; j < per && slots > 0; ++j) {
       int64_t g = 0;

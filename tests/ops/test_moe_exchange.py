@@ -249,7 +249,8 @@ def test_a_bad_id_fails_every_rank(comm):
     _raises(lambda: f(x, ids), f"rank {me}: moe.dispatch: ", frag, exc=runtime)
     # An output too small for what arrives: every rank names the one.
     g = jax.jit(lambda x, ids: moe_dispatch(x, ids, k=K, experts=E, group=comm, out_rows=1))
-    _raises(lambda: g(x, _ids(me, t)), "rows, but its output holds 1", exc=runtime)
+    too_small = "rows, but its output holds out_rows=1; pass out_rows="
+    _raises(lambda: g(x, _ids(me, t)), too_small, exc=runtime)
     # The group still works.
     rows, _ = f(x, _ids(me, t))
     assert sum(comm.allgather_object(float(jnp.sum(rows)))) == pytest.approx(n * t * K * 2)

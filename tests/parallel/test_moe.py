@@ -199,6 +199,60 @@ def test_trains_with_data_parallel(comm):
                 )  # fmt: skip
 
 
+@multirank(nprocs=(2,))
+def test_grouped_layout_with_out_rows(comm):
+    """dispatch(..., layout="grouped", out_rows=R): the same rows and counts in a buffer of R
+    rows, zeros past them; combine and the layer (values and gradients) as with the default
+    buffer, natively and composed; a routing that brings a rank more rows is a named error on
+    every rank, on both paths."""
+    me = comm.rank
+    x, cts, router = _tokens(2)[me], _tokens(2, seed=3)[me], _router()
+    with spmd.Mesh(ep=2):
+        experts = spmd.tensor_parallel.local(spmd.moe.shard_experts(_experts()))
+        routing = spmd.moe.route(x @ router, 2)
+        full, sizes = spmd.moe.dispatch(x, routing, layout="grouped")
+        assert full.shape[0] == 2 * T * 2  # ep * T * min(k, E / ep): any routing fits
+        got = int(np.sum(sizes))
+        most = max(comm.allgather_object(got))
+        assert most < full.shape[0], "every row arrives somewhere: the bound saves nothing"
+
+        def layer(experts, router, out_rows):
+            y, aux = spmd.moe.moe(x, router, grouped_fn, experts, layout="grouped",
+                                  out_rows=out_rows)  # fmt: skip
+            return jnp.sum(y * cts) + 0.1 * aux, y
+
+        for path in ("native", "composed"):
+            env = {"SPMD_MOE_EXCHANGE": "composed"} if path == "composed" else {}
+            with pytest.MonkeyPatch.context() as mp:
+                for key, value in env.items():
+                    mp.setenv(key, value)
+                disp = jax.jit(lambda x, r, n=None: spmd.moe.dispatch(
+                    x, r, layout="grouped", out_rows=n), static_argnums=2)  # fmt: skip
+                rows, sizes2 = disp(x, routing, most)
+                assert rows.shape == (most, D), path
+                np.testing.assert_array_equal(sizes2, sizes, err_msg=path)
+                np.testing.assert_array_equal(rows[:got], full[:got], err_msg=path)
+                np.testing.assert_array_equal(rows[got:], 0, err_msg=path)
+                back = jax.jit(lambda y, r: spmd.moe.combine(y, r, layout="grouped"))
+                np.testing.assert_allclose(back(2 * rows, routing), back(2 * full, routing),
+                                           rtol=1e-6, err_msg=path)  # fmt: skip
+                grad = jax.jit(jax.value_and_grad(layer, argnums=(0, 1), has_aux=True),
+                               static_argnums=2)  # fmt: skip
+                (want_obj, want_y), want_g = grad(experts, router, None)
+                (obj, y), g = grad(experts, router, most)
+                np.testing.assert_allclose(y, want_y, rtol=1e-6, err_msg=path)
+                np.testing.assert_allclose(obj, want_obj, rtol=1e-6, err_msg=path)
+                for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want_g), strict=True):
+                    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=path)
+                with pytest.raises(jax.errors.JaxRuntimeError) as info:  # jit: XLA's error
+                    jax.block_until_ready(disp(x, routing, most - 1))
+                message = str(info.value)
+                assert f"rank {me}: " in message, message
+                assert f"holds out_rows={most - 1}; pass out_rows={most} or more" in message, (
+                    message
+                )
+
+
 def _sum_of_squares_grad(w):
     return spmd.grad(lambda w: jnp.sum(w**2))(w)
 
@@ -220,6 +274,14 @@ def test_errors(comm):
             (lambda: spmd.moe.combine(jnp.ones((4, 12, D)), routing),
              "expected (2, 12, features)"),
             (lambda: spmd.moe.route(x @ router, 2, capacity_factor=0), "capacity_factor=0"),
+            (lambda: spmd.moe.dispatch(x, routing, out_rows=8),
+             "out_rows=8 sizes the grouped layout; the padded layout's buffers are"),
+            (lambda: spmd.moe.dispatch(x, routing, layout="grouped", out_rows=0),
+             "out_rows=0; expected a number of rows, 1 or more (at most 24"),
+            (lambda: spmd.moe.moe(x, router, grouped_fn, experts, layout="grouped",
+                                  out_rows=2.5), "out_rows=2.5; expected a number of rows"),
+            (lambda: spmd.moe.combine(jnp.ones((4, 12, D)), routing, layout="grouped"),
+             "expected (rows, features) in the grouped layout"),
         ]  # fmt: skip
         for make, text in cases:
             with pytest.raises(spmd.SpmdError) as info:

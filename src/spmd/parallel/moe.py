@@ -200,7 +200,8 @@ def _traffic(routing: Routing, plan: _Plan, grouped: bool = False) -> _Traffic |
     place = None
     if grouped:
         # Row i of the exchange (source-major) goes to its expert's block, after the rows of
-        # the experts before it.
+        # the experts before it. One entry for every row that may arrive, whatever the layout's
+        # rows (out_rows): where more arrive than it holds, the exchange's error says so.
         expert, slot = _received_slots(got, plan, _rows(plan, routing.k))
         start = jnp.cumsum(got.sum(0)) - got.sum(0)
         place = jnp.where(expert < plan.per_rank, start[jnp.minimum(expert, plan.per_rank - 1)]
@@ -242,7 +243,10 @@ def _slot_sources(got: Any, plan: _Plan, rows: int) -> Any:
     return jnp.where(valid, row, rows)
 
 
-def dispatch(x: Any, routing: Routing, *, group: Any = "ep", layout: str = "padded") -> Any:
+def dispatch(
+    x: Any, routing: Routing, *, group: Any = "ep", layout: str = "padded",
+    out_rows: int | None = None,
+) -> Any:  # fmt: skip
     """The tokens this rank's experts receive.
 
     ``x``: this rank's ``(T, D)`` tokens, routed by ``routing`` (from :func:`route`).
@@ -257,19 +261,26 @@ def dispatch(x: Any, routing: Routing, *, group: Any = "ep", layout: str = "padd
     1, ...), then those of expert 1, ..., then zeros; ``group_sizes`` ``(E / ep,)`` int32 counts
     them, as ``jax.lax.ragged_dot`` takes them. No padding per expert is materialized: the rows
     are gathered and placed by the exchange itself, so this layout moves only the rows routed.
+    ``out_rows`` (grouped only) sets the number of rows instead: that default holds any routing
+    (every token of every rank choosing this rank's experts), but is ``ep`` times the rows an
+    even routing brings (``T * k``). A smaller buffer takes less memory and fewer zeros; a
+    routing that brings a rank more rows than ``out_rows`` is an error on every rank when the
+    exchange runs (:class:`SpmdError`; inside ``jax.jit``, JAX's ``JaxRuntimeError`` with the
+    same message).
 
     Feed the result, processed row by row and in the same layout, to :func:`combine`.
     """
     op = "moe.dispatch"
     plan = _plan(routing, group, op)
     grouped = _layout(layout, routing, op)
+    rows = _grouped_rows(plan, routing.k, out_rows, grouped, op)
     tokens = _tokens(x, plan, op)
     if plan.native:
-        return _dispatch_native(tokens, routing, plan, grouped)
-    traffic = _traffic(routing, plan, grouped)
-    if grouped:
+        return _dispatch_native(tokens, routing, plan, rows)
+    traffic = _traffic(routing, plan, rows is not None)
+    if rows is not None:
         assert traffic is not None  # dropless
-        return _dispatch_grouped(tokens, routing, plan, traffic)
+        return _dispatch_grouped(tokens, routing, plan, traffic, rows)
     return _dispatch(tokens, routing, plan, traffic)
 
 
@@ -317,12 +328,14 @@ def _dispatch(x: Any, routing: Routing, plan: _Plan, traffic: _Traffic | None) -
     return blocks.reshape(plan.per_rank, n * c, x.shape[1])
 
 
-def _dispatch_grouped(x: Any, routing: Routing, plan: _Plan, traffic: _Traffic) -> Any:
+def _dispatch_grouped(
+    x: Any, routing: Routing, plan: _Plan, traffic: _Traffic, out_rows: int
+) -> Any:
     from ..ops import all_to_allv_indexed
 
     rows = all_to_allv_indexed(
         x, traffic.send, traffic.got.sum(1), send_index=traffic.order, repeat=routing.k,
-        recv_index=traffic.place, group=plan.comm, out_rows=_rows(plan, routing.k),
+        recv_index=traffic.place, group=plan.comm, out_rows=out_rows,
     )  # fmt: skip
     return rows, traffic.got.sum(0)
 
@@ -336,23 +349,26 @@ def combine(y: Any, routing: Routing, *, group: Any = "ep", layout: str = "padde
     plan = _plan(routing, group, op)
     grouped = _layout(layout, routing, op)
     y = jnp.asarray(y)
-    want = (_rows(plan, routing.k),) if grouped else (plan.per_rank, plan.slots)
-    if y.ndim != len(want) + 1 or y.shape[:-1] != want:
-        what = (
-            f"{want[0]} rows, as dispatch returns them for this routing and group (ep * T * "
-            "min(k, E / ep))"
-            if grouped
-            else f"{plan.per_rank} local experts (E={routing.num_experts} over the group's "
-            f"{plan.comm.size} ranks) by {plan.slots} slots, as dispatch returns them for this "
-            "routing and group"
-        )
+    if grouped and (y.ndim != 2 or y.shape[0] < 1):
         raise SpmdError(
-            f"y has shape {y.shape}; expected ({', '.join(map(str, want))}, features): {what}",
+            f"y has shape {y.shape}; expected (rows, features) in the grouped layout, as "
+            "dispatch returns them (whether they hold the rows this routing sends back is "
+            "checked when the exchange runs)",
             op=op,
         )
+    want = (plan.per_rank, plan.slots)
+    if not grouped and (y.ndim != len(want) + 1 or y.shape[:-1] != want):
+        raise SpmdError(
+            f"y has shape {y.shape}; expected ({', '.join(map(str, want))}, features): "
+            f"{plan.per_rank} local experts (E={routing.num_experts} over the group's "
+            f"{plan.comm.size} ranks) by {plan.slots} slots, as dispatch returns them for this "
+            "routing and group",
+            op=op,
+        )
+    rows = y.shape[0] if grouped else None
     if plan.native:
-        return _combine_native(y, routing, plan, grouped)
-    traffic = _traffic(routing, plan, grouped)
+        return _combine_native(y, routing, plan, rows)
+    traffic = _traffic(routing, plan, rows is not None)
     if grouped:
         assert traffic is not None  # dropless
         return _combine_grouped(y, routing, plan, traffic)
@@ -405,21 +421,23 @@ def _weighted(results: Any, routing: Routing, dtype: Any) -> Any:
     return weighted_sum(results, weights, routing.k)
 
 
-def _dispatch_native(x: Any, routing: Routing, plan: _Plan, grouped: bool) -> Any:
+def _dispatch_native(x: Any, routing: Routing, plan: _Plan, grouped_rows: int | None) -> Any:
     """The dispatch on CPU: one native exchange (spmd.ops' MoE exchange) that counts, sorts and
-    places the rows itself, in any of the three layouts."""
+    places the rows itself, in any of the three layouts (grouped: into ``grouped_rows``)."""
+    grouped = grouped_rows is not None
     k, slots, capacity = routing.k, *_native_layout(routing, plan, grouped)
+    out_rows = plan.per_rank * plan.slots if grouped_rows is None else grouped_rows
     rows, sizes = moe_dispatch(
-        x, _ids(routing), k=k, experts=routing.num_experts, group=plan.comm,
-        out_rows=_rows(plan, k) if grouped else plan.per_rank * plan.slots, slots=slots,
-        capacity=capacity,
+        x, _ids(routing), k=k, experts=routing.num_experts, group=plan.comm, out_rows=out_rows,
+        slots=slots, capacity=capacity,
     )  # fmt: skip
     if grouped:
         return rows, sizes
     return rows.reshape(plan.per_rank, plan.slots, *x.shape[1:])
 
 
-def _combine_native(y: Any, routing: Routing, plan: _Plan, grouped: bool) -> Any:
+def _combine_native(y: Any, routing: Routing, plan: _Plan, grouped_rows: int | None) -> Any:
+    grouped = grouped_rows is not None
     slots, capacity = _native_layout(routing, plan, grouped)
     # Dropped assignments' gates are never read (their rows do not come back).
     gates = routing.gates.astype(y.dtype).reshape(-1)
@@ -449,6 +467,27 @@ def _rows(plan: _Plan, k: int) -> int:
     return plan.comm.size * plan.tokens * min(k, plan.per_rank)
 
 
+def _grouped_rows(plan: _Plan, k: int, out_rows: Any, grouped: bool, op: str) -> int | None:
+    """The grouped layout's rows (``out_rows``, by default every row a routing may bring); None
+    for the padded layout, which takes no ``out_rows``."""
+    if out_rows is None:
+        return _rows(plan, k) if grouped else None
+    if not grouped:
+        raise SpmdError(
+            f"out_rows={out_rows!r} sizes the grouped layout; the padded layout's buffers are "
+            f"(E / ep, slots) = ({plan.per_rank}, {plan.slots}). Pass layout='grouped', or "
+            "leave out_rows out",
+            op=op,
+        )
+    if isinstance(out_rows, bool) or not isinstance(out_rows, int) or out_rows < 1:
+        raise SpmdError(
+            f"out_rows={out_rows!r}; expected a number of rows, 1 or more (at most "
+            f"{_rows(plan, k)} = ep * T * min(k, E / ep) can arrive)",
+            op=op,
+        )
+    return out_rows
+
+
 def _tokens(x: Any, plan: _Plan, op: str) -> Any:
     x = jnp.asarray(x)
     if x.ndim != 2 or x.shape[0] != plan.tokens:
@@ -473,6 +512,7 @@ def moe(
     capacity_factor: float | None = None,
     group: Any = "ep",
     layout: str = "padded",
+    out_rows: int | None = None,
 ) -> tuple[Any, Any]:
     """A mixture-of-experts layer over the group: ``(y, aux_loss)``.
 
@@ -491,6 +531,7 @@ def moe(
             their tokens one expert after another and the count per expert (see
             :func:`dispatch`), for instance two ``jax.lax.ragged_dot`` calls; the rows past the
             counts are zeros, whose results are discarded.
+        out_rows: the grouped layout's rows (see :func:`dispatch`; default: any routing fits).
 
     Returns ``y`` of shape ``(..., D_out)`` and the load-balancing loss of this rank's tokens
     (add it to the loss with a small coefficient, e.g. 0.01).
@@ -531,7 +572,8 @@ def moe(
     routing = route(tokens @ router_w.astype(tokens.dtype), k, capacity_factor=capacity_factor)
     plan = _plan(routing, comm, op)
     grouped = _layout(layout, routing, op)
-    send, back = _exchanges(routing, plan, grouped)  # once for dispatch and combine
+    rows = _grouped_rows(plan, k, out_rows, grouped, op)
+    send, back = _exchanges(routing, plan, rows)  # once for dispatch and combine
     if grouped:
         rows, sizes = send(tokens)
         y = back(expert_fn(params, rows, sizes))
@@ -541,16 +583,17 @@ def moe(
 
 
 def _exchanges(
-    routing: Routing, plan: _Plan, grouped: bool
+    routing: Routing, plan: _Plan, rows: int | None
 ) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
-    """The layer's dispatch and combine: native, or composed with their bookkeeping made once."""
+    """The layer's dispatch and combine: native, or composed with their bookkeeping made once.
+    ``rows``: the grouped layout's (None: padded)."""
     if plan.native:
-        return (lambda t: _dispatch_native(t, routing, plan, grouped),
-                lambda y: _combine_native(y, routing, plan, grouped))  # fmt: skip
-    traffic = _traffic(routing, plan, grouped)
-    if grouped:
+        return (lambda t: _dispatch_native(t, routing, plan, rows),
+                lambda y: _combine_native(y, routing, plan, rows))  # fmt: skip
+    traffic = _traffic(routing, plan, rows is not None)
+    if rows is not None:
         assert traffic is not None  # dropless
-        return (lambda t: _dispatch_grouped(t, routing, plan, traffic),
+        return (lambda t: _dispatch_grouped(t, routing, plan, traffic, rows),
                 lambda y: _combine_grouped(y, routing, plan, traffic))  # fmt: skip
     return (lambda t: _dispatch(t, routing, plan, traffic),
             lambda y: _combine(y, routing, plan, traffic))  # fmt: skip
