@@ -214,7 +214,8 @@ std::string Exchange::Plan(const int64_t* all, a2av::Plan* p, a2av::Rows* rows,
     if (held > room) {  // the grouped layout sized by spmd.moe.dispatch's out_rows
       return who(r) + "'s experts receive " + std::to_string(held) + " rows, but its output " +
              "holds out_rows=" + std::to_string(room) + "; pass out_rows=" +
-             std::to_string(held) + " or more (the default holds any routing)";
+             std::to_string(held) + " or more (spmd.moe.dispatch's default holds any " +
+             "routing)";
     }
     for (int64_t j = 0; j < per && slots > 0; ++j) {
       int64_t g = 0;

@@ -309,16 +309,18 @@ def _large_outputs(comm):
     for j in range(n):
         np.testing.assert_array_equal(a[j], np.arange(r * blk, (r + 1) * blk) + j * 7)
     # all_to_allv zeros the rows past those received, streamed in an output over 16 MiB: rows
-    # of 12 bytes, so that the zeros start off a 32-byte boundary. The first call's output,
-    # rows everywhere, is freed before the second, which receives fewer rows; the allocator
-    # tends to hand the second call the same memory.
+    # of 12 bytes, so that the zeros start off a 32-byte boundary. The first call fills the
+    # output but for its last out_rows % n rows; it is freed before the second, which receives
+    # 1001-1003 rows from each rank. The allocator tends to hand the second call the same
+    # memory (a mutation that zeroed half the rows failed this test).
     out_rows = (16 << 20) // 12 + 3
+    full = n * (out_rows // n)
     a2av = jax.jit(lambda v, c: spmd.all_to_allv(v, c, out_rows=out_rows))
-    for rows in (out_rows // n, 1001 + r):
+    for rows in (full, 1001 + r):
         v = (jnp.arange(rows * 3, dtype=jnp.float32).reshape(rows, 3) + 1) * (r + 1)
         counts = jnp.full((n,), rows // n, jnp.int32).at[0].add(rows % n)
         got = np.asarray(a2av(v, counts))
-        sent = [(out_rows // n if rows == out_rows // n else 1001 + q) for q in range(n)]
+        sent = [(full if rows == full else 1001 + q) for q in range(n)]
         want, at = [], 0
         for q in range(n):  # rank q's block for this rank: its rows [off, off + count)
             cq = [sent[q] // n + (sent[q] % n if j == 0 else 0) for j in range(n)]

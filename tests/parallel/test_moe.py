@@ -7,6 +7,7 @@ on every rank."""
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -228,7 +229,7 @@ def test_grouped_layout_with_out_rows(comm):
                     mp.setenv(key, value)
                 disp = jax.jit(lambda x, r, n=None: spmd.moe.dispatch(
                     x, r, layout="grouped", out_rows=n), static_argnums=2)  # fmt: skip
-                rows, sizes2 = disp(x, routing, most)
+                rows, sizes2 = disp(x, routing, np.int64(most))  # any integer
                 assert rows.shape == (most, D), path
                 np.testing.assert_array_equal(sizes2, sizes, err_msg=path)
                 np.testing.assert_array_equal(rows[:got], full[:got], err_msg=path)
@@ -251,6 +252,14 @@ def test_grouped_layout_with_out_rows(comm):
                 assert f"holds out_rows={most - 1}; pass out_rows={most} or more" in message, (
                     message
                 )
+                # A y with fewer rows than go back: an error on every rank too (natively it
+                # names the rank; composed, the exchange's index check fails).
+                with pytest.raises(jax.errors.JaxRuntimeError) as info:
+                    jax.block_until_ready(back(rows[: most - 1], routing))
+                message = str(info.value)
+                assert f"rank {me}: " in message, message
+                if path == "native":
+                    assert f"rows, but its y has {most - 1}" in message, message
 
 
 def _sum_of_squares_grad(w):
@@ -298,3 +307,13 @@ def test_errors(comm):
     # A routing record made for one group, used with another: the layout does not fit.
     with spmd.Mesh(ep=1, dp=2), pytest.raises(spmd.SpmdError, match=r"expected \(4, 6, features\)"):
         spmd.moe.combine(jnp.ones((2, 12, D)), routing)
+    # In a group of one, all T * k = 12 assignments stay: a grouped buffer must hold them (the
+    # exchange of a group of one checks no counts, so this is checked when tracing).
+    with spmd.Mesh(ep=1, dp=2):
+        one = "but in a group of one all 12 assignments (T * k) stay on this rank"
+        with pytest.raises(spmd.SpmdError, match=re.escape("out_rows=11, " + one)):
+            spmd.moe.dispatch(x, routing, layout="grouped", out_rows=11)
+        with pytest.raises(spmd.SpmdError, match=re.escape("y has 11 rows, " + one)):
+            spmd.moe.combine(jnp.ones((11, D)), routing, layout="grouped")
+        rows, sizes = spmd.moe.dispatch(x, routing, layout="grouped", out_rows=12)
+        assert rows.shape == (12, D) and int(np.sum(sizes)) == 12

@@ -40,6 +40,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._errors import SpmdError, SpmdTypeError
 from ..mesh import resolve_group
@@ -263,10 +264,10 @@ def dispatch(
     are gathered and placed by the exchange itself, so this layout moves only the rows routed.
     ``out_rows`` (grouped only) sets the number of rows instead: that default holds any routing
     (every token of every rank choosing this rank's experts), but is ``ep`` times the rows an
-    even routing brings (``T * k``). A smaller buffer takes less memory and fewer zeros; a
-    routing that brings a rank more rows than ``out_rows`` is an error on every rank when the
-    exchange runs (:class:`SpmdError`; inside ``jax.jit``, JAX's ``JaxRuntimeError`` with the
-    same message).
+    even routing brings (``T * k``) where ``k <= E / ep``. A smaller buffer takes less memory
+    and fewer zeros; a routing that brings a rank more rows than ``out_rows`` is an error on
+    every rank when the exchange runs (:class:`SpmdError`; inside ``jax.jit``, JAX's
+    ``JaxRuntimeError`` with the same message).
 
     Feed the result, processed row by row and in the same layout, to :func:`combine`.
     """
@@ -366,6 +367,8 @@ def combine(y: Any, routing: Routing, *, group: Any = "ep", layout: str = "padde
             op=op,
         )
     rows = y.shape[0] if grouped else None
+    if rows is not None:
+        _fits_one(plan, routing.k, rows, f"y has {rows} rows", op)
     if plan.native:
         return _combine_native(y, routing, plan, rows)
     traffic = _traffic(routing, plan, rows is not None)
@@ -406,10 +409,12 @@ def _combine_grouped(y: Any, routing: Routing, plan: _Plan, traffic: _Traffic) -
     from ..ops import all_to_allv_indexed
 
     # The reverse of the grouped dispatch: each row goes back from where the exchange placed it,
-    # and lands in assignment order.
+    # and lands in assignment order. One index per row of y: where more rows go back than y
+    # holds, the exchange's checks of its counts fail on every rank (a gather of y by longer
+    # indices would clamp them on a GPU).
     results = all_to_allv_indexed(
-        y, traffic.got.sum(1), traffic.send, send_index=traffic.place, recv_index=traffic.order,
-        group=plan.comm, out_rows=plan.tokens * routing.k,
+        y, traffic.got.sum(1), traffic.send, send_index=traffic.place[: y.shape[0]],
+        recv_index=traffic.order, group=plan.comm, out_rows=plan.tokens * routing.k,
     )  # fmt: skip
     return _weighted(results, routing, y.dtype)
 
@@ -479,13 +484,26 @@ def _grouped_rows(plan: _Plan, k: int, out_rows: Any, grouped: bool, op: str) ->
             "leave out_rows out",
             op=op,
         )
-    if isinstance(out_rows, bool) or not isinstance(out_rows, int) or out_rows < 1:
+    whole = isinstance(out_rows, int | np.integer) and not isinstance(out_rows, bool | np.bool_)
+    if not whole or out_rows < 1:
         raise SpmdError(
             f"out_rows={out_rows!r}; expected a number of rows, 1 or more (at most "
             f"{_rows(plan, k)} = ep * T * min(k, E / ep) can arrive)",
             op=op,
         )
-    return out_rows
+    _fits_one(plan, k, int(out_rows), f"out_rows={out_rows}", op)
+    return int(out_rows)
+
+
+def _fits_one(plan: _Plan, k: int, rows: int, what: str, op: str) -> None:
+    """In a group of one every assignment stays: T * k rows, known when tracing (the exchange
+    of a group of one checks no counts)."""
+    if plan.comm.size == 1 and rows < _rows(plan, k):
+        raise SpmdError(
+            f"{what}, but in a group of one all {_rows(plan, k)} assignments "
+            f"(T * k) stay on this rank; expected {_rows(plan, k)} rows or more",
+            op=op,
+        )
 
 
 def _tokens(x: Any, plan: _Plan, op: str) -> Any:
