@@ -158,6 +158,18 @@ def main() -> None:
         from ..runtime import finalize
 
         finalize()
+        # What the interpreter would do at exit that matters (exit handlers: a flight recorder's
+        # trace, MPI_Finalize), without tearing down every module JAX loaded: a pool's close
+        # took 0.7 s of which this was most.
+        import atexit
+
+        atexit._run_exitfuncs()
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
