@@ -9,6 +9,7 @@ from ._hosts import TestHosts as TestHosts
 from ._hosts import unavailable as test_hosts_unavailable
 from ._job import launch as launch
 from ._job import wrap_command as wrap_command
+from ._leftovers import load_factor as load_factor
 from ._leftovers import remove_leftovers as remove_leftovers
 from ._mpiexec import find_mpiexec as find_mpiexec
 from ._mpiexec import flavor as flavor
@@ -22,6 +23,7 @@ __all__ = [
     "flavor",
     "launch",
     "launch_rank",
+    "load_factor",
     "mpiexec_argv",
     "output_file",
     "remove_leftovers",

@@ -11,7 +11,9 @@ them, so only a creator killed in that window leaves one (a peer's ``MPI_Abort``
 no process has open or mapped (a concurrent job's segments are in use by its processes). The
 launcher writes its topology file as it starts, and its ranks read it at once: only such a file
 made in the first seconds of this job is taken as this job's (a job started in those seconds
-whose ranks had not yet read its own could lose it: a narrow window, accepted).
+whose ranks had not yet read its own could lose it: a narrow window, accepted). On a loaded
+machine the launcher's proxies start later (a test host's proxy wrote its file 3 s after the job
+began with 8 processes per core runnable): the window grows with the load, up to 4x.
 """
 
 from __future__ import annotations
@@ -26,8 +28,18 @@ _TOPOLOGY = "hydra_hwloc_xmlfile_*"
 _TOPOLOGY_WINDOW_S = 3.0  # after the job's start
 
 
+def load_factor() -> float:
+    """The 1-minute load average per usable core, between 1 and 4 (1 where it is unknown)."""
+    try:
+        per_core = os.getloadavg()[0] / max(1, len(os.sched_getaffinity(0)))
+    except (OSError, AttributeError):
+        return 1.0
+    return min(4.0, max(1.0, per_core))
+
+
 def _candidates(since: float) -> list[str]:
     uid = os.getuid()
+    window = _TOPOLOGY_WINDOW_S * load_factor()
     found = []
     dirs = {tempfile.gettempdir(), "/tmp"}
     paths = [p for pattern in _SEGMENTS for p in glob.glob(pattern)]
@@ -39,7 +51,7 @@ def _candidates(since: float) -> list[str]:
             continue
         born = max(st.st_mtime, st.st_ctime)
         topology = os.path.basename(path).startswith("hydra_hwloc_xmlfile_")
-        if topology and born > since + _TOPOLOGY_WINDOW_S:
+        if topology and born > since + window:
             continue
         if st.st_uid == uid and born >= since:
             found.append(os.path.realpath(path))
