@@ -5,7 +5,6 @@ rounding); what a restart says, and when it does not happen."""
 
 from __future__ import annotations
 
-import glob
 import re
 import sys
 from pathlib import Path
@@ -13,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .test_run import _mpich_files, spmd_run
+from .. import _leftovers as leftovers
+from .test_run import _left_behind, _mpich_files, spmd_run
 
 TRAIN = str(Path(__file__).with_name("_elastic_train.py"))
 
@@ -36,7 +36,7 @@ def reference(tmp_path_factory):
 
 
 def test_a_killed_rank_restarts_the_job_which_resumes_where_it_checkpointed(tmp_path, reference):
-    before = _mpich_files()
+    before, segments = _mpich_files(), leftovers.files(["/dev/shm/spmd-*"])
     run, out = _train(tmp_path, "ckpt", "--max-restarts", "1", kill_at=7)
     assert run.returncode == 0, run.stderr
     assert "spmd-run: rank 1 failed: killed by SIGKILL" in run.stderr
@@ -52,8 +52,10 @@ def test_a_killed_rank_restarts_the_job_which_resumes_where_it_checkpointed(tmp_
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "step-00000009", "step-00000012"
     ]  # fmt: skip
-    assert _mpich_files() - before == set(), "MPICH's files were left behind"
-    assert not glob.glob("/dev/shm/spmd-*"), "a group segment was left behind"
+    assert _left_behind(before) == set(), "MPICH's files were left behind"
+    assert leftovers.new_files(["/dev/shm/spmd-*"], segments) == set(), (
+        "a group segment was left behind"
+    )
 
 
 def test_a_restart_on_fewer_ranks_reshards_the_checkpoint(tmp_path, reference):

@@ -14,24 +14,24 @@ import pytest
 from spmd.testing import run
 from spmd.testing.hosts import TestHosts, unavailable
 
+from .. import _leftovers as leftovers
 from .test_run import SPMD_RUN, spmd_run
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(bool(REASON), reason=REASON or "test hosts available")
 
 
-def _test_namespaces():
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
-    return {line.split()[0] for line in out.stdout.splitlines() if line.startswith("spmd-")}
+_test_namespaces = leftovers.namespaces
+_SHM = ["/dev/shm/*"]
+_HYDRA = ["/tmp/hydra_hwloc_xmlfile_*"]  # the launcher's topology files (its proxies' too)
 
 
 def _shm():
-    return set(os.listdir("/dev/shm"))
+    return leftovers.files(_SHM)
 
 
 def _hydra_files():
-    """The MPI launcher's topology files in /tmp (its proxies on the hosts write them too)."""
-    return {f for f in os.listdir("/tmp") if f.startswith("hydra_hwloc_xmlfile_")}
+    return leftovers.files(_HYDRA)
 
 
 def test_ranks_on_two_hosts_have_their_own_hostname_address_and_shared_memory(tmp_path):
@@ -66,8 +66,8 @@ def test_ranks_on_two_hosts_have_their_own_hostname_address_and_shared_memory(tm
     assert ranks[0]["received"] >= 8 << 20 and ranks[2]["received"] >= 8 << 20, ranks
     # The ranks of a host share a /dev/shm of their own; the hosts do not share one.
     assert ranks[0]["shm"] == ranks[1]["shm"] != ranks[2]["shm"] == ranks[3]["shm"]
-    assert _test_namespaces() == before, "test hosts were left behind"
-    assert _shm() - shm_before == set(), "shared memory was left behind"
+    assert leftovers.new_namespaces(before) == set(), "test hosts were left behind"
+    assert leftovers.new_files(_SHM, shm_before) == set(), "shared memory was left behind"
 
 
 LINK_BYTES = """
@@ -145,7 +145,7 @@ def test_a_rank_on_another_host_that_leaves_early_is_named_by_the_peer_watch(tmp
         "allreduce(op=sum) of float32[3] over MPI (collective #2 of the group [0, 1])"
     ) in out.stderr, out.stderr
     assert took < 20, f"the job took {took:.1f} s"
-    assert _test_namespaces() == before, "test hosts were left behind"
+    assert leftovers.new_namespaces(before) == set(), "test hosts were left behind"
 
 
 def _fault_mid_job(argv, marker, fault, env=None):
@@ -200,9 +200,10 @@ def test_a_host_that_loses_its_link_is_named_and_the_job_ends_at_the_timeout(tmp
         f"group [0, 1]) waiting for {silent}"
     ) in stderr, stderr
     assert took < 6 + 10, f"the job ended {took:.1f} s after the cut"
-    assert _test_namespaces() == before, "test hosts were left behind"
+    assert leftovers.new_namespaces(before) == set(), "test hosts were left behind"
     # The cut-off host's launcher proxy held its topology file open until the hosts went.
-    assert _hydra_files() - files_before == set(), "the launcher's files were left behind"
+    left = leftovers.new_files(_HYDRA, files_before)
+    assert left == set(), "the launcher's files were left behind"
 
 
 def test_a_host_whose_processes_are_all_killed_is_named(tmp_path):
@@ -235,9 +236,10 @@ def test_a_host_whose_processes_are_all_killed_is_named(tmp_path):
                              "h1) ended first")), stderr  # fmt: skip
     assert "without reporting how (killed together with its wrapper, or its host lost)" in first
     assert took < 10, f"the job ended {took:.1f} s after the kill"
-    assert _test_namespaces() == before, "test hosts were left behind"
-    assert _shm() - shm_before == set(), "shared memory was left behind"
-    assert _hydra_files() - files_before == set(), "the launcher's files were left behind"
+    assert leftovers.new_namespaces(before) == set(), "test hosts were left behind"
+    assert leftovers.new_files(_SHM, shm_before) == set(), "shared memory was left behind"
+    left = leftovers.new_files(_HYDRA, files_before)
+    assert left == set(), "the launcher's files were left behind"
 
 
 def test_links_are_shaped(tmp_path):
@@ -264,7 +266,7 @@ def test_bad_host_settings_are_errors_before_anything_starts():
     assert out.returncode == 2 and "--nodes and --hosts exclude each other" in out.stderr
     out, _ = spmd_run("--hosts", "2", "--link", "bogus 1", "-n", "2", sys.executable, "-c", "1")
     assert out.returncode == 2 and "link shaping 'bogus 1' failed on vh0" in out.stderr
-    assert _test_namespaces() == before, "test hosts were left behind"
+    assert leftovers.new_namespaces(before) == set(), "test hosts were left behind"
 
 
 def test_test_hosts_as_a_context_manager_are_removed_on_an_error():
@@ -290,7 +292,7 @@ def test_the_harness_spreads_its_ranks_over_test_hosts(monkeypatch):
     before = _test_namespaces()
     assert run(where_am_i, 4, fresh=True) == [("h0", 4.0), ("h0", 4.0), ("h1", 4.0), ("h1", 4.0)]
     assert run(where_am_i, 3, fresh=True) == [(os.uname().nodename, 3.0)] * 3  # 3 do not divide
-    assert _test_namespaces() == before, "test hosts were left behind"
+    assert leftovers.new_namespaces(before) == set(), "test hosts were left behind"
 
 
 # Checks of the collectives, data parallel, ZeRO and checkpoints, on 2 hosts x 2 ranks.
@@ -304,12 +306,13 @@ ON_HOSTS = [
 ]
 
 
+@pytest.mark.slow(reason="runs several test files again in a pytest of its own, on test hosts")
 def test_collectives_data_parallel_zero_and_checkpoints_pass_on_two_hosts():
     root = Path(__file__).resolve().parents[2]
     before = _test_namespaces()
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          *ON_HOSTS], cwd=root, capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "SPMD_TEST_HOSTS": "2"})  # fmt: skip
+                          "-n", "0", *ON_HOSTS], cwd=root, capture_output=True, text=True,
+                         timeout=900, env={**os.environ, "SPMD_TEST_HOSTS": "2"})  # fmt: skip
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-2000:]
     assert f"{len(ON_HOSTS)} passed" in out.stdout, out.stdout[-2000:]
-    assert _test_namespaces() == before, "test hosts were left behind"
+    assert leftovers.new_namespaces(before) == set(), "test hosts were left behind"

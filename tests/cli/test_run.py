@@ -6,12 +6,15 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
 import pytest
 
 from spmd.launch import wrap_command
+
+from .. import _leftovers as leftovers
 
 SPMD_RUN = [sys.executable, "-m", "spmd.cli.run"]
 
@@ -147,14 +150,20 @@ def test_a_rank_killed_by_a_signal_exits_as_a_shell_would():
     assert "spmd-run: rank 1 failed: killed by SIGKILL" in out.stderr
 
 
-def _mpich_files() -> set[str]:
-    import glob
-    import tempfile
+# MPICH's shared memory and the launcher's topology files.
+_MPICH = sorted(
+    {"/dev/shm/mpich_shm_*"}
+    | {os.path.join(d, "hydra_hwloc_xmlfile_*") for d in (tempfile.gettempdir(), "/tmp")}
+)
 
-    dirs = {tempfile.gettempdir(), "/tmp"}
-    return set(glob.glob("/dev/shm/mpich_shm_*")) | {
-        p for d in dirs for p in glob.glob(os.path.join(d, "hydra_hwloc_xmlfile_*"))
-    }
+
+def _mpich_files() -> set[str]:
+    return leftovers.files(_MPICH)
+
+
+def _left_behind(before: set[str]) -> set[str]:
+    """MPICH's files that appeared since ``before`` and stay, unused, now that the job ended."""
+    return leftovers.new_files(_MPICH, before)
 
 
 _FAULTS = {
@@ -190,7 +199,7 @@ def test_a_python_rank_that_dies_is_named_fast_and_leaves_nothing(tmp_path, faul
         assert "[rank 1] Fatal Python error: Segmentation fault" in out.stderr, out.stderr
         assert 'fault.py", line 7 in crash' in out.stderr, out.stderr
     assert took < 15, f"the job took {took:.1f} s"
-    assert _mpich_files() - before == set(), "MPICH's files were left behind"
+    assert _left_behind(before) == set(), "MPICH's files were left behind"
 
 
 def test_the_job_exits_with_the_code_of_the_rank_killed_not_of_its_waiting_peer(tmp_path):
@@ -229,7 +238,9 @@ def test_a_group_segment_whose_creator_was_killed_is_removed(tmp_path):
     out, took = spmd_run("-n", "2", sys.executable, str(script))
     assert out.returncode == 137, out.stderr
     assert took < 15, f"the job took {took:.1f} s"
-    assert set(glob.glob("/dev/shm/spmd-*")) - before == set(), "a group segment was left behind"
+    assert leftovers.new_files(["/dev/shm/spmd-*"], before) == set(), (
+        "a group segment was left behind"
+    )
 
 
 def test_a_rank_that_ends_right_after_dispatching_its_last_steps_waits_for_them(tmp_path):
@@ -331,7 +342,7 @@ def test_a_sigstopped_peer_is_reported_as_stopped_and_the_job_ends_at_the_timeou
             f"the group [0, 1]) waiting for {silent}" in out.stderr
         ), out.stderr
         assert took < 15, f"the job took {took:.1f} s"
-        assert _mpich_files() - before == set(), "MPICH's files were left behind"
+        assert _left_behind(before) == set(), "MPICH's files were left behind"
         return
     started = "on the group" if transport == "shm" else "over MPI on the group"
     assert f"for rank 1, which has started 1 collectives {started}" in out.stderr, out.stderr
@@ -345,7 +356,7 @@ def test_a_sigstopped_peer_is_reported_as_stopped_and_the_job_ends_at_the_timeou
     )
     assert timed_out in out.stderr, out.stderr
     assert took < 15, f"the job took {took:.1f} s"
-    assert _mpich_files() - before == set(), "MPICH's files were left behind"
+    assert _left_behind(before) == set(), "MPICH's files were left behind"
 
 
 @pytest.mark.parametrize("transport", ["shm", "mpi", "nodes"])
@@ -461,7 +472,7 @@ def test_the_job_ends_when_spmd_run_is_killed(tmp_path):
     out, _ = spmd_run("-n", "1", "true", env={"TMPDIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     assert list(tmp_path.glob("spmd-run-*")) == []
-    assert _mpich_files() - before == set(), "the killed job's MPICH files were left behind"
+    assert _left_behind(before) == set(), "the killed job's MPICH files were left behind"
 
 
 def test_a_killed_launcher_is_named_and_takes_its_ranks_with_it(tmp_path):
@@ -480,7 +491,7 @@ def test_a_killed_launcher_is_named_and_takes_its_ranks_with_it(tmp_path):
     while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in pids)
-    assert _mpich_files() - before == set(), "the job's MPICH files were left behind"
+    assert _left_behind(before) == set(), "the job's MPICH files were left behind"
 
 
 def _is_launcher_of(pid: int, parent: int) -> bool:

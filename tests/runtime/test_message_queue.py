@@ -16,6 +16,8 @@ import pytest
 import spmd
 from spmd.testing import multirank
 
+from .. import _leftovers as leftovers
+
 
 def _objects():
     """Objects of 0 bytes to several slots (4 KiB slots below), each different."""
@@ -130,7 +132,7 @@ def test_a_writer_killed_is_named_by_its_readers_and_leaves_nothing(tmp_path):
     env = {**os.environ, "WORLD_SIZE": "3", "SPMD_FILE_STORE_PATH": str(store),
            "SPMD_RUN_ID": "mq-test"}  # fmt: skip
     env = {k: v for k, v in env.items() if not k.startswith(("PMI_", "HYDI_", "HYDRA_"))}
-    before = set(glob.glob("/dev/shm/spmd-*"))
+    before = leftovers.files(["/dev/shm/spmd-*"])
     start = time.monotonic()
     procs = [
         subprocess.Popen(
@@ -147,4 +149,4 @@ def test_a_writer_killed_is_named_by_its_readers_and_leaves_nothing(tmp_path):
         assert procs[r].returncode == 1, errs[r]
         assert "the writer, rank 0, has ended" in errs[r], errs[r]
     assert time.monotonic() - start < 30  # not the 60 s timeout
-    assert set(glob.glob("/dev/shm/spmd-*")) - before == set()
+    assert leftovers.new_files(["/dev/shm/spmd-*"], before) == set()
