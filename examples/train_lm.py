@@ -31,6 +31,7 @@ continuation of a prompt.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -76,6 +77,7 @@ def batch(text: np.ndarray, step: int, rows: int, seq: int) -> tuple[np.ndarray,
 # -- the model ------------------------------------------------------------------------------------
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))  # one program, not one per leaf
 def init_params(key: jax.Array, layers: int, d: int, hidden: int, seq: int) -> Any:
     k = iter(jax.random.split(key, 12))
 
