@@ -1,5 +1,6 @@
 """Project hygiene: lint, types, and the README's promises kept by CI."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -69,3 +70,45 @@ def test_environment_variables_are_documented():
         "SPMD_TEST_HOSTS_PREFIX",
     }  # fmt: skip
     assert used - internal <= documented, sorted(used - internal - documented)
+
+
+_BUDGET_TESTS = """
+import time
+import pytest
+
+def test_quick():
+    pass
+
+def test_over_the_budget():
+    time.sleep(1.5)
+
+@pytest.mark.slow(reason="waits on purpose")
+def test_marked_with_its_reason():
+    time.sleep(1.5)
+
+@pytest.mark.slow
+def test_marked_without_a_reason():
+    time.sleep(1.5)
+"""
+
+
+def test_a_test_over_the_budget_fails_unless_marked_slow_with_the_reason(tmp_path):
+    """tests/conftest.py's budget per test (SPMD_TEST_BUDGET_S), here 1 s."""
+    (tmp_path / "conftest.py").write_text(
+        "from tests.conftest import pytest_configure, pytest_runtest_makereport  # noqa: F401\n"
+    )
+    (tmp_path / "test_budget.py").write_text(_BUDGET_TESTS)
+    env = {**os.environ, "SPMD_TEST_BUDGET_S": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rA",
+         str(tmp_path)],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+    )  # fmt: skip
+    text = out.stdout
+    assert "PASSED test_budget.py::test_quick" in text, text
+    assert "PASSED test_budget.py::test_marked_with_its_reason" in text, text
+    assert "FAILED test_budget.py::test_over_the_budget" in text, text
+    assert re.search(r"test_over_the_budget took 1\.\d s, over the budget of 1 s", text), text
+    assert "FAILED test_budget.py::test_marked_without_a_reason" in text, text
+    assert "@pytest.mark.slow needs reason=" in text, text
+    assert out.returncode == 1, text

@@ -138,7 +138,19 @@ def machine_details(text: str) -> list[str]:
     return found + ([host] if len(host) > 3 and host in text else [])
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+# 05 trains a model on 4 ranks with tensor and expert parallelism, and draws figures.
+_SLOW = {"05_tensor_and_expert_parallel": "4-rank tensor and expert parallel training, figures"}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(p, id=p.stem, marks=[pytest.mark.slow(reason=_SLOW[p.stem])])
+        if p.stem in _SLOW
+        else pytest.param(p, id=p.stem)
+        for p in NOTEBOOKS
+    ],
+)
 def test_tutorial_runs_and_shows_its_committed_output(path: Path, tmp_path: Path) -> None:
     import nbformat
 

@@ -1,0 +1,96 @@
+"""The suite's settings: how it runs in the time it has (decisions, measured in
+tests/DURATIONS.md).
+
+- XLA does little optimisation work (``JAX_DISABLE_MOST_OPTIMIZATIONS=1``): the suite's
+  programs are small and run a few steps, and compiling them is most of its CPU time
+  (tests/parallel/test_zero.py: 149 CPU-seconds instead of 193, the same tests passing with the
+  same tolerances). Ranks, ``spmd-run`` jobs and notebook kernels that tests start inherit it.
+  ``SPMD_TEST_XLA_OPT=1`` tests with XLA's default optimisation instead.
+- Two tests run at a time (pytest-xdist, ``-n 2 --dist loadfile`` in pyproject.toml), a file's
+  tests in one worker (they share its pooled ranks); the files that take longest start first,
+  so that no long file is left running alone at the end.
+- A test over the budget fails (below), unless it is marked ``slow`` with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+if os.environ.get("SPMD_TEST_XLA_OPT") != "1":
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+# The files that took longest (tests/DURATIONS.md), longest first; the others follow in their
+# own order.
+_LONGEST_FIRST = [
+    "tests/test_examples_3d.py",
+    "tests/ops/test_values.py",
+    "tests/test_tutorials.py",
+    "tests/parallel/test_pipeline.py",
+    "tests/test_examples.py",
+    "tests/parallel/test_zero.py",
+    "tests/parallel/test_moe.py",
+    "tests/cli/test_run.py",
+    "tests/cli/test_hosts.py",
+    "tests/ops/test_transports.py",
+    "tests/parallel/test_data_parallel.py",
+    "tests/parallel/test_tensor_parallel.py",
+    "tests/ops/test_errors.py",
+    "tests/test_sharded.py",
+    "tests/runtime/test_communicator.py",
+    "tests/parallel/test_deterministic.py",
+]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(_LONGEST_FIRST)}
+    last = len(rank)
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], last))  # stable
+
+
+# -- the time budget of one test ------------------------------------------------------------------
+#
+# A test whose call takes longer than SPMD_TEST_BUDGET_S seconds (default 90; 0: no budget)
+# fails, unless it is marked ``@pytest.mark.slow(reason="...")``: a slow test is a decision,
+# written down, not an accident. Wall-clock time of the test's call (not its fixtures), two
+# tests at a time: on 2 cores a test takes 1.7 times as long as alone (tests/DURATIONS.md), so
+# 90 s here is about 50 s alone.
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "slow(reason): the test may take longer than the budget per test (SPMD_TEST_BUDGET_S, "
+        "default 90 s); the reason says why it needs to",
+    )
+
+
+def budget_s() -> float:
+    return float(os.environ.get("SPMD_TEST_BUDGET_S", "90"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call" or not report.passed:
+        return
+    marker = item.get_closest_marker("slow")
+    if marker is not None:
+        if not marker.kwargs.get("reason"):
+            report.outcome = "failed"
+            report.longrepr = (
+                f"{item.nodeid}: @pytest.mark.slow needs reason='...', saying why this test may "
+                "take longer than the budget"
+            )
+        return
+    budget = budget_s()
+    if budget > 0 and call.duration > budget:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} took {call.duration:.1f} s, over the budget of {budget:g} s per test "
+            "(SPMD_TEST_BUDGET_S). Make it faster, or mark it "
+            '@pytest.mark.slow(reason="...") saying why it needs the time.'
+        )
