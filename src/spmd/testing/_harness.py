@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from .._errors import SpmdError
 from ..launch import TestHosts, mpiexec_argv, remove_leftovers
-from ..launch import load_factor as _load_factor
+from ..launch import load_factor as load_factor
 from . import _wire
 
 Launcher = Literal["mpi", "env"]
@@ -45,12 +45,6 @@ _task_ids = itertools.count()
 class MultiRankError(AssertionError):
     """One or more ranks failed, hung or died. The message holds each rank's traceback, its
     captured output, and the stacks of ranks that did not finish."""
-
-
-def load_factor() -> float:
-    """How oversubscribed this machine is: the 1-minute load average per core this process may
-    use, between 1 and 4 (1 where it cannot be read)."""
-    return _load_factor()
 
 
 def hosts_for_checks() -> int:
