@@ -103,6 +103,41 @@ def test_every_op_dtype_and_form_in_jit(comm):
                 _check(out, form, comm, "jit")
 
 
+@multirank(nprocs=(2,))
+def test_an_eager_call_on_a_pytree_lowers_one_program_per_step_not_per_leaf(comm):
+    """Called eagerly, the moves around a gather, scatter or exchange are one program for all
+    leaves, and none where the axis stays (jnp.moveaxis alone lowers a program per leaf, even to
+    move nothing). Counted as lowerings, which JAX's compilation cache does not skip."""
+    lowered = []
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        # Leaves of shapes no other test uses, so that nothing is in JAX's caches yet.
+        tree = {d: jnp.ones((4, 10 + i), d) for i, d in enumerate(("float32", "int32", "uint8"))}
+        expected = {
+            "allgather axis 0": 1,  # the collective
+            "allgather axis 1": 3,  # moves in, the collective, moves out
+            "reduce_scatter axis 0": 1,
+            "all_to_all": 3,  # blocks, the exchange, the concatenation
+        }
+        calls = {
+            "allgather axis 0": lambda: spmd.allgather(tree),
+            "allgather axis 1": lambda: spmd.allgather(tree, axis=1),
+            "reduce_scatter axis 0": lambda: spmd.reduce_scatter(tree),
+            "all_to_all": lambda: spmd.all_to_all(tree, split_axis=0, concat_axis=1),
+        }
+        for name, call in calls.items():
+            before = len(lowered)
+            jax.block_until_ready(call())
+            assert len(lowered) - before == expected[name], (name, len(lowered) - before)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
 @multirank(nprocs=(4,))
 def test_raf_allreduce_table(comm):
     """RAF: inputs [1, 2, 3, 4] on ranks 0..3."""

@@ -8,6 +8,7 @@ concat_axis=b)`` is ``all_to_all(split_axis=b, concat_axis=a)``.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import jax
@@ -56,23 +57,40 @@ def all_to_all(
         plans.append((s, c))
     if alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
-    blocks = []
-    for v, (s, _) in zip(leaves, plans, strict=True):
-        m = jnp.moveaxis(v, s, 0)
-        blocks.append(m.reshape(n, m.shape[0] // n, *m.shape[1:]))
+    blocks = _to_blocks(leaves, tuple(plans), n)
     meaning = (
         axes_meaning("split_axis", [s for s, _ in plans])
         + ", "
         + axes_meaning("concat_axis", [c for _, c in plans])
     )
     outs = bind(all_to_all_p, *blocks, group=ref.meant(meaning))
+    return jax.tree_util.tree_unflatten(treedef, _from_blocks(outs, tuple(plans)))
+
+
+# The reshapes and moves around the exchange, one program per call for all leaves (called
+# eagerly, each jnp operation on each leaf would compile a program of its own).
+
+
+@partial(jax.jit, static_argnums=(1, 2))
+def _to_blocks(leaves: list[Any], plans: tuple[tuple[int, int], ...], n: int) -> list[Any]:
+    """Each leaf as (n, rows / n, ...): block j, for rank j, along axis 0."""
+    blocks = []
+    for v, (s, _) in zip(leaves, plans, strict=True):
+        m = jnp.moveaxis(v, s, 0)
+        blocks.append(m.reshape(n, m.shape[0] // n, *m.shape[1:]))
+    return blocks
+
+
+@partial(jax.jit, static_argnums=1)
+def _from_blocks(outs: list[Any], plans: tuple[tuple[int, int], ...]) -> list[Any]:
+    """The blocks received (n, rows / n, ...) concatenated along each leaf's concat axis."""
     results = []
     for y, (s, c) in zip(outs, plans, strict=True):
         y = jnp.moveaxis(y, 1, s + 1)  # (n, *x.shape with split_axis / n)
         y = jnp.moveaxis(y, 0, c)  # rank axis right before concat_axis
         shape = list(y.shape)
         results.append(y.reshape(*shape[:c], shape[c] * shape[c + 1], *shape[c + 2 :]))
-    return jax.tree_util.tree_unflatten(treedef, results)
+    return results
 
 
 def _abstract_eval(*avals: core.ShapedArray, group: GroupRef) -> list[Any]:

@@ -7,6 +7,7 @@ of a group raises the same :class:`spmd.SpmdError` for the same bad call (naming
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import jax
@@ -68,9 +69,31 @@ def as_array(x: Any, op: str, path: str) -> jax.Array:
     if isinstance(x, np.ndarray) and x.dtype.kind in _NOT_NUMBERS:
         what = _NOT_NUMBERS[x.dtype.kind]
         raise SpmdTypeError(NOT_NUMBERS.format(path=path, dtype=x.dtype, what=what), op=op)
-    arr = jnp.asarray(x)
+    # A NumPy array goes to the device as it is: jnp.asarray would compile a program per shape
+    # and dtype to do the same when called eagerly.
+    arr = jax.device_put(x) if isinstance(x, np.ndarray) else jnp.asarray(x)
     check_dtype(arr.dtype, op, path)
     return arr
+
+
+def move_axes(
+    leaves: Sequence[Any], sources: Sequence[int], destinations: Sequence[int]
+) -> list[Any]:
+    """``jnp.moveaxis`` of each leaf, as one program for them all (called eagerly, moveaxis
+    compiles one per leaf, shape and dtype); leaves whose axis stays are passed through. Axes
+    are non-negative."""
+    move = [s != d for s, d in zip(sources, destinations, strict=True)]
+    if not any(move):
+        return list(leaves)
+    picked = [v for v, m in zip(leaves, move, strict=True) if m]
+    axes = tuple((s, d) for s, d, m in zip(sources, destinations, move, strict=True) if m)
+    moved = iter(_moved(picked, axes))
+    return [next(moved) if m else v for v, m in zip(leaves, move, strict=True)]
+
+
+@partial(jax.jit, static_argnums=1)
+def _moved(leaves: list[Any], axes: tuple[tuple[int, int], ...]) -> list[Any]:
+    return [jnp.moveaxis(v, s, d) for v, (s, d) in zip(leaves, axes, strict=True)]
 
 
 def check_dtype(dtype: Any, op: str, path: str) -> None:

@@ -27,6 +27,7 @@ from ._checks import (
     check_reduce_op,
     flatten,
     from_sum,
+    move_axes,
     to_sum,
 )
 from ._primitive import (
@@ -68,11 +69,10 @@ def allgather(x: Any, axis: int = 0, *, rank_list: Any = None, group: Any = None
     ]
     if alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
-    moved = [jnp.moveaxis(v, a, 0) for v, a in zip(leaves, axes, strict=True)]
+    zeros = [0] * len(axes)
+    moved = move_axes(leaves, axes, zeros)
     outs = bind(allgather_p, *moved, group=ref.meant(axes_meaning("axis", axes)), sizes=())
-    return jax.tree_util.tree_unflatten(
-        treedef, [jnp.moveaxis(y, 0, a) for y, a in zip(outs, axes, strict=True)]
-    )
+    return jax.tree_util.tree_unflatten(treedef, move_axes(outs, zeros, axes))
 
 
 def allgatherv(x: Any, sizes: Sequence[int], *, rank_list: Any = None, group: Any = None) -> Any:
@@ -133,14 +133,13 @@ def reduce_scatter(
         axes.append(a)
     if alone(ref):
         return jax.tree_util.tree_unflatten(treedef, leaves)
-    native, sent = to_sum(op, [jnp.moveaxis(v, a, 0) for v, a in zip(leaves, axes, strict=True)])
+    zeros = [0] * len(axes)
+    native, sent = to_sum(op, move_axes(leaves, axes, zeros))
     meant = ref.meant(f"op={op}, " + axes_meaning("axis", axes))
     outs = from_sum(
         op, bind(reduce_scatter_p, *sent, group=meant, op=native, sizes=()), leaves, ref.size
     )
-    return jax.tree_util.tree_unflatten(
-        treedef, [jnp.moveaxis(y, 0, a) for y, a in zip(outs, axes, strict=True)]
-    )
+    return jax.tree_util.tree_unflatten(treedef, move_axes(outs, zeros, axes))
 
 
 def reduce_scatterv(
