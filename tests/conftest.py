@@ -1,11 +1,15 @@
 """The suite's settings: how it runs in the time it has (decisions, measured in
 tests/DURATIONS.md).
 
-- XLA does little optimisation work (``JAX_DISABLE_MOST_OPTIMIZATIONS=1``): the suite's
-  programs are small and run a few steps, and compiling them is most of its CPU time
-  (tests/parallel/test_zero.py: 149 CPU-seconds instead of 193, the same tests passing with the
-  same tolerances). Ranks, ``spmd-run`` jobs and notebook kernels that tests start inherit it.
-  ``SPMD_TEST_XLA_OPT=1`` tests with XLA's default optimisation instead.
+- XLA does little optimisation work (``JAX_DISABLE_MOST_OPTIMIZATIONS=1``) and generates CPU
+  code with its older loop emitters, without LLVM's expensive passes (XLA_FLAGS
+  ``--xla_cpu_use_fusion_emitters=false --xla_llvm_disable_expensive_passes=true``, where the
+  installed jaxlib knows them): the suite's programs are small and run a few steps, and
+  compiling them is most of its CPU time (tests/parallel/test_zero.py alone, without the
+  compilation cache below: 193 CPU-seconds with XLA's defaults, 149 with the first setting, 146
+  -> 76 with the flags added, the same tests passing with the same tolerances). Ranks,
+  ``spmd-run`` jobs and notebook kernels that tests start inherit them. ``SPMD_TEST_XLA_OPT=1``
+  tests with XLA's defaults instead.
 - A program is compiled once per test run, not once per rank and per test: JAX's persistent
   compilation cache, in a directory only this user can open (``tempfile.mkdtemp``, mode 0700),
   made for the run and removed at its end. The ranks of a check, its parametrizations and the
@@ -14,9 +18,11 @@ tests/DURATIONS.md).
   while another process writes it fails to decompress, and JAX warns and compiles instead
   (pyproject.toml lets that warning pass). ``SPMD_TEST_COMPILE_CACHE=0`` compiles everything in
   every process; a ``JAX_COMPILATION_CACHE_DIR`` already set is used as it is.
-- Two tests run at a time (pytest-xdist, ``-n 2 --dist loadfile`` in pyproject.toml), a file's
-  tests in one worker (they share its pooled ranks); the files that take longest start first,
-  so that no long file is left running alone at the end.
+- Three tests run at a time on the 2 cores (pytest-xdist, ``-n 3 --dist loadfile`` in
+  pyproject.toml), a file's tests in one worker (they share its pooled ranks): many tests wait
+  (time-outs, stalls, process start), and a third keeps the cores busy meanwhile (the whole
+  suite, one run each: 887 s two at a time, with 1.71 of the 2 cores busy on average). The
+  files that take longest start first, so that no long file is left running alone at the end.
 - A test over the budget fails (below), unless it is marked ``slow`` with the reason.
 """
 
@@ -24,13 +30,37 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from typing import Any
 
 import pytest
 
+# XLA's CPU code generation with its older loop emitters and without LLVM's expensive passes.
+_QUICK_XLA = ("--xla_cpu_use_fusion_emitters=false", "--xla_llvm_disable_expensive_passes=true")
+
+
+def _quick_xla_flags() -> None:
+    """Adds _QUICK_XLA to XLA_FLAGS where this jaxlib knows them (XLA aborts on a flag it does
+    not know: a process with them compiles a program first, once per run)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if all(f.split("=")[0] in flags for f in _QUICK_XLA):
+        return  # set already (an xdist worker inherits the flags of the run)
+    quick = " ".join([flags, *_QUICK_XLA]).strip()
+    probe = subprocess.run(
+        [sys.executable, "-c", "import jax; jax.jit(lambda x: x + 1)(1.0).block_until_ready()"],
+        env={**os.environ, "XLA_FLAGS": quick},
+        capture_output=True,
+        timeout=120,
+    )
+    if probe.returncode == 0:
+        os.environ["XLA_FLAGS"] = quick
+
+
 if os.environ.get("SPMD_TEST_XLA_OPT") != "1":
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    _quick_xla_flags()
 
 # The run's compilation cache: made by the first process that loads this file (pytest itself,
 # before its xdist workers start; they and every process a test starts inherit it).
