@@ -23,6 +23,7 @@ Each ``.bin`` file holds the raw bytes of a C-ordered array (``ndarray.tobytes()
 
     {"format": "spmd.checkpoint", "version": 1, "byteorder": "little", "checksum": "crc32",
      "world_size": 4, "metadata": {...the user's dict...},
+     "structure": <the tree's structure as data> or null,
      "treedef": "<base64 of pickle.dumps(PyTreeDef)>" or null, "tree": "<str(PyTreeDef)>",
      "leaves": [{"path": "['params']['w1']", "kind": "jax", "shape": [6, 12],
                  "dtype": "float32", "spec": null,
@@ -66,11 +67,22 @@ Guarantees
   is not meant to resist deliberate tampering, which a checksum next to the data cannot anyway.
 - Errors are :class:`spmd.SpmdError`, raised on every rank of the group, naming the rank.
 
-Trust: a load without ``like`` unpickles the saved tree structure (``treedef``), which, like
-``pickle`` and ``torch.load``, can run code: load only checkpoints you trust that way. With
-``like=`` nothing is unpickled (the structure comes from ``like``). When the structure cannot be
-pickled at save time (a custom pytree node whose auxiliary data does not pickle), the manifest
-stores ``"treedef": null`` and loading needs ``like=``.
+Trust: nothing in a checkpoint runs code or reads outside it, unless asked. The manifest is
+checked against the format before anything is read through it (types, shapes, index ranges, an
+allow-list of dtypes, and file names of the pattern above, so that no name leads outside the
+directory); data files are read without following symbolic links. A tree of dicts, lists,
+tuples, None and namedtuples is described as data (``"structure"``: ``{"dict": [[key, sub],
+...]}``, ``{"list": [...]}``, ``{"tuple": [...]}``, ``{"namedtuple": [module, name, [...]]}``,
+``null``, ``"*"`` for a leaf) and rebuilt from it; a namedtuple (optax's states) is looked up in
+a module the program has imported already, or in optax, flax, equinox, haiku, jax or spmd;
+no other module is imported by the load. Other node types (custom
+pytree nodes) are stored as a pickled ``treedef``, which ``load`` without ``like`` unpickles
+only with ``trust=True``: unpickling, as ``pickle`` and ``torch.load``, runs whatever code the
+pickle names. With ``like=`` nothing is unpickled (the structure comes from ``like``). When such
+a structure cannot be pickled at save time (a custom node whose auxiliary data does not pickle),
+the manifest stores ``"treedef": null`` and loading needs ``like=``. A checkpoint's directory is
+created mode 0700 and its files 0600: readable by their owner alone (``chmod -R g+rX`` to share
+one).
 
 All ranks must see the same file system at ``path`` (a shared one across nodes); rank 0 checks
 that every rank's files arrived before it writes the manifest.
@@ -88,7 +100,16 @@ from typing import Any, TypeVar
 
 from .._errors import SpmdError, SpmdTypeError, prefix
 from ..runtime import Communicator
-from ._format import FORMAT, VERSION, check_metadata, pickle_treedef, read_manifest, write_manifest
+from ..sharded import is_sharded
+from ._format import (
+    FORMAT,
+    VERSION,
+    check_metadata,
+    describe_structure,
+    pickle_treedef,
+    read_manifest,
+    write_manifest,
+)
 from ._plan import Leaf, flatten, plan
 from ._read import load_tree, resolve
 from ._write import check_arrived, check_target, commit, write_file
@@ -152,20 +173,24 @@ def save(
     #    for the temporary directory. Nothing is written before every rank knows that every
     #    rank is fine, so bad input leaves no trace on disk.
     token = uuid.uuid4().hex if comm.rank == 0 else ""
-    local: list[tuple[list[Leaf], dict[str, Any], str | None, str]] = []
+    local: list[tuple[list[Leaf], dict[str, Any], Any, str | None, str]] = []
 
     def check() -> tuple[list[tuple[Any, ...]], str, str]:
         leaves, treedef = flatten(tree, op)
         meta = check_metadata(metadata, op)
-        treedef_b64, treedef_str = None, ""
+        structure, treedef_b64, treedef_str = None, None, ""
         if comm.rank == 0:
             check_target(target, op)
-            treedef_b64, treedef_str = pickle_treedef(treedef), str(treedef)
-        local.append((leaves, meta, treedef_b64, treedef_str))
+            # The structure as data where it can be; a pickle only for other node types.
+            structure = describe_structure(tree, is_sharded)
+            if structure is None:
+                treedef_b64 = pickle_treedef(treedef)
+            treedef_str = str(treedef)
+        local.append((leaves, meta, structure, treedef_b64, treedef_str))
         return [leaf.summary() for leaf in leaves], token, str(target)
 
     everyone = _agree(comm, op, check)
-    leaves, meta, treedef_b64, treedef_str = local[0]
+    leaves, meta, structure, treedef_b64, treedef_str = local[0]
     summaries = [s for s, _, _ in everyone]
     token = everyone[0][1]
     targets = [t for _, _, t in everyone]
@@ -180,7 +205,8 @@ def save(
     def write() -> list[tuple[int, dict[str, Any]]]:
         written = []
         try:
-            tmp.mkdir(parents=True, exist_ok=True)  # every rank: no barrier needed before writing
+            # Every rank (no barrier needed before writing); the job's user's alone.
+            tmp.mkdir(mode=0o700, parents=True, exist_ok=True)
             for i, leaf in enumerate(leaves):
                 for f in layout[i].files:
                     if f.writer == comm.rank:
@@ -212,6 +238,7 @@ def save(
                 "checksum": "crc32",
                 "world_size": comm.size,
                 "metadata": meta,
+                "structure": structure,
                 "treedef": treedef_b64,
                 "tree": treedef_str,
                 "leaves": [
@@ -237,7 +264,7 @@ def save(
         raise SpmdError(f"rank 0 failed: {failed}")
 
 
-def load(path: PathLike, like: Any = None, *, group: Any = None) -> Any:
+def load(path: PathLike, like: Any = None, *, group: Any = None, trust: bool = False) -> Any:
     """Read the checkpoint at ``path``, at any world size and in any layout.
 
     Args:
@@ -252,14 +279,19 @@ def load(path: PathLike, like: Any = None, *, group: Any = None) -> Any:
             - a numpy array, numpy scalar or Python scalar: the same kind of value.
 
             Global shapes and dtypes must match the saved ones. Without ``like`` the structure
-            is unpickled from the checkpoint and every leaf comes back as the kind it was saved
-            as: jax arrays and ShardedArrays as full jax arrays (shards reassembled), numpy
-            arrays and scalars as numpy, Python scalars as Python scalars. (A dtype this
-            process's jax cannot hold, such as float64 without ``jax_enable_x64``, comes back as
-            a numpy array rather than silently narrowed.)
+            is rebuilt from the manifest (see ``trust``) and every leaf comes back as the kind
+            it was saved as: jax arrays and ShardedArrays as full jax arrays (shards
+            reassembled), numpy arrays and scalars as numpy, Python scalars as Python scalars.
+            (A dtype this process's jax cannot hold, such as float64 without
+            ``jax_enable_x64``, comes back as a numpy array rather than silently narrowed.)
         group: the ranks that load together (default: the default communicator). Ranks read
             independently; the group only agrees at the end on success, so that an error any
             rank meets (a corrupt shard only it reads) is raised on every rank.
+        trust: only for a load without ``like`` of a tree with other node types than dict, list,
+            tuple, None and namedtuples (custom pytree nodes), whose structure only the pickle
+            in the manifest can rebuild: unpickling runs whatever code the pickle names, so it
+            happens only with ``trust=True``, for a checkpoint that nobody but people you trust
+            could have written.
 
     Raises:
         SpmdError: no checkpoint at ``path``, no manifest, an unknown format version, a missing,
@@ -273,7 +305,7 @@ def load(path: PathLike, like: Any = None, *, group: Any = None) -> Any:
     def read() -> None:  # the tree stays on this rank: only the outcome is exchanged
         # A fallback to {path}.old-* warns at load's caller, 8 frames up: resolve, load_tree,
         # this step, _agree's wrapper of it, Communicator.agree, _agree, load.
-        result.append(load_tree(_target(path), like, op, stacklevel=8))
+        result.append(load_tree(_target(path), like, op, stacklevel=8, trust=trust))
 
     _agree(comm, op, read)
     return result[0]

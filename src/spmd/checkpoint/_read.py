@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import sys
 import warnings
 import zlib
@@ -18,11 +19,11 @@ import numpy as np
 
 from .._errors import SpmdError, SpmdTypeError, prefix
 from ..sharded import ShardedArray, is_sharded
-from ._format import MANIFEST, Index, read_manifest, siblings, unpickle_treedef, volume
+from ._format import MANIFEST, Index, read_manifest, saved_treedef, siblings, volume
 from ._plan import SCALARS
 
 
-def load_tree(target: Path, like: Any, op: str, stacklevel: int) -> Any:
+def load_tree(target: Path, like: Any, op: str, stacklevel: int, trust: bool = False) -> Any:
     """The tree saved at ``target``, shaped as ``like`` asks (see :func:`spmd.load`); a fallback
     to ``{target}.old-*`` warns ``stacklevel`` frames up from :func:`resolve`."""
     directory = resolve(target, op, stacklevel)
@@ -31,13 +32,7 @@ def load_tree(target: Path, like: Any, op: str, stacklevel: int) -> Any:
     swap = manifest.get("byteorder", sys.byteorder) != sys.byteorder
     reader = Reader(directory, swap, op)
     if like is None:
-        treedef = unpickle_treedef(manifest, op)
-        if treedef.num_leaves != len(entries):
-            raise SpmdError(
-                f"the manifest lists {len(entries)} leaves but its tree structure has "
-                f"{treedef.num_leaves}; the manifest is corrupt",
-                op=op,
-            )
+        treedef = saved_treedef(manifest, str(directory / MANIFEST), op, trust)
         values = [_restore(reader.full(e), e["kind"]) for e in entries]
         return jax.tree_util.tree_unflatten(treedef, values)
 
@@ -137,13 +132,20 @@ class Reader:
                 op=self.op,
             )
         try:
-            with open(p, "rb") as f:
-                data = f.read(expected + 1)  # one more: a file that grew is wrong too
+            # Never through a symbolic link: the checkpoint's files are read from inside it.
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             raise SpmdError(
                 f"the file {leaf} is missing from {self.directory}; the checkpoint is incomplete",
                 op=self.op,
             ) from None
+        except OSError as e:
+            link = " (a symbolic link, which a load does not follow)" if p.is_symlink() else ""
+            raise SpmdError(f"cannot read the file {leaf}{link}: {e}", op=self.op) from None
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise SpmdError(f"the file {leaf} is not a regular file", op=self.op)
+            data = f.read(expected + 1)  # one more: a file that grew is wrong too
         if len(data) != expected:
             how = "truncated" if len(data) < expected else "longer than saved"
             raise SpmdError(

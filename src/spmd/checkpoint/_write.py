@@ -34,7 +34,9 @@ def write_file(path: Path, data: np.ndarray[Any, Any]) -> dict[str, Any]:
     """Write an array's bytes and fsync them; returns its size and checksum."""
     # A byte view of the array: no copy of what may be hundreds of megabytes.
     raw = data.reshape(-1).view(np.uint8)
-    with open(path, "xb") as f:
+    # Readable by the job's user alone; never through a link planted at the name.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
         f.write(raw.data)
         f.flush()
         os.fsync(f.fileno())

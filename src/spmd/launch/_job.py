@@ -11,11 +11,13 @@ the launcher gets SIGTERM).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -80,10 +82,18 @@ _STATUS_PREFIX = "spmd-run-"
 
 
 def _make_status_dir() -> Path:
-    """The job's status directory, named after this process, with the job's start time in it."""
+    """The job's status directory, named after this process, with the job's start time in it
+    and a lock this spmd-run holds until it exits: the lock, not the pid in the name (which a
+    later process may reuse), tells another spmd-run that this job is alive."""
     directory = Path(tempfile.mkdtemp(prefix=f"{_STATUS_PREFIX}{os.getpid()}-"))
+    fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _held[directory] = fd
     (directory / "started").write_text(repr(time.time()))
     return directory
+
+
+_held: dict[Path, int] = {}  # status directory -> its lock, held while the job runs
 
 
 def _remove_status_dir(directory: Path) -> None:
@@ -91,30 +101,38 @@ def _remove_status_dir(directory: Path) -> None:
     for _ in range(20):
         shutil.rmtree(directory, ignore_errors=True)
         if not directory.exists():
-            return
+            break
         time.sleep(0.05)
+    fd = _held.pop(directory, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def _remove_stale_status_dirs() -> None:
     """A spmd-run killed by SIGKILL could not remove its status directory, nor what its job
     left in /dev/shm and /tmp: the next spmd-run of the same user does, for every such
-    directory whose spmd-run is gone."""
+    directory whose spmd-run is gone (its lock is free). Anything else matching the name is
+    left alone, at once: symbolic links, what is not a directory, what another user owns, and
+    a directory without a lock (not one spmd-run made)."""
     for directory in Path(tempfile.gettempdir()).glob(f"{_STATUS_PREFIX}*-*"):
         try:
-            pid = int(directory.name[len(_STATUS_PREFIX) :].split("-", 1)[0])
-            if directory.stat().st_uid != os.getuid():
+            st = os.lstat(directory)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
                 continue
-            os.kill(pid, 0)
-            continue  # its spmd-run is still running
-        except ProcessLookupError:
-            pass
-        except (ValueError, OSError):
-            continue  # not ours, or another user's process
+            fd = os.open(directory / "lock", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue  # gone meanwhile, or no lock of ours in it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its spmd-run holds it: the job is running
+        finally:
+            os.close(fd)
         try:
             since: float | None = float((directory / "started").read_text())
         except (OSError, ValueError):
             since = None
-        _remove_status_dir(directory)
+        shutil.rmtree(directory, ignore_errors=True)
         if since is not None:
             remove_leftovers(since, settle_s=0)
 

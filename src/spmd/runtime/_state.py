@@ -148,6 +148,8 @@ class _Runtime:
                     [f"done.{r}" for r in range(self.size)], "finalize", list(range(self.size))
                 )
                 self.store.remove_all()
+            else:
+                self.store.close()
 
 
 _lock = threading.RLock()
