@@ -5,7 +5,8 @@
 
 Prints, as Markdown, the time per file (with the earlier report's beside it, where given) and
 the 30 slowest tests. A test's time is pytest's: the wall-clock time of its setup, call and
-teardown, in whichever worker ran it (two run at a time: their sum is about twice the run's).
+teardown, in whichever worker ran it (three run at a time: their sum is about three times the
+run's).
 """
 
 from __future__ import annotations

@@ -113,9 +113,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 #
 # A test whose call takes longer than SPMD_TEST_BUDGET_S seconds (default 90; 0: no budget)
 # fails, unless it is marked ``@pytest.mark.slow(reason="...")``: a slow test is a decision,
-# written down, not an accident. Wall-clock time of the test's call (not its fixtures), two
-# tests at a time: on 2 cores a test takes 1.7 times as long as alone (tests/DURATIONS.md), so
-# 90 s here is about 50 s alone.
+# written down, not an accident. Wall-clock time of the test's call (not its fixtures), three
+# tests at a time on 2 cores: a test takes longer than alone (the tutorial of tensor and expert
+# parallelism: 50 s two at a time, 90 s three at a time; tests/DURATIONS.md).
 
 
 def pytest_configure(config: pytest.Config) -> None:

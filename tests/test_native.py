@@ -52,9 +52,10 @@ def test_a_transport_must_be_attached_and_chosen_before_a_collective():
         )
         attrs = {"group": np.int64(gid), "meaning": "", "op": np.int32(0), "wire": np.int32(0),
                  "div": np.int64(1)}  # fmt: skip
-        with pytest.raises(
-            Exception, match=r"spmd\.SpmdError: rank 0: allreduce: this group has no transport"
-        ):
+        # The CPU handler, on the CPU also where JAX computes on a GPU by default.
+        cpu = jax.default_device(jax.devices("cpu")[0])
+        no_transport = r"spmd\.SpmdError: rank 0: allreduce: this group has no transport"
+        with cpu, pytest.raises(Exception, match=no_transport):
             jax.block_until_ready(call(jnp.zeros(1, jnp.uint8), jnp.ones(3), **attrs))
     finally:
         mod.group_destroy(gid)

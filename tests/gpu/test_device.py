@@ -205,6 +205,40 @@ def test_ipc_exchange_between_processes_sharing_the_gpu(nprocs):
     assert done.stdout.count("ok") == nprocs and "custom" in done.stdout
 
 
+_TIMELINE = """
+    import jax, jax.numpy as jnp, numpy as np, spmd
+    comm = spmd.init()
+    f = jax.jit(lambda x: spmd.allreduce(x * 2.0))
+    for i in range(3):
+        y = f(jnp.full(1024 * (i + 1), comm.rank + 1.0))
+        np.testing.assert_array_equal(np.asarray(y), 2.0 * 3)  # (1 + 2) * 2 on 2 ranks
+    print("ok", comm.rank, spmd.ops.get_transport())
+"""
+
+
+def test_gpu_calls_are_on_the_timeline_with_the_gpus_own_times(tmp_path):
+    """SPMD_TIMELINE between 2 processes sharing the GPU: each GPU collective is on its rank's
+    track, transport "gpu", timed by the GPU's own pair of CUDA events (state "done"), in call
+    order, with its bytes."""
+    import json
+
+    timeline = tmp_path / "timeline"
+    env = {"SPMD_CUSTOM_AR": "force", "SPMD_BIND_DEVICE": "0", "SPMD_TIMELINE": str(timeline)}
+    done = _run(_TIMELINE, env, 2)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("ok") == 2
+    events = json.loads((timeline / "timeline.json").read_text())["traceEvents"]
+    for rank in (0, 1):
+        calls = sorted((e for e in events if e["ph"] == "X" and e["pid"] == rank
+                        and e["args"].get("transport") == "gpu"),
+                       key=lambda e: e["args"]["call"])  # fmt: skip
+        assert [e["name"] for e in calls] == ["allreduce"] * 3, calls
+        assert [e["args"]["bytes"] for e in calls] == [4096, 8192, 12288], calls
+        assert all(e["args"]["state"] == "done" and e["dur"] >= 0 for e in calls), calls
+        starts = [e["ts"] for e in calls]
+        assert starts == sorted(starts)
+
+
 _CUSTOM_BETWEEN_PROCESSES = """
     import functools, re
     import jax, jax.numpy as jnp, ml_dtypes, numpy as np, spmd
