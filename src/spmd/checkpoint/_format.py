@@ -179,7 +179,7 @@ def describe_structure(tree: Any, is_leaf: Any) -> Any:
         leaf: Any = jax.tree_util.tree_structure(x, is_leaf=is_leaf)
         if leaf.num_nodes == 1 and leaf.num_leaves == 1:
             return _LEAF
-        raise _NotData  # a namedtuple, a custom pytree node, ...
+        raise _NotData  # a custom pytree node, a namedtuple defined inside a function, ...
 
     try:
         return walk(tree, 0)
@@ -198,7 +198,8 @@ def structure_treedef(data: Any, leaves: int, where: str, op: str) -> Any:
         return SpmdError(
             f'{where}: {at} is {got!r:.80}; expected null, "*" (a leaf), or one of '
             '{"list": [...]}, {"tuple": [...]}, {"dict": [[key, ...], ...]} with str or int '
-            "keys. The manifest is corrupt or was not written by spmd.save",
+            'keys, {"namedtuple": [module, name, [...]]}. The manifest is corrupt or was not '
+            "written by spmd.save",
             op=op,
         )
 
@@ -308,15 +309,24 @@ def saved_treedef(manifest: dict[str, Any], where: str, op: str, trust: bool) ->
 KINDS = ("jax", "sharded", "numpy", "numpy_scalar", "int", "float", "bool", "complex")
 
 
+def savable(d: np.dtype[Any]) -> bool:
+    """Whether a checkpoint holds arrays of ``d``: numbers and bool (ml_dtypes' bfloat16 and
+    float8 types included), whose name alone rebuilds the dtype."""
+    try:
+        return d.kind in "biufcV" and d.names is None and jax.numpy.dtype(d.name) == d
+    except TypeError:
+        return False
+
+
 def dtype_from_name(name: Any) -> np.dtype[Any] | None:
-    """The dtype a manifest names, if it is one spmd.save writes (numbers, bool, ml_dtypes)."""
+    """The dtype a manifest names, if it is one spmd.save writes (see :func:`savable`)."""
     if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
         return None
     try:
         d = np.dtype(jax.numpy.dtype(name))
     except TypeError:
         return None
-    return d if d.kind in "biufcV" and d.names is None and d.name == name else None
+    return d if d.name == name and savable(d) else None
 
 
 def check_manifest(manifest: dict[str, Any], where: str, op: str) -> None:

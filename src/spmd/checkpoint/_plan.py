@@ -14,7 +14,7 @@ import numpy as np
 
 from .._errors import SpmdError, SpmdTypeError
 from ..sharded import ShardedArray, is_sharded
-from ._format import Index, volume
+from ._format import Index, savable, volume
 
 SCALARS = {bool: "bool", int: "int", float: "float", complex: "complex"}
 
@@ -117,11 +117,7 @@ def _dtype(dtype: Any, path: str, op: str) -> np.dtype[Any]:
             op=op,
         )
     d: np.dtype[Any] = np.dtype(dtype).newbyteorder("=")  # data is written in native order
-    try:
-        ok = d.kind in "biufcV" and d.names is None and jnp.dtype(d.name) == d
-    except TypeError:
-        ok = False
-    if not ok:
+    if not savable(d):
         raise SpmdTypeError(
             f"leaf {path} has dtype {d}; expected a numeric or bool dtype (including bfloat16 "
             "and the other ml_dtypes types)",
