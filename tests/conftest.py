@@ -12,12 +12,13 @@ tests/DURATIONS.md).
   tests with XLA's defaults instead.
 - A program is compiled once per test run, not once per rank and per test: JAX's persistent
   compilation cache, in a directory only this user can open (``tempfile.mkdtemp``, mode 0700),
-  made for the run and removed at its end. The ranks of a check, its parametrizations and the
-  jobs and kernels the tests start share it (tests/parallel/test_zero.py alone: 81 s without
-  it, 57 s with it from empty). Ranks write entries at the same time without a lock: one read
-  while another process writes it fails to decompress, and JAX warns and compiles instead
-  (pyproject.toml lets that warning pass). ``SPMD_TEST_COMPILE_CACHE=0`` compiles everything in
-  every process; a ``JAX_COMPILATION_CACHE_DIR`` already set is used as it is.
+  made for the run and removed at its end (or by the next run, if it was killed). The ranks of a
+  check, its parametrizations and the jobs and kernels the tests start share it
+  (tests/parallel/test_zero.py alone: 81 s without it, 57 s with it from empty). Ranks write
+  entries at the same time without a lock: one read while another process writes it fails to
+  decompress, and JAX warns and compiles instead (pyproject.toml lets that warning pass).
+  ``SPMD_TEST_COMPILE_CACHE=0`` compiles everything in every process; a
+  ``JAX_COMPILATION_CACHE_DIR`` already set is used as it is.
 - Three tests run at a time on the 2 cores (pytest-xdist, ``-n 3 --dist loadfile`` in
   pyproject.toml), a file's tests in one worker (they share its pooled ranks): many tests wait
   (time-outs, stalls, process start), and a third keeps the cores busy meanwhile (the whole
@@ -30,9 +31,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -62,13 +65,26 @@ if os.environ.get("SPMD_TEST_XLA_OPT") != "1":
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
     _quick_xla_flags()
 
-# The run's compilation cache: made by the first process that loads this file (pytest itself,
-# before its xdist workers start; they and every process a test starts inherit it).
+# The run's compilation cache: made by pytest itself in pytest_configure, before its xdist
+# workers start (they and every process a test starts inherit it); removed at the end. A run
+# that was killed cannot remove its own: the next run removes those whose pytest is gone.
+_CACHE_PREFIX = "pytest-xla-cache-"
 _OWN_CACHE: str | None = None
-if os.environ.get("SPMD_TEST_COMPILE_CACHE") != "0" and not os.environ.get(
-    "JAX_COMPILATION_CACHE_DIR"
-):
-    _OWN_CACHE = tempfile.mkdtemp(prefix="pytest-xla-cache-")
+
+
+def _compile_cache() -> None:
+    global _OWN_CACHE
+    if os.environ.get("SPMD_TEST_COMPILE_CACHE") == "0" or os.environ.get(
+        "JAX_COMPILATION_CACHE_DIR"
+    ):
+        return
+    for old in Path(tempfile.gettempdir()).glob(f"{_CACHE_PREFIX}*-*"):
+        pid = old.name[len(_CACHE_PREFIX) :].split("-", 1)[0]
+        st = old.lstat()
+        mine = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+        if mine and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(old, ignore_errors=True)
+    _OWN_CACHE = tempfile.mkdtemp(prefix=f"{_CACHE_PREFIX}{os.getpid()}-")
     os.environ.update(
         JAX_COMPILATION_CACHE_DIR=_OWN_CACHE,
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
@@ -119,6 +135,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _compile_cache()
     config.addinivalue_line(
         "markers",
         "slow(reason): the test may take longer than the budget per test (SPMD_TEST_BUDGET_S, "
