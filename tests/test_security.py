@@ -76,6 +76,15 @@ class _RunsCode:
         return (os.system, (self.command,))
 
 
+_RUNS_CODE_SOURCE = """
+class _RunsCode:
+    def __init__(self, command):
+        self.command = command
+    def __reduce__(self):
+        return (os.system, (self.command,))
+"""
+
+
 def _rank_zero_of_two(store: Path, run_id: str) -> subprocess.CompletedProcess[str]:
     """Rank 0 of a torchrun-style job of 2 whose store is ``store``; rank 1 never comes."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPMD_", "PMI", "OMPI_"))}
@@ -156,6 +165,199 @@ def test_a_store_directory_others_can_write_to_is_refused(tmp_path):
     (tmp_path / "ns").chmod(0o777)
     with pytest.raises(Exception, match=r"ns belongs to .* with mode 0777"):
         FileStore(str(tmp_path), "ns", 3, 2.0)
+
+
+# -- sockets --------------------------------------------------------------------------------------
+
+SPMD_RUN = [sys.executable, "-m", "spmd.cli.run"]
+
+# The helpers each side of an attack uses to wait for the other: files in the shared directory.
+_SYNC = """
+import json, os, sys, time
+from pathlib import Path
+d = Path(sys.argv[1])
+def wait(name):
+    deadline = time.monotonic() + 60
+    while not (d / name).exists():
+        assert time.monotonic() < deadline, f"{name} never came"
+        time.sleep(0.05)
+def put(name, text=""):
+    (d / (name + ".part")).write_text(text)
+    os.replace(d / (name + ".part"), d / name)
+"""
+
+
+@pytest.fixture
+def nobody_python():
+    """The command that runs this Python as the user nobody (with the test's packages), or a
+    skip with the reason."""
+    why = _second_user()
+    if why is not None:
+        pytest.skip(why)
+    nobody = pwd.getpwnam("nobody")
+    command = ["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}",
+               "--clear-groups", sys.executable]  # fmt: skip
+    probe = subprocess.run([*command, "-c", "import zmq"], capture_output=True, cwd="/")
+    if probe.returncode != 0:
+        pytest.skip(f"the user nobody cannot run {sys.executable} with pyzmq")
+    return command
+
+
+def _attack(shared: Path, nobody_python: list[str], job: str, attacker: str):
+    """A 2-rank job on two (simulated) nodes running ``job``, and the user nobody running
+    ``attacker`` at the same time; both get the shared directory as argv[1] and _SYNC's
+    helpers. Their outputs (spmd-run's, nobody's)."""
+    (shared / "job.py").write_text(_SYNC + job)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPMD_", "PMI", "OMPI_"))}
+    proc = subprocess.Popen(
+        [*SPMD_RUN, "-n", "2", "--nodes", "2", sys.executable, str(shared / "job.py"), str(shared)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    other = subprocess.Popen(
+        [*nobody_python, "-c", _SYNC + attacker, str(shared)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/",
+    )  # fmt: skip
+    try:
+        theirs = other.communicate(timeout=120)[0]
+        ours = proc.communicate(timeout=120)[0]
+    finally:
+        for p in (proc, other):
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert other.returncode == 0, theirs
+    assert proc.returncode == 0, ours
+    return ours, theirs
+
+
+def test_a_queue_subscriber_without_the_key_gets_nothing_and_a_port_taken_over_feeds_nothing(
+    shared, nobody_python, tmp_path
+):
+    """Finding 3: a MessageQueue's writer on one node, its reader on another (ZMQ). The other
+    user subscribes twice (plain, and with CURVE keys of its own and the writer's public key):
+    neither gets a message, and the reader gets every one. Once the writer has closed, the
+    other user binds its port and publishes a pickle that runs a command: the reader, still
+    waiting, never loads it and times out."""
+    pytest.importorskip("zmq")
+    marker = tmp_path / "ran"
+    job = """
+import spmd
+comm = spmd.init()
+q = spmd.MessageQueue(comm, timeout=30)
+assert q.remote == [1], q.remote
+if comm.rank == 0:
+    put("queue", json.dumps([q._sock.last_endpoint.decode(), q._keys[0].decode()]))
+    wait("listening")
+    for i in range(20):
+        q.enqueue(("secret", i))
+    comm.barrier()
+    q.close()  # the writer is done; its port is free
+    put("closed")
+else:
+    assert [q.dequeue() for _ in range(20)] == [("secret", i) for i in range(20)]
+    print("rank 1 read 20 messages", flush=True)
+    comm.barrier()
+    try:
+        print("rank 1 got", q.dequeue(timeout=4), flush=True)
+    except spmd.SpmdError as e:
+        print(f"rank 1: {e}", flush=True)
+comm.barrier()
+"""
+    attacker = f"""
+import pickle, zmq
+wait("queue")
+endpoint, server = json.loads((d / "queue").read_text())
+ctx = zmq.Context()
+plain = ctx.socket(zmq.SUB)
+plain.connect(endpoint)
+plain.subscribe(b"")
+keyed = ctx.socket(zmq.SUB)
+keyed.curve_serverkey = server.encode()
+keyed.curve_publickey, keyed.curve_secretkey = zmq.curve_keypair()
+keyed.connect(endpoint)
+keyed.subscribe(b"")
+time.sleep(1.0)
+put("listening")
+got = 0
+deadline = time.monotonic() + 1.5
+while time.monotonic() < deadline:
+    for s in (plain, keyed):
+        if s.poll(50):
+            s.recv()
+            got += 1
+print("the other user got", got, "messages")
+wait("closed")
+fake = ctx.socket(zmq.XPUB)
+for _ in range(100):
+    try:
+        fake.bind(endpoint)
+        break
+    except zmq.ZMQError:
+        time.sleep(0.05)
+else:
+    raise SystemExit("could not take the port over")
+bad = {pickle.dumps(_RunsCode(f"touch {marker}"))!r}
+deadline = time.monotonic() + 4
+while time.monotonic() < deadline:
+    fake.send(bad)
+    time.sleep(0.05)
+print("the other user sent its pickle")
+"""
+    attacker = "import os\n" + _RUNS_CODE_SOURCE + attacker
+    ours, theirs = _attack(shared, nobody_python, job, attacker)
+    assert "the other user got 0 messages" in theirs, theirs
+    assert "the other user sent its pickle" in theirs, theirs
+    assert "rank 1 read 20 messages" in ours, ours
+    assert "rank 1: MessageQueue.dequeue: nothing from the writer, rank 0, within 4 s" in ours, ours
+    assert not marker.exists(), "the other user's pickle ran in the job"
+
+
+def test_a_watch_client_without_the_token_gets_nothing_and_a_silent_one_delays_nobody(
+    shared, nobody_python
+):
+    """Finding 4: the peer watch of a job on two (simulated) nodes. The other user's requests
+    (the old protocol, and a made-up token) get no answer and no stack print; while it holds 8
+    connections that say nothing, rank 1 still gets rank 0's answer at once."""
+    job = """
+import spmd
+from spmd.runtime import _watch
+comm = spmd.init()
+w = _watch._watch
+assert w is not None, "no peer watch"
+if comm.rank == 0:
+    put("watch", json.dumps(w.addresses[0][:2]))
+    wait("done")
+else:
+    wait("holding")
+    start = time.monotonic()
+    answer = w.ask(0, [0, 1])
+    took = time.monotonic() - start
+    print(f"rank 1 asked rank 0: pid {answer['pid']} in {took:.3f} s", flush=True)
+    assert took < 0.4, took
+    put("asked")
+comm.barrier()
+print(f"rank {comm.rank} pid {os.getpid()}", flush=True)
+"""
+    attacker = """
+import socket
+wait("watch")
+host, port = json.loads((d / "watch").read_text())
+replies = []
+for request in (b"1 0,1\\n", b"1 \\n", b"x" * 32 + b" 1 0,1\\n"):
+    with socket.create_connection((host, port), timeout=3) as conn:
+        conn.sendall(request)
+        replies.append(conn.recv(100).decode())
+print("the other user's replies:", replies, flush=True)
+silent = [socket.create_connection((host, port), timeout=3) for _ in range(8)]
+put("holding")
+wait("asked")
+put("done")
+"""
+    ours, theirs = _attack(shared, nobody_python, job, attacker)
+    assert "the other user's replies: ['', '', '']" in theirs, theirs
+    pid0 = next(line.split()[-1] for line in ours.splitlines() if "rank 0 pid" in line)
+    assert f"rank 1 asked rank 0: pid {pid0} in" in ours, ours
+    assert "most recent call first" not in ours, "the other user had a rank print its stack"
 
 
 # -- checkpoints ----------------------------------------------------------------------------------

@@ -1,21 +1,26 @@
 // The peer watch's server; see watch.h. One request per connection, one line each way:
-//   request "<stack 0|1> <world rank>,<world rank>,...\n"
+//   request "<token> <stack 0|1> <world rank>,<world rank>,...\n"
 //   answer  "<started, or -1> <exiting 0|1> <pid> <prints its stack 0|1>\n"
+// A request without this process's token gets no answer (the connection is closed) and does
+// nothing. The clients are served together (poll): one that sends nothing, or sends slowly,
+// delays nobody; it is dropped at its deadline, or when kMaxClients newer ones are waiting.
 #include "watch.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
-#include <sys/time.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -25,39 +30,42 @@
 namespace spmd {
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
 std::atomic<bool> leaving{false}, dumps{false}, stopping{false};
-std::mutex mu;  // guards the thread and the socket
+std::mutex mu;  // guards the thread, the socket and the token
 std::thread* server = nullptr;  // never destroyed while running: a process may exit without Stop
 int listen_fd = -1;
+std::string token;  // set before the thread starts, constant while it runs
 
 constexpr int kPollMs = 250;
 constexpr size_t kMaxRequest = 1 << 20;
+constexpr size_t kMaxClients = 64;
+constexpr auto kClientTime = std::chrono::milliseconds(500);
 
-// Reads one line (without its newline) within the socket's timeout; false on EOF or error.
-bool ReadLine(int fd, std::string* line) {
-  char buf[4096];
-  while (line->size() < kMaxRequest) {
-    const ssize_t n = recv(fd, buf, sizeof buf, 0);
-    if (n <= 0) return false;
-    line->append(buf, static_cast<size_t>(n));
-    const size_t end = line->find('\n');
-    if (end != std::string::npos) {
-      line->resize(end);
-      return true;
-    }
-  }
-  return false;
+struct Client {
+  int fd;
+  Clock::time_point deadline;
+  std::string line;
+};
+
+// Compares in a time that does not depend on where the strings differ.
+bool SameSecret(const std::string& a, const std::string& b) {
+  if (a.size() != b.size() || a.empty()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
 }
 
-void Answer(int fd) {
-  timeval tv{0, 500000};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-  std::string line;
-  if (!ReadLine(fd, &line)) return;
-  const bool stack = !line.empty() && line[0] == '1';
+// Answers one request line (without its newline), unless it lacks the token.
+void Answer(int fd, const std::string& line) {
+  const size_t space = line.find(' ');
+  if (space == std::string::npos || !SameSecret(line.substr(0, space), token)) return;
+  const char* p = line.c_str() + space + 1;
+  const bool stack = *p == '1';
+  if (*p != 0) ++p;
+  if (*p == ' ') ++p;
   std::vector<int> ranks;
-  const char* p = line.c_str() + std::min<size_t>(line.size(), 2);
   while (*p != 0) {
     char* end = nullptr;
     const long r = std::strtol(p, &end, 10);
@@ -76,33 +84,82 @@ void Answer(int fd) {
   const bool prints = dumps.load();
   const std::string out = std::to_string(started) + " " + (leaving.load() ? "1" : "0") + " " +
                           std::to_string(getpid()) + " " + (prints ? "1" : "0") + "\n";
-  (void)!send(fd, out.data(), out.size(), MSG_NOSIGNAL);
+  // A few bytes into a new connection's empty buffer: a non-blocking send takes them whole.
+  (void)!send(fd, out.data(), out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
   if (stack && prints) kill(getpid(), SIGUSR1);  // faulthandler prints the stack
 }
 
-void Serve(int fd) {
-  while (!stopping.load()) {
-    pollfd pfd{fd, POLLIN, 0};
-    const int ready = poll(&pfd, 1, kPollMs);
-    if (ready <= 0) continue;
-    const int conn = accept(fd, nullptr, nullptr);
-    if (conn < 0) continue;
-    Answer(conn);
-    close(conn);
+// Reads what a client has sent; true when it is done with (answered, closed, or misbehaving).
+bool Read(Client* c) {
+  char buf[4096];
+  while (true) {
+    const ssize_t n = recv(c->fd, buf, sizeof buf, MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return false;
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return true;
+    const size_t old = c->line.size();
+    c->line.append(buf, static_cast<size_t>(n));
+    const size_t end = c->line.find('\n', old);
+    if (end != std::string::npos) {
+      c->line.resize(end);
+      Answer(c->fd, c->line);
+      return true;
+    }
+    if (c->line.size() > kMaxRequest) return true;
   }
+}
+
+void Serve(int fd) {
+  std::deque<Client> clients;  // oldest first
+  std::vector<pollfd> fds;
+  while (!stopping.load()) {
+    fds.assign(1, pollfd{fd, POLLIN, 0});
+    for (const Client& c : clients) fds.push_back(pollfd{c.fd, POLLIN, 0});
+    if (poll(fds.data(), fds.size(), kPollMs) < 0 && errno != EINTR) continue;
+    const auto now = Clock::now();
+    std::deque<Client> kept;
+    for (size_t i = 0; i < clients.size(); ++i) {
+      Client& c = clients[i];
+      const bool done = (fds[i + 1].revents != 0 && Read(&c)) || now >= c.deadline;
+      if (done) {
+        close(c.fd);
+      } else {
+        kept.push_back(std::move(c));
+      }
+    }
+    clients.swap(kept);
+    if ((fds[0].revents & POLLIN) == 0) continue;
+    while (true) {  // every connection waiting (the listening socket does not block)
+      const int conn = accept4(fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (conn < 0) break;
+      if (clients.size() >= kMaxClients) {  // too many at once: the oldest goes
+        close(clients.front().fd);
+        clients.pop_front();
+      }
+      clients.push_back(Client{conn, now + kClientTime, {}});
+      if (Read(&clients.back())) {  // its request may be there already
+        close(conn);
+        clients.pop_back();
+      }
+    }
+  }
+  for (const Client& c : clients) close(c.fd);
 }
 
 }  // namespace
 
-Status WatchListen(const std::string& host, int* port) {
+Status WatchListen(const std::string& host, const std::string& secret, int* port) {
   std::lock_guard<std::mutex> lock(mu);
   if (listen_fd >= 0) return Status::Error("the peer watch is already listening");
+  if (secret.size() < 16 || secret.find_first_of(" \n") != std::string::npos) {
+    return Status::Error("the peer watch's token must be 16 or more characters, no blank");
+  }
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
     return Status::Error("the peer watch's address " + host + " is not an IPv4 address");
   }
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) return Status::Error(std::string("socket: ") + std::strerror(errno));
   socklen_t len = sizeof addr;
   if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || listen(fd, 64) != 0 ||
@@ -113,6 +170,7 @@ Status WatchListen(const std::string& host, int* port) {
   }
   *port = ntohs(addr.sin_port);
   listen_fd = fd;
+  token = secret;
   stopping.store(false);
   server = new std::thread(Serve, fd);
   return Status::Ok();

@@ -1,7 +1,8 @@
 // The peer watch's server (spmd/runtime/_watch.py): a thread that answers, on a TCP port, a peer
 // asking how far this process got on a communicator (MpiWatch::started), whether it is exiting
-// and its pid, and on request has it print its Python stack. Native, so that it answers while
-// Python cannot run: in MPI_Finalize at exit, or in a C call holding the interpreter lock.
+// and its pid, and on request has it print its Python stack: to peers that present this
+// process's token only. Native, so that it answers while Python cannot run: in MPI_Finalize at
+// exit, or in a C call holding the interpreter lock.
 #ifndef SPMD_CPU_WATCH_H_
 #define SPMD_CPU_WATCH_H_
 
@@ -12,7 +13,8 @@
 namespace spmd {
 
 // Listens on `host` (an IPv4 address), port 0, and starts the thread; *port: the port taken.
-Status WatchListen(const std::string& host, int* port);
+// Only requests that start with `secret` (16 or more characters, no blank) are answered.
+Status WatchListen(const std::string& host, const std::string& secret, int* port);
 // Stops the thread and closes the port (no-op if none).
 void WatchStop();
 // From now on the answers say that this process is exiting.

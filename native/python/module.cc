@@ -202,12 +202,13 @@ PyObject* ShmMarkLeaving(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
-// watch_listen(host) -> port: start the peer watch's server (native/cpu/watch.h).
+// watch_listen(host, token) -> port: start the peer watch's server (native/cpu/watch.h).
 PyObject* WatchListen(PyObject*, PyObject* args) {
   const char* host;
-  if (!PyArg_ParseTuple(args, "s", &host)) return nullptr;
+  const char* secret;
+  if (!PyArg_ParseTuple(args, "ss", &host, &secret)) return nullptr;
   int port = 0;
-  spmd::Status s = spmd::WatchListen(host, &port);
+  spmd::Status s = spmd::WatchListen(host, secret, &port);
   if (!s.ok()) return Raise(s);
   return PyLong_FromLong(port);
 }

@@ -18,7 +18,12 @@ in ``/dev/shm`` whatever happens to the processes.
 
 Readers on other nodes subscribe to the writer's ZMQ XPUB socket (``pyzmq``); the writer waits
 for every subscription before the first message, so none is lost, and sends each pickled object
-whole.
+whole. The socket is a CURVE server (encrypted, authenticated): the writer and each remote reader
+make a key pair for the queue, and the public keys travel over the group's own channel (MPI, or
+the job's private store), never over the socket. The writer's ZAP handler admits only the
+readers' keys, so nobody else receives a message or counts as a reader; a reader admits only the
+writer's key, so nothing another process sends on that port (say, after the writer has ended) is
+ever unpickled.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import struct
 import sys
 import time
 import uuid
+from types import SimpleNamespace
 from typing import Any
 
 from .._errors import SpmdError
@@ -96,6 +102,9 @@ class MessageQueue:
         self._map: mmap.mmap | None = None
         self._sock: Any = None
         self._ctx: Any = None
+        self._auth: Any = None  # the writer's ZAP handler (a thread of pyzmq's)
+        self._keys: tuple[bytes, bytes] | None = None  # this rank's CURVE key pair (public, secret)
+        self._readers: frozenset[bytes] = frozenset()  # the remote readers' public keys (writer)
         self._closed = False
         self._setup()
 
@@ -118,11 +127,16 @@ class MessageQueue:
                 _HEADER.pack_into(self._map, 0, _MAGIC, self.slots, self.slot_bytes,
                                   len(self.local), os.getpid())  # fmt: skip
                 info["shm"] = path
-            if self.is_writer and self.remote:
-                info["zmq"] = self._bind()
-            # (not broadcast_object, which may itself use a MessageQueue)
-            info = comm.allgather_object(info if self.is_writer else None)[self.writer]
             mine = comm.rank
+            if self.is_writer and self.remote:
+                info["zmq"], info["key"] = self._bind()
+            elif mine in self.remote:
+                info["key"] = self._keypair()
+            # (not broadcast_object, which may itself use a MessageQueue)
+            infos = comm.allgather_object(info if self.is_writer or mine in self.remote else None)
+            info = infos[self.writer]
+            if self.is_writer and self.remote:
+                self._readers = frozenset(infos[r]["key"] for r in self.remote)
             if mine in self.local:
                 fd = os.open(info["shm"], os.O_RDWR)
                 try:
@@ -130,9 +144,9 @@ class MessageQueue:
                 finally:
                     os.close(fd)
                 self.flag = self.local.index(mine)
-            elif mine in self.remote:
-                self._connect(info["zmq"])
-            comm.barrier()  # every local reader has mapped the segment
+            comm.barrier()  # every local reader has mapped the segment; the writer knows the keys
+            if mine in self.remote:
+                self._connect(info["zmq"], info["key"])
         finally:
             if path is not None:  # mapped where it is needed: nothing to leave in /dev/shm
                 try:
@@ -149,24 +163,53 @@ class MessageQueue:
             raise SpmdError(
                 "a MessageQueue with readers on other nodes needs pyzmq (pip install pyzmq)"
             ) from None
-        self._ctx = zmq.Context()
+        if not zmq.has("curve"):
+            raise SpmdError(
+                f"a MessageQueue with readers on other nodes needs ZMQ's CURVE security, which "
+                f"this libzmq ({zmq.zmq_version()}) was built without (pyzmq's wheels have it: "
+                "pip install --force-reinstall pyzmq)"
+            )
+        if self._ctx is None:
+            self._ctx = zmq.Context()
         return zmq
 
-    def _bind(self) -> str:
+    def _keypair(self) -> bytes:
+        """Make this rank's CURVE key pair; its public key (Z85)."""
         zmq = self._zmq()
+        self._keys = zmq.curve_keypair()
+        return self._keys[0]
+
+    def _bind(self) -> tuple[str, bytes]:
+        """The writer's socket: a CURVE server whose ZAP handler admits the readers' keys only
+        (none until the set-up has gathered them). Its endpoint and public key."""
+        zmq = self._zmq()
+        public = self._keypair()
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self._auth = ThreadAuthenticator(self._ctx)
+        self._auth.start()
+        # pyzmq's thread asks callback(domain, key) of each client's public key (Z85).
+        admit = SimpleNamespace(callback=lambda domain, key: key in self._readers)
+        self._auth.configure_curve_callback("*", admit)
         self._sock = self._ctx.socket(zmq.XPUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not only new topics
         self._sock.setsockopt(zmq.SNDHWM, 0)  # no limit: a PUB socket drops what passes it
+        self._sock.curve_server = True
+        assert self._keys is not None
+        self._sock.curve_secretkey = self._keys[1]
         host = os.environ.get("SPMD_MQ_HOST", "127.0.0.1")
         port = self._sock.bind_to_random_port(f"tcp://{host}")
-        return f"tcp://{host}:{port}"
+        return f"tcp://{host}:{port}", public
 
-    def _connect(self, endpoint: str) -> None:
+    def _connect(self, endpoint: str, server: bytes) -> None:
         zmq = self._zmq()
+        assert self._keys is not None
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)  # no limit: nothing dropped for a slow reader
+        self._sock.curve_serverkey = server  # only the writer's key is accepted
+        self._sock.curve_publickey, self._sock.curve_secretkey = self._keys
         self._sock.connect(endpoint)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
 
@@ -316,8 +359,13 @@ class MessageQueue:
         if self._sock is not None:
             # The writer's messages still queued in ZMQ are delivered first (up to the timeout).
             self._sock.close(linger=int(self.timeout * 1000) if self.is_writer else 0)
+            self._sock = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._ctx is not None:
             self._ctx.term()
-            self._sock = self._ctx = None
+            self._ctx = None
 
     def __enter__(self) -> MessageQueue:
         return self

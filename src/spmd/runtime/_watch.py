@@ -24,14 +24,20 @@ timeouts (half a second each). The ports are exchanged in
 ``spmd.init`` over the setup channel, and each rank then asks the next one once: if any cannot
 reach its neighbour, the watch is off on every rank (rank 0 says why) and waits between nodes
 run to ``SPMD_TIMEOUT`` as before. ``SPMD_WATCH_ADDR`` sets the address to listen on (default:
-the first non-loopback address of the hostname, else of an interface, else 127.0.0.1);
-``SPMD_WATCH=0`` turns the watch off. Nothing but these counts, flags and pids is sent, and the
-only action a peer can request is the stack print."""
+the first non-loopback address of the hostname, else of an interface, else 127.0.0.1; one
+address, never every interface); ``SPMD_WATCH=0`` turns the watch off. Nothing but these
+counts, flags and pids is sent, and the only action a peer can request is the stack print.
+
+Each rank's server answers only requests that carry its token, a random secret that travels
+with its port over the setup channel (MPI, or the job's private store): anyone else on the
+network who reaches the port gets no answer and can ask for no stack. The server serves its
+clients together, so one that connects and says nothing delays no peer."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import socket
 import threading
 import warnings
@@ -92,7 +98,8 @@ class _Watch:
         self.stall_s = stall_warn_seconds()
         self.host = _listen_address()
         self.port = 0
-        self.addresses: list[tuple[str, int]] = []
+        self.token = secrets.token_hex(16)  # this rank's server answers requests with it only
+        self.addresses: list[tuple[str, int, str]] = []  # each rank's host, port and token
         self.stop = threading.Event()
         # Per (world ranks, call): what is known of each peer; the calls whose stacks were asked.
         self.known: dict[tuple[tuple[int, ...], int], dict[int, dict[str, int] | str]] = {}
@@ -102,15 +109,16 @@ class _Watch:
         self.thread = threading.Thread(target=self._watch, name="spmd-watch", daemon=True)
 
     def listen(self) -> None:
-        self.port = int(native().watch_listen(self.host))
+        self.port = int(native().watch_listen(self.host, self.token))
 
     def ask(self, rank: int, ranks: Sequence[int], stack: bool = False) -> dict[str, int] | str:
         """A peer's answer (started, leaving, pid, dumps), or ``"gone"`` (its port refuses or
         drops the connection: its process has ended) or ``"silent"`` (no answer in time:
         stopped, or its node unreachable)."""
-        request = f"{int(stack)} {','.join(map(str, ranks))}\n".encode()
+        host, port, token = self.addresses[rank]
+        request = f"{token} {int(stack)} {','.join(map(str, ranks))}\n".encode()
         try:
-            with socket.create_connection(self.addresses[rank], timeout=_ASK_TIMEOUT_S) as conn:
+            with socket.create_connection((host, port), timeout=_ASK_TIMEOUT_S) as conn:
                 conn.sendall(request)
                 line = conn.makefile("rb").readline()
         except (ConnectionRefusedError, ConnectionResetError, BrokenPipeError):
@@ -232,14 +240,16 @@ def start(world: Communicator) -> None:
         watch.listen()
     except RuntimeError as e:
         problem = f"rank {world.world_rank} cannot listen: {e}"
-    addresses = world._setup_allgather((watch.host, watch.port) if watch.port else None)
+    addresses = world._setup_allgather(
+        (watch.host, watch.port, watch.token) if watch.port else None
+    )
     if not problem and any(a is None for a in addresses):
         problem = "a rank could not listen"
     if not problem:
-        watch.addresses = [(str(a[0]), int(a[1])) for a in addresses]
+        watch.addresses = [(str(a[0]), int(a[1]), str(a[2])) for a in addresses]
         neighbour = (world.world_rank + 1) % world.size
         if not isinstance(watch.ask(neighbour, []), dict):
-            host, port = watch.addresses[neighbour]
+            host, port, _ = watch.addresses[neighbour]
             problem = (
                 f"rank {world.world_rank} cannot reach rank {neighbour}'s port at {host}:{port}; "
                 "set SPMD_WATCH_ADDR to an address the nodes reach each other on"
