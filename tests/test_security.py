@@ -360,6 +360,44 @@ put("done")
     assert "most recent call first" not in ours, "the other user had a rank print its stack"
 
 
+def test_segments_and_the_flight_recorder_are_the_users_alone_whatever_the_umask(tmp_path):
+    """Under umask 000 (which would leave whatever spmd does not set itself open to all):
+    spmd-run's status directory is 0700, each rank's flight recorder 0600, and every
+    shared-memory segment a rank has mapped (the collectives', a MessageQueue's; MPICH's too)
+    0600, read through the mappings since spmd unlinks its segments once mapped."""
+    script = tmp_path / "modes.py"
+    script.write_text(
+        "import os, stat, jax.numpy as jnp, spmd\n"
+        "comm = spmd.init()\n"
+        "spmd.allreduce(jnp.ones(1000))\n"
+        "q = spmd.MessageQueue(comm)\n"
+        "status = os.environ['SPMD_RUN_STATUS_DIR']\n"
+        "ring = os.path.join(status, f'rank{comm.rank}.ring')\n"
+        "mode = lambda st: oct(stat.S_IMODE(st.st_mode))\n"
+        "print(comm.rank, 'status', mode(os.stat(status)), 'ring', mode(os.stat(ring)))\n"
+        "for line in open('/proc/self/maps'):\n"
+        "    parts = line.split()\n"
+        "    if len(parts) >= 6 and parts[5].startswith('/dev/shm/'):\n"
+        "        st = os.stat(f'/proc/self/map_files/{parts[0]}')\n"
+        "        print(comm.rank, 'segment', parts[5], mode(st), st.st_uid == os.getuid())\n"
+        "q.close()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPMD_", "PMI", "OMPI_"))}
+    out = subprocess.run(
+        [*SPMD_RUN, "-n", "2", sys.executable, str(script)],
+        capture_output=True, text=True, env=env, timeout=120, preexec_fn=lambda: os.umask(0),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for rank in (0, 1):
+        assert f"{rank} status 0o700 ring 0o600" in lines, out.stdout
+        segments = [line.split() for line in lines if line.startswith(f"{rank} segment ")]
+        names = {s[2] for s in segments}
+        assert any(n.startswith("/dev/shm/spmd-mq-") for n in names), out.stdout
+        assert any(n.startswith("/dev/shm/spmd-") and "-mq-" not in n for n in names), out.stdout
+        assert [(s[3], s[4]) for s in segments] == [("0o600", "True")] * len(segments), out.stdout
+
+
 # -- checkpoints ----------------------------------------------------------------------------------
 
 
