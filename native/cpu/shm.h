@@ -135,7 +135,11 @@ class ShmGroup {
     uint64_t sig[2];
     char pad1[48];
     char desc[512];
+    char failure[512];  // why this rank failed the sync its verdict names (Fail)
     alignas(64) std::atomic<uint64_t> token;  // the staging probe's ring (Ring)
+    // Rank 0's only: the group's verdict on its latest decided sync (Decide), on a line of its
+    // own. (t << kVerdictShift) | failed bit | the rank that failed it.
+    alignas(64) std::atomic<uint64_t> verdict;
     // Sequence: the calls this rank has published, and call n's entry at n % kSequenceRing
     // (`n` is written last, and zeroed first while the entry changes).
     alignas(64) std::atomic<uint64_t> seq_latest;
@@ -167,9 +171,25 @@ class ShmGroup {
   // Waits until rank r's `a` reaches v: spinning, then yielding. kTimedOut once the deadline,
   // set the first time the wait gets long, has passed; kGone once rank r's process has ended or
   // is exiting (checked about every millisecond of a long wait).
-  enum class Wait { kArrived, kTimedOut, kGone };
-  Wait WaitFor(int r, const std::atomic<uint64_t>& a, uint64_t v,
+  // kFailed: a peer has failed sync `sync` (the one this wait belongs to), so it cannot
+  // complete.
+  enum class Wait { kArrived, kTimedOut, kGone, kFailed };
+  Wait WaitFor(int r, const std::atomic<uint64_t>& a, uint64_t v, uint64_t sync,
                std::chrono::steady_clock::time_point* deadline) const;
+  // No half-finished collective: every sync ends with one verdict for the whole group, taken
+  // by the first rank to decide, in rank 0's `verdict` word. A rank that has seen every peer
+  // arrive at sync t records "t completed" unless a peer recorded "t failed" first (then it
+  // fails too, naming that peer's failure); a rank that fails sync t (a timeout, a peer gone)
+  // records "t failed" unless "t completed" is there (then every peer had arrived after all:
+  // it completes). So a late rank cannot complete a collective a peer has already given up on.
+  static constexpr int kVerdictShift = 20;
+  static constexpr uint64_t kFailedBit = uint64_t{1} << (kVerdictShift - 1);
+  // After every peer arrived at sync t: Ok, or the error of a peer's earlier failure of t.
+  Status Decide(uint64_t t);
+  // This rank fails sync t with `error`: the error, or Ok where t completed after all.
+  Status Fail(uint64_t t, const Status& error);
+  // The error of the peer that failed sync t (its text from its control block).
+  Status FailedByPeer(uint64_t t, uint64_t verdict);
   // Why rank r is gone ("" if it is not); GoneSeen: with `seen` saying whose process can be
   // seen gone (visible_ or watched_).
   std::string Gone(int r) const;

@@ -161,6 +161,7 @@ bool ShmGroup::Oversubscribed() const {
 }
 
 ShmGroup::Wait ShmGroup::WaitFor(int r, const std::atomic<uint64_t>& a, uint64_t v,
+                                 uint64_t sync,
                                  std::chrono::steady_clock::time_point* deadline) const {
   // Oversubscribed (more ranks than cores): yield early so that the ranks we wait for can run.
   const int spin_limit = Oversubscribed() ? 16 : 4096;
@@ -187,6 +188,8 @@ ShmGroup::Wait ShmGroup::WaitFor(int r, const std::atomic<uint64_t>& a, uint64_t
       sched_yield();
       if ((spins & 1023) != 0) continue;
     }
+    const uint64_t verdict = ctrl(0)->verdict.load(std::memory_order_acquire);
+    if ((verdict >> kVerdictShift) == sync && (verdict & kFailedBit) != 0) return Wait::kFailed;
     // The peer may have reached v just before it left: look once more after seeing it gone.
     if (!Gone(r).empty()) {
       return a.load(std::memory_order_acquire) < v ? Wait::kGone : Wait::kArrived;
@@ -285,23 +288,73 @@ Status ShmGroup::PeerGone(uint64_t t, int r) {
   broken_ = true;
   broken_reason_ = "the shared-memory group of ranks " + RankList(world_ranks_) +
                    " is unusable: rank " + std::to_string(world_ranks_[r]) + " left it";
-  return Status::Error("rank " + std::to_string(world_ranks_[r]) + " " + Gone(r) +
-                       " while this rank waited for it in collective #" + std::to_string(t) +
-                       " of the group " + RankList(world_ranks_) + ": it made fewer collective "
-                       "calls than this rank. Every rank of a group must make the same "
-                       "collective calls in the same order");
+  const bool exiting = ctrl(r)->leaving.load(std::memory_order_acquire) != 0;
+  // A rank whose Python program ended made fewer calls; a process gone without that (a signal,
+  // os._exit) says nothing about its calls.
+  const std::string why =
+      exiting ? ": it made fewer collective calls than this rank. Every rank of a group must "
+                "make the same collective calls in the same order"
+              : ": its process ended without its Python program exiting (killed by a signal, "
+                "or os._exit)";
+  return Fail(t, Status::Error("rank " + std::to_string(world_ranks_[r]) + " " + Gone(r) +
+                               " while this rank waited for it in collective #" +
+                               std::to_string(t) + " of the group " +
+                               RankList(world_ranks_) + why));
 }
 
 Status ShmGroup::TimedOut(uint64_t t, const std::vector<int>& missing) {
   broken_ = true;
   broken_reason_ = "the shared-memory group of ranks " + RankList(world_ranks_) +
                    " is unusable: an earlier collective timed out";
-  return Status::Error("timed out after " + std::to_string(static_cast<int>(timeout_s_)) +
-                       " s waiting for ranks " + RankList(missing) + " of the group " +
-                       RankList(world_ranks_) + " (collective #" + std::to_string(t) +
-                       "): they never made the matching call. Every rank of a group must "
-                       "make the same collective calls in the same order; raise "
-                       "SPMD_TIMEOUT if they are just slow");
+  return Fail(t, Status::Error(
+                     "timed out after " + std::to_string(static_cast<int>(timeout_s_)) +
+                     " s waiting for ranks " + RankList(missing) + " of the group " +
+                     RankList(world_ranks_) + " (collective #" + std::to_string(t) +
+                     "): they never made the matching call. Every rank of a group must "
+                     "make the same collective calls in the same order; raise "
+                     "SPMD_TIMEOUT if they are just slow"));
+}
+
+Status ShmGroup::Decide(uint64_t t) {
+  std::atomic<uint64_t>& word = ctrl(0)->verdict;
+  uint64_t v = word.load(std::memory_order_seq_cst);
+  while ((v >> kVerdictShift) < t) {
+    if (word.compare_exchange_weak(v, t << kVerdictShift, std::memory_order_seq_cst)) {
+      return Status::Ok();
+    }
+  }
+  if ((v >> kVerdictShift) == t && (v & kFailedBit) != 0) return FailedByPeer(t, v);
+  return Status::Ok();
+}
+
+Status ShmGroup::Fail(uint64_t t, const Status& error) {
+  std::strncpy(ctrl(rank_)->failure, error.message().c_str(), sizeof(Ctrl::failure) - 1);
+  ctrl(rank_)->failure[sizeof(Ctrl::failure) - 1] = 0;
+  std::atomic<uint64_t>& word = ctrl(0)->verdict;
+  uint64_t v = word.load(std::memory_order_seq_cst);
+  const uint64_t failed = (t << kVerdictShift) | kFailedBit | static_cast<uint64_t>(rank_);
+  while ((v >> kVerdictShift) < t) {
+    if (word.compare_exchange_weak(v, failed, std::memory_order_seq_cst)) return error;
+  }
+  if ((v >> kVerdictShift) == t && (v & kFailedBit) == 0) {
+    broken_ = false;  // every peer arrived after all, and one completed the sync: so does this
+    broken_reason_.clear();
+    return Status::Ok();
+  }
+  return error;  // a peer failed it first: this rank's own reason is as true
+}
+
+Status ShmGroup::FailedByPeer(uint64_t t, uint64_t verdict) {
+  const int r = static_cast<int>(verdict & (kFailedBit - 1));
+  broken_ = true;
+  broken_reason_ = "the shared-memory group of ranks " + RankList(world_ranks_) +
+                   " is unusable: rank " + std::to_string(world_ranks_[r]) +
+                   " failed an earlier collective";
+  return Status::Error("collective #" + std::to_string(t) + " of the group " +
+                       RankList(world_ranks_) + " failed on rank " +
+                       std::to_string(world_ranks_[r]) + " before this rank could complete it" +
+                       " (so no rank completes it): " + ctrl(r)->failure +
+                       ". The group is unusable from now on");
 }
 
 Status ShmGroup::Sync() {
@@ -310,13 +363,14 @@ Status ShmGroup::Sync() {
   _mm_sfence();  // streamed (non-temporal) stores of the phase are visible before we arrive
 #endif
   uint64_t t = ++epoch_;
-  ctrl(rank_)->arrive.store(t, std::memory_order_release);
+  ctrl(rank_)->arrive.store(t, std::memory_order_seq_cst);
   // One deadline for the whole barrier (set once the wait gets long), not one per peer.
   std::chrono::steady_clock::time_point deadline{};
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
-    const Wait w = WaitFor(r, ctrl(r)->arrive, t, &deadline);
+    const Wait w = WaitFor(r, ctrl(r)->arrive, t, t, &deadline);
     if (w == Wait::kArrived) continue;
+    if (w == Wait::kFailed) return FailedByPeer(t, ctrl(0)->verdict.load());
     if (w == Wait::kGone) return PeerGone(t, r);
     std::vector<int> missing;
     for (int q = 0; q < size_; ++q) {
@@ -326,6 +380,7 @@ Status ShmGroup::Sync() {
     }
     return TimedOut(t, missing);
   }
+  SPMD_RETURN_IF_ERROR(Decide(t));
   if (visible_.empty()) {  // every rank has published its pid by now
     visible_.assign(size_, 0);
     for (int r = 0; r < size_; ++r) {
@@ -374,9 +429,11 @@ Status ShmGroup::Hop(const Signature& sig, double* hop_ns) {
 }
 
 Status ShmGroup::RingWait(int r, uint64_t v, std::chrono::steady_clock::time_point* deadline) {
-  const Wait w = WaitFor(r, ctrl(r)->token, v, deadline);
-  if (w == Wait::kGone) return PeerGone(epoch_, r);
-  if (w == Wait::kTimedOut) return TimedOut(epoch_, {world_ranks_[r]});
+  // Between syncs: a failure here is one of the next sync, which this rank will not reach.
+  const Wait w = WaitFor(r, ctrl(r)->token, v, epoch_ + 1, deadline);
+  if (w == Wait::kFailed) return FailedByPeer(epoch_ + 1, ctrl(0)->verdict.load());
+  if (w == Wait::kGone) return PeerGone(epoch_ + 1, r);
+  if (w == Wait::kTimedOut) return TimedOut(epoch_ + 1, {world_ranks_[r]});
   return Status::Ok();
 }
 
