@@ -23,7 +23,8 @@ def test_a_collective_a_rank_gave_up_on_fails_on_the_late_rank_too(tmp_path):
     disagreed on whether the step happened; now its call fails naming rank 0's timeout, and the
     group refuses later calls on both ranks."""
     script = tmp_path / "late.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import time
         import jax.numpy as jnp
         import spmd
@@ -37,7 +38,8 @@ def test_a_collective_a_rank_gave_up_on_fails_on_the_late_rank_too(tmp_path):
                 print(comm.rank, attempt, "completed", float(got[0]), flush=True)
             except spmd.SpmdError as e:
                 print(comm.rank, attempt, "error:", e, flush=True)
-    """))
+    """)
+    )
     out = _run(script, 2, {"SPMD_TIMEOUT": "2", "SPMD_TRANSPORT": "shm"})
     lines = {tuple(line.split(" ", 2)[:2]): line for line in out.stdout.splitlines()}
     assert "completed" not in out.stdout, out.stdout
