@@ -3,6 +3,7 @@
 #include <cstring>
 #include <exception>
 
+#include "board.h"
 #include "messages.h"
 #include "recorder.h"
 #include "spmd/registry.h"
@@ -226,6 +227,15 @@ const GpuHooks* HooksForGpu() {
   static const GpuHooks hooks{&CheckSignatureForGpu, &SequenceForGpu, &RecorderBegin,
                               &RecorderEndIn, &RecorderSetTimes};
   return &hooks;
+}
+
+Status GroupBoardUse(int64_t id) {
+  std::shared_ptr<Group> g = GroupFind(id);
+  if (g == nullptr || !g->shm) {
+    return Status::Error("the group " + std::to_string(id) + " has no shared-memory segment");
+  }
+  board::Use(g->shm.get());
+  return Status::Ok();
 }
 
 void GroupDestroy(int64_t id) {

@@ -76,6 +76,9 @@ Status GroupSequence(int64_t id, uint64_t hash, std::string_view described);
 void GroupSequenceReset(int64_t id);
 // The functions the GPU handlers call here (spmd/signature.h).
 const GpuHooks* HooksForGpu();
+// The group's shared-memory segment (the world group's: every rank of the job on this machine)
+// becomes the wait board (board.h).
+Status GroupBoardUse(int64_t id);
 void GroupDestroy(int64_t id);
 // nullptr if no group has this id (not registered, or destroyed by spmd.finalize).
 std::shared_ptr<Group> GroupFind(int64_t id);

@@ -9,8 +9,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 
+#include "board.h"
 #include "messages.h"
 #include "spmd/call.h"
 
@@ -311,6 +313,7 @@ Status MpiComm::Wait(H* requests, int n, const char* what) const {
            " over MPI (collective #" + std::to_string(calls_) + " of the group " +
            RankList(world_ranks) + ")";
   };
+  std::optional<board::Wait> on_board;  // made once the wait gets long (board.h)
   for (int i = 0; i < n; ++i) {
     for (;;) {
       int done = 0;
@@ -329,11 +332,27 @@ Status MpiComm::Wait(H* requests, int n, const char* what) const {
                                        ? where()
                                        : std::string(what) + " over MPI on the group " +
                                              RankList(world_ranks);
-            return Status::Error(gone + " while this rank waited for it in " + in +
-                                 ": it made fewer collective calls than this rank. Every rank "
-                                 "of a group must make the same collective calls in the same "
-                                 "order");
+            // A rank whose Python program ended made fewer calls; a process gone without
+            // that (a signal, os._exit) says nothing about its calls.
+            const bool exiting = gone.find("is exiting") != std::string::npos;
+            return Status::Error(
+                gone + " while this rank waited for it in " + in +
+                (exiting ? ": it made fewer collective calls than this rank. Every rank of a "
+                           "group must make the same collective calls in the same order"
+                         : ": its process ended without its Python program exiting (killed "
+                           "by a signal, or os._exit)"));
           }
+        }
+        if (!on_board) {  // a point-to-point wait's peers are not listed: not judged
+          on_board.emplace(current_ != nullptr ? board::Key("mpi", world_ranks, calls_) : 0,
+                           current_ != nullptr ? world_ranks : std::vector<int>{},
+                           current_ != nullptr ? where()
+                                               : std::string(what) + " over MPI on the group " +
+                                                     RankList(world_ranks));
+        }
+        if (std::string dead = on_board->Poll(); !dead.empty()) {
+          broken = true;  // the call cannot complete, and MPI cannot cancel it
+          return Status::Error(dead);
         }
         std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
         const bool in_collective = current_ != nullptr && (behind || watch != nullptr);

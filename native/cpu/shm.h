@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -113,10 +114,24 @@ class ShmGroup {
   // kSequenceRing calls of each other). The error names the first call that differs with each
   // rank's call. Costs a lock, a hash lookup and a cache line from each peer per call.
   static constexpr uint64_t kSequenceRing = 64;
+  static constexpr int kBoardMembers = 256;  // the largest group the wait board judges
   static constexpr uint64_t kSequenceTexts = 64;
   Status Sequence(uint64_t hash, std::string_view described);
   // Forgets this rank's calls (for the tests: every rank, between two barriers of the group).
   void SequenceReset();
+
+  // The wait board's slots, when this is the world group's segment (board.h): this rank's
+  // wait published (`count` < 0: members unknown) or withdrawn; and BoardDeadlock, the
+  // description of every rank's wait when no wait on the board can complete, else "".
+  void BoardPublish(uint64_t key, int64_t since_ns, const std::vector<int>& members, int count,
+                    const std::string& what);
+  void BoardWithdraw();
+  std::string BoardDeadlock(int64_t now_ns, int64_t settled_ns) const;
+  // A deadlock found is declared on the board, so that the ranks that have not looked yet fail
+  // with it too (once one has failed, it is no longer on the board for them to see):
+  // BoardDeclared: whether one was declared at `since_ns` or later, and *text its description.
+  void BoardDeclare(const std::string& text, int64_t now_ns);
+  bool BoardDeclared(int64_t since_ns, std::string* text) const;
 
   // Marks this process's ranks of every group as leaving (Python is exiting), so that a peer
   // waiting for one of them in a collective fails at once naming it instead of waiting for
@@ -140,6 +155,18 @@ class ShmGroup {
     // Rank 0's only: the group's verdict on its latest decided sync (Decide), on a line of its
     // own. (t << kVerdictShift) | failed bit | the rank that failed it.
     alignas(64) std::atomic<uint64_t> verdict;
+    // The wait board (board.h; the world group's segment only): the wait this rank has
+    // published. `board_gen` is odd while one is, and changes before and after the others.
+    alignas(64) std::atomic<uint64_t> board_gen;
+    std::atomic<int64_t> board_since_ns;  // steady clock (one per machine) at the wait's start
+    std::atomic<uint64_t> board_key;      // equal for the ranks of one matching wait
+    std::atomic<int32_t> board_count;     // members listed; -1: not judged (see board.h)
+    std::atomic<int32_t> board_member[kBoardMembers];  // the wait's group, by world rank
+    char board_what[256];
+    char board_verdict[2048];  // the deadlock this rank found (BoardDeclare)
+    // Rank 0's only: when a deadlock was last declared (0: never), and by which rank.
+    alignas(64) std::atomic<int64_t> board_declared_ns;
+    std::atomic<int32_t> board_declarer;
     // Sequence: the calls this rank has published, and call n's entry at n % kSequenceRing
     // (`n` is written last, and zeroed first while the entry changes).
     alignas(64) std::atomic<uint64_t> seq_latest;
@@ -173,7 +200,9 @@ class ShmGroup {
   // is exiting (checked about every millisecond of a long wait).
   // kFailed: a peer has failed sync `sync` (the one this wait belongs to), so it cannot
   // complete.
-  enum class Wait { kArrived, kTimedOut, kGone, kFailed };
+  // kDeadlock: the wait board (board.h) finds that no rank of the job can move again
+  // (deadlock_ says why).
+  enum class Wait { kArrived, kTimedOut, kGone, kFailed, kDeadlock };
   Wait WaitFor(int r, const std::atomic<uint64_t>& a, uint64_t v, uint64_t sync,
                std::chrono::steady_clock::time_point* deadline) const;
   // No half-finished collective: every sync ends with one verdict for the whole group, taken
@@ -188,6 +217,8 @@ class ShmGroup {
   Status Decide(uint64_t t);
   // This rank fails sync t with `error`: the error, or Ok where t completed after all.
   Status Fail(uint64_t t, const Status& error);
+  // This rank fails sync t as part of a deadlock (deadlock_).
+  Status Deadlocked(uint64_t t);
   // The error of the peer that failed sync t (its text from its control block).
   Status FailedByPeer(uint64_t t, uint64_t verdict);
   // Why rank r is gone ("" if it is not); GoneSeen: with `seen` saying whose process can be
@@ -247,6 +278,7 @@ class ShmGroup {
   uint64_t probes_ = 0;     // staging probes so far (the same count on every rank)
   bool broken_ = false;
   std::string broken_reason_;
+  mutable std::string deadlock_;  // the wait board's description of the deadlock (kDeadlock)
   // Per peer: whether this process saw the peer's process once (after the first sync, when
   // every rank has published its pid). Only those can be seen gone: a peer in another PID
   // namespace sharing this node's /dev/shm never is, and is left to the deadline.

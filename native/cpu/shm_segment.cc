@@ -18,6 +18,7 @@
 #include <set>
 #include <thread>
 
+#include "board.h"
 #include "messages.h"
 #include "mpi.h"
 #include "shm.h"
@@ -117,6 +118,7 @@ Status ShmGroup::Open(const std::string& name, bool create, int rank, int size, 
 }
 
 ShmGroup::~ShmGroup() {
+  board::Forget(this);
   {
     std::lock_guard<std::mutex> lock(live_mu);
     Live().erase(this);
@@ -177,6 +179,7 @@ ShmGroup::Wait ShmGroup::WaitFor(int r, const std::atomic<uint64_t>& a, uint64_t
   microseconds nap{0};
   bool reported = false;
   int spins = 0;
+  std::optional<board::Wait> on_board;  // made once the wait gets long
   while (a.load(std::memory_order_acquire) < v) {
     if (++spins < spin_limit) {
       SPMD_PAUSE();
@@ -199,6 +202,16 @@ ShmGroup::Wait ShmGroup::WaitFor(int r, const std::atomic<uint64_t>& a, uint64_t
       *deadline = now + timeout;
     } else if (now > *deadline) {
       return Wait::kTimedOut;
+    }
+    if (!on_board) {
+      const std::string what = current_ != nullptr ? current_->Describe() : "a collective";
+      on_board.emplace(board::Key("shm", world_ranks_, sync), world_ranks_,
+                       what + " (collective #" + std::to_string(calls_) + " of the group " +
+                           RankList(world_ranks_) + ")");
+    }
+    if (std::string dead = on_board->Poll(); !dead.empty()) {
+      deadlock_ = std::move(dead);
+      return Wait::kDeadlock;
     }
     const auto waited = now - (*deadline - timeout);  // since this sync's wait got long
     nap = waited > kLongAfter ? kLongNap : waited > kSleepAfter ? kNap : microseconds(0);
@@ -315,6 +328,13 @@ Status ShmGroup::TimedOut(uint64_t t, const std::vector<int>& missing) {
                      "SPMD_TIMEOUT if they are just slow"));
 }
 
+Status ShmGroup::Deadlocked(uint64_t t) {
+  broken_ = true;
+  broken_reason_ = "the shared-memory group of ranks " + RankList(world_ranks_) +
+                   " is unusable: an earlier collective of it was part of a deadlock";
+  return Fail(t, Status::Error(deadlock_));
+}
+
 Status ShmGroup::Decide(uint64_t t) {
   std::atomic<uint64_t>& word = ctrl(0)->verdict;
   uint64_t v = word.load(std::memory_order_seq_cst);
@@ -372,6 +392,7 @@ Status ShmGroup::Sync() {
     if (w == Wait::kArrived) continue;
     if (w == Wait::kFailed) return FailedByPeer(t, ctrl(0)->verdict.load());
     if (w == Wait::kGone) return PeerGone(t, r);
+    if (w == Wait::kDeadlock) return Deadlocked(t);
     std::vector<int> missing;
     for (int q = 0; q < size_; ++q) {
       if (q != rank_ && ctrl(q)->arrive.load(std::memory_order_acquire) < t) {
@@ -433,6 +454,7 @@ Status ShmGroup::RingWait(int r, uint64_t v, std::chrono::steady_clock::time_poi
   const Wait w = WaitFor(r, ctrl(r)->token, v, epoch_ + 1, deadline);
   if (w == Wait::kFailed) return FailedByPeer(epoch_ + 1, ctrl(0)->verdict.load());
   if (w == Wait::kGone) return PeerGone(epoch_ + 1, r);
+  if (w == Wait::kDeadlock) return Deadlocked(epoch_ + 1);
   if (w == Wait::kTimedOut) return TimedOut(epoch_ + 1, {world_ranks_[r]});
   return Status::Ok();
 }

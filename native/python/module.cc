@@ -8,9 +8,13 @@
 #include <chrono>
 #include <cstring>
 #include <iterator>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
+#include "../cpu/board.h"
 #include "../cpu/groups.h"
 #include "../cpu/handlers.h"
 #include "../cpu/mpi.h"
@@ -367,6 +371,99 @@ PyObject* GroupDestroy(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// A MessageQueue's shared-memory ring (spmd/runtime/_queue.py), at an address of its mapping:
+// the slot's sequence number is published with a release store and read with an acquire load,
+// a reader's flag set with a release store and the flags read with acquire loads, so that on
+// every architecture (aarch64 too) a reader sees a slot's data once it sees its number, and the
+// writer reuses a slot only after every reader has finished reading it. Fast calls: the queue
+// makes a few per message.
+PyObject* MqLoad(PyObject*, PyObject* const* args, Py_ssize_t n) {  // mq_load(address) -> int
+  if (n != 1) return PyErr_Format(PyExc_TypeError, "mq_load takes 1 argument");
+  const auto* at = reinterpret_cast<const uint64_t*>(PyLong_AsVoidPtr(args[0]));
+  if (at == nullptr) return nullptr;
+  return PyLong_FromUnsignedLongLong(__atomic_load_n(at, __ATOMIC_ACQUIRE));
+}
+
+PyObject* MqStore(PyObject*, PyObject* const* args, Py_ssize_t n) {  // mq_store(address, value)
+  if (n != 2) return PyErr_Format(PyExc_TypeError, "mq_store takes 2 arguments");
+  auto* at = reinterpret_cast<uint64_t*>(PyLong_AsVoidPtr(args[0]));
+  const unsigned long long v = PyLong_AsUnsignedLongLong(args[1]);
+  if (at == nullptr || PyErr_Occurred()) return nullptr;
+  __atomic_store_n(at, static_cast<uint64_t>(v), __ATOMIC_RELEASE);
+  Py_RETURN_NONE;
+}
+
+PyObject* MqMark(PyObject*, PyObject* const* args, Py_ssize_t n) {  // mq_mark(address): byte 1
+  if (n != 1) return PyErr_Format(PyExc_TypeError, "mq_mark takes 1 argument");
+  auto* at = reinterpret_cast<uint8_t*>(PyLong_AsVoidPtr(args[0]));
+  if (at == nullptr) return nullptr;
+  __atomic_store_n(at, static_cast<uint8_t>(1), __ATOMIC_RELEASE);
+  Py_RETURN_NONE;
+}
+
+// mq_all_set(address, n) -> bool: whether the n bytes there are all 1 (every reader's flag).
+PyObject* MqAllSet(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 2) return PyErr_Format(PyExc_TypeError, "mq_all_set takes 2 arguments");
+  const auto* at = reinterpret_cast<const uint8_t*>(PyLong_AsVoidPtr(args[0]));
+  const Py_ssize_t count = PyLong_AsSsize_t(args[1]);
+  if (at == nullptr || PyErr_Occurred()) return nullptr;
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    if (__atomic_load_n(at + i, __ATOMIC_ACQUIRE) != 1) Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+}
+
+// board_use(id): the group's shared-memory segment (the world's) becomes the wait board.
+PyObject* BoardUse(PyObject*, PyObject* args) {
+  long long id;
+  if (!PyArg_ParseTuple(args, "L", &id)) return nullptr;
+  spmd::Status s = spmd::GroupBoardUse(id);
+  if (!s.ok()) return Raise(s);
+  Py_RETURN_NONE;
+}
+
+// The waits of Python code (spmd.runtime._wait) on the board, by handle.
+std::mutex board_waits_mu;
+std::unordered_map<long long, std::unique_ptr<spmd::board::Wait>> board_waits;
+long long board_next = 0;
+
+// board_wait(kind, members, n, what) -> handle: a wait starts (board.h).
+PyObject* BoardWait(PyObject*, PyObject* args) {
+  const char* kind;
+  const char* what;
+  PyObject* members;
+  unsigned long long n;
+  if (!PyArg_ParseTuple(args, "sOKs", &kind, &members, &n, &what)) return nullptr;
+  std::vector<int> m;
+  if (!IntList(members, &m)) return nullptr;
+  const uint64_t key = spmd::board::Key(kind, m, n);
+  std::lock_guard<std::mutex> lock(board_waits_mu);
+  board_waits[++board_next] = std::make_unique<spmd::board::Wait>(key, std::move(m), what);
+  return PyLong_FromLongLong(board_next);
+}
+
+// board_poll(handle) -> str: "" or the deadlock this wait is part of.
+PyObject* BoardPoll(PyObject*, PyObject* args) {
+  long long handle;
+  if (!PyArg_ParseTuple(args, "L", &handle)) return nullptr;
+  std::string dead;
+  {
+    std::lock_guard<std::mutex> lock(board_waits_mu);
+    auto it = board_waits.find(handle);
+    if (it != board_waits.end()) dead = it->second->Poll();
+  }
+  return PyUnicode_FromStringAndSize(dead.data(), static_cast<Py_ssize_t>(dead.size()));
+}
+
+// board_end(handle): the wait has ended.
+PyObject* BoardEnd(PyObject*, PyObject* args) {
+  long long handle;
+  if (!PyArg_ParseTuple(args, "L", &handle)) return nullptr;
+  std::lock_guard<std::mutex> lock(board_waits_mu);
+  board_waits.erase(handle);
+  Py_RETURN_NONE;
+}
+
 // The GPU's quantized all-reduce codecs (native/cuda/codec.h), run on the CPU for the tests.
 bool Floats(PyObject* obj, std::vector<float>* out) {
   char* data;
@@ -468,6 +565,18 @@ PyMethodDef kMethods[] = {
     {"group_sequence", GroupSequence, METH_VARARGS,
      "The sequence check of one call of a group, as the GPU handlers make it."},
     {"group_destroy", GroupDestroy, METH_VARARGS, "Unregister a group."},
+    {"board_use", BoardUse, METH_VARARGS, "Make the world group's segment the wait board."},
+    {"mq_load", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(MqLoad)),
+     METH_FASTCALL, "Acquire load of a MessageQueue slot's sequence number."},
+    {"mq_store", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(MqStore)),
+     METH_FASTCALL, "Release store of a MessageQueue slot's sequence number."},
+    {"mq_mark", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(MqMark)),
+     METH_FASTCALL, "Release store of a MessageQueue reader's flag."},
+    {"mq_all_set", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(MqAllSet)),
+     METH_FASTCALL, "Whether every reader's flag of a MessageQueue slot is set (acquire)."},
+    {"board_wait", BoardWait, METH_VARARGS, "A wait of Python code starts (the wait board)."},
+    {"board_poll", BoardPoll, METH_VARARGS, "The deadlock a wait is part of, or ''."},
+    {"board_end", BoardEnd, METH_VARARGS, "A wait of Python code ends."},
     {"quant_roundtrip", QuantRoundtrip, METH_VARARGS, "Encode and decode with a GPU codec."},
     {"quant_allreduce_reference", QuantAllreduceReference, METH_VARARGS,
      "The GPU quantized all-reduce's result, computed on the CPU."},

@@ -1,5 +1,7 @@
 """Ranks that cannot agree, under the real launcher: a collective one rank has given up on
-completes on no rank (the late rank's call fails too, naming the first failure)."""
+completes on no rank (the late rank's call fails too, naming the first failure); ranks that wait
+for each other in different calls (a deadlock) all fail within about a second, naming every
+rank's wait, and ranks that wait for one that computes are no deadlock."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 SPMD_RUN = [sys.executable, "-m", "spmd.cli.run"]
 
@@ -52,3 +56,71 @@ def test_a_collective_a_rank_gave_up_on_fails_on_the_late_rank_too(tmp_path):
     ) in lines["1", "late"], out.stdout
     assert "is unusable: an earlier collective timed out" in lines["0", "after"], out.stdout
     assert "is unusable: rank 0 failed an earlier collective" in lines["1", "after"], out.stdout
+
+
+_DEADLOCK = """
+import time
+import jax.numpy as jnp
+import spmd
+comm = spmd.init()
+spmd.barrier()
+start = time.monotonic()
+try:
+    if comm.rank < 2:
+        spmd.barrier()
+    else:
+        spmd.allreduce(jnp.ones(2), rank_list=[[0, 2], [1, 3]])
+    print(comm.rank, "completed", flush=True)
+except spmd.SpmdError as e:
+    print(f"{comm.rank} after {time.monotonic() - start:.1f} s: {e}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("transport", ["shm", "mpi"])
+def test_ranks_that_wait_for_each_other_in_different_calls_fail_within_seconds(tmp_path, transport):
+    """The deadlock of the issue: ranks 0 and 1 in a world barrier, ranks 2 and 3 making the
+    groups [0, 2] and [1, 3]. Nothing can move: every rank fails within about a second (it used
+    to wait for SPMD_TIMEOUT, 300 s), naming what each rank waits for."""
+    script = tmp_path / "deadlock.py"
+    script.write_text(_DEADLOCK)
+    out = _run(script, 4, {"SPMD_TRANSPORT": transport})
+    over = " over MPI" if transport == "mpi" else ""
+    waits = (
+        f"rank 0 waits in barrier() of no arrays{over} (collective #2 of the group [0, 1, 2, "
+        f"3]); rank 1 waits in barrier() of no arrays{over} (collective #2 of the group [0, 1, "
+        "2, 3]); rank 2 waits in creating the communicator of ranks [0, 2]; rank 3 waits in "
+        "creating the communicator of ranks [1, 3]"
+    )
+    lines = sorted(out.stdout.splitlines())
+    assert len(lines) == 4, out.stdout + out.stderr
+    for rank, line in enumerate(lines):
+        assert line.startswith(f"{rank} after "), line
+        took = float(line.split()[2])
+        assert took < 5, f"rank {rank} waited {took} s"
+        assert waits in line, line
+        assert "deadlock: every rank of the job waits inside spmd" in line, line
+
+
+def test_ranks_waiting_for_one_that_computes_are_no_deadlock(tmp_path):
+    """Ranks 0 and 1 wait in a barrier for 2 s while rank 2 computes (a sleep), then joins: no
+    error. Then ranks 0 and 1 wait in a group of their own while rank 2 waits alone in the
+    group [2] of the same rank_list: every wait completes."""
+    script = tmp_path / "busy.py"
+    script.write_text(
+        textwrap.dedent("""
+        import time
+        import jax.numpy as jnp
+        import spmd
+        comm = spmd.init()
+        spmd.barrier()
+        if comm.rank == 2:
+            time.sleep(2)
+        spmd.barrier()
+        got = spmd.allreduce(jnp.ones(2) * comm.rank, rank_list=[[0, 1], [2]])
+        print(comm.rank, "completed", float(got[0]), flush=True)
+    """)
+    )
+    out = _run(script, 3, {})
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["0 completed 1.0", "1 completed 1.0",
+                                               "2 completed 2.0"]  # fmt: skip

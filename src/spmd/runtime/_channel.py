@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from .._errors import SpmdError
 from ._store import FileStore
-from ._wait import wait_until
+from ._wait import Deadlock, wait_until
 
 
 class Channel(Protocol):
@@ -56,10 +56,19 @@ class MpiChannel:
         self.what = what
         self.broken: str | None = None
         self._abandoned: list[Any] = []
+        self._waits = 0  # waits so far (the same on every member): the wait board's numbers
 
     def _wait(self, request: Any, buffers: tuple[Any, ...], what: str) -> None:
-        if wait_until(request.Test, self.timeout):
-            return
+        self._waits += 1
+        board = (f"channel {what}", self.ranks, self._waits,
+                 f"{what} on the group of ranks {self.ranks}")  # fmt: skip
+        try:
+            if wait_until(request.Test, self.timeout, board):
+                return
+        except Deadlock:
+            self._abandoned.append((request, buffers))
+            self.broken = f"{what} on the group of ranks {self.ranks} was part of a deadlock"
+            raise
         self._abandoned.append((request, buffers))
         self.broken = (
             f"{what} on the group of ranks {self.ranks} timed out after {self.timeout:g} s: at "
@@ -140,7 +149,14 @@ def mpi_create_group(world: Any, world_rank: int, ranks: Sequence[int], timeout:
             del pending[r]
         return not pending
 
-    if not wait_until(all_arrived, timeout):
+    board = ("create", members, 0, f"creating the communicator of ranks {members}")
+    try:
+        arrived = wait_until(all_arrived, timeout, board)
+    except Deadlock:
+        for request in pending.values():
+            request.Cancel()
+        raise
+    if not arrived:
         for request in pending.values():
             request.Cancel()
         who = (
@@ -197,10 +213,12 @@ class FileChannel:
         self.seq += 1
         self.store.set(self._key(seq, self.world_rank), pickle.dumps(obj))
         try:
+            what = f"{self.what} on the group of ranks {self.ranks}"
             blobs = self.store.wait(
                 [self._key(seq, r) for r in self.ranks],
-                f"{self.what} on the group of ranks {self.ranks}",
+                what,
                 self.ranks,
+                on_board=(f"file {self.tag}", self.ranks, seq, what),
             )
         except SpmdError as e:
             self.broken = str(e)

@@ -259,6 +259,8 @@ def _attach(ng: NativeGroup) -> None:
     if len(nodes) == 1:
         _attach_shm(ng.gid, 0, comm, [list(range(comm.size))])
         available.append("shm")
+        if len(comm.groups) == 1 and comm.size == len(comm.node_ids):
+            native().board_use(ng.gid)  # the world's segment: the wait board (board.h)
     if ng.data is not None:
         from mpi4py import MPI
 

@@ -11,10 +11,12 @@ Shared memory (one segment, made by the writer)::
 A slot is free when it was never written or every local reader has set its flag in it. The
 writer fills a free slot's data, length and chunk numbers, clears the flags and then stores
 the message's sequence number: a reader waiting for sequence number s in that slot reads the
-data only after it sees s, then sets its flag. (x86-64 keeps stores in order and loads in order;
-that is what the protocol relies on.) An object longer than a slot takes several consecutive
-slots. The writer unlinks the segment as soon as every reader has mapped it, so nothing is left
-in ``/dev/shm`` whatever happens to the processes.
+data only after it sees s, then sets its flag. The sequence number is stored with release and
+loaded with acquire semantics, and so are the flags (native: spmd._native's ``mq_*``), so
+that the order holds on every architecture, aarch64's weaker ordering included, not only on
+x86-64's. An object longer than a slot takes several consecutive slots. The writer unlinks
+the segment as soon as every reader has mapped it, so nothing is left in ``/dev/shm`` whatever
+happens to the processes.
 
 Readers on other nodes subscribe to the writer's ZMQ XPUB socket (``pyzmq``); the writer waits
 for every subscription before the first message, so none is lost, and sends each pickled object
@@ -28,6 +30,7 @@ ever unpickled.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import pickle
@@ -39,6 +42,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from .._errors import SpmdError
+from .._native_lib import native
 from ._communicator import Communicator, use_queue_factory
 
 __all__ = ["MessageQueue"]
@@ -97,9 +101,10 @@ class MessageQueue:
         self.remote = [r for r in range(n) if r != writer and nodes[r] != nodes[writer]]
         self._data_at = _round(_SLOT.size + len(self.local))  # a slot's data, from its start
         self.stride = self._data_at + slot_bytes
-        self._zeros, self._ones = bytes(len(self.local)), b"\x01" * len(self.local)
+        self._zeros = bytes(len(self.local))
         self.next = 0  # sequence number of the next chunk (writer) / next chunk to read
         self._map: mmap.mmap | None = None
+        self._addr = 0  # where the mapping starts, for the native atomics
         self._sock: Any = None
         self._ctx: Any = None
         self._auth: Any = None  # the writer's ZAP handler (a thread of pyzmq's)
@@ -124,6 +129,7 @@ class MessageQueue:
                     self._map = mmap.mmap(fd, size)
                 finally:
                     os.close(fd)
+                self._addr = _address(self._map)
                 _HEADER.pack_into(self._map, 0, _MAGIC, self.slots, self.slot_bytes,
                                   len(self.local), os.getpid())  # fmt: skip
                 info["shm"] = path
@@ -143,6 +149,7 @@ class MessageQueue:
                     self._map = mmap.mmap(fd, os.fstat(fd).st_size)
                 finally:
                     os.close(fd)
+                self._addr = _address(self._map)
                 self.flag = self.local.index(mine)
             comm.barrier()  # every local reader has mapped the segment; the writer knows the keys
             if mine in self.remote:
@@ -247,20 +254,21 @@ class MessageQueue:
         if self._map is None:
             return
         limit = self.timeout if timeout is None else timeout
-        m, n, size = self._map, len(self.local), self.slot_bytes
+        m, n, size, addr = self._map, len(self.local), self.slot_bytes, self._addr
+        lib = native()
         chunks = max(1, -(-len(data) // size))
         view = memoryview(data) if chunks > 1 else data
         for c in range(chunks):
             base = 64 + (self.next % self.slots) * self.stride
             flags = base + _SLOT.size
-            if _SEQ.unpack_from(m, base)[0] and m[flags : flags + n] != self._ones:
+            if _SEQ.unpack_from(m, base)[0] and not lib.mq_all_set(addr + flags, n):
                 self._wait_free(base, limit)
             part = view[c * size : (c + 1) * size] if chunks > 1 else data
             start = base + self._data_at
             m[start : start + len(part)] = part
             m[flags : flags + n] = self._zeros
             _META.pack_into(m, base + 8, len(data), c, chunks)
-            _SEQ.pack_into(m, base, self.next + 1)  # the sequence number last
+            lib.mq_store(addr + base, self.next + 1)  # the sequence number last (release)
             self.next += 1
 
     def _wait_free(self, base: int, limit: float) -> None:
@@ -270,9 +278,10 @@ class MessageQueue:
         flags = base + _SLOT.size
         deadline = time.monotonic() + limit
         spins = 0
+        lib = native()
         while True:
             seq = _SEQ.unpack_from(m, base)[0]
-            if seq == 0 or m[flags : flags + n] == self._ones:
+            if seq == 0 or lib.mq_all_set(self._addr + flags, n):
                 return
             spins += 1
             if spins > _SPIN:
@@ -298,12 +307,13 @@ class MessageQueue:
             return pickle.loads(self._sock.recv(copy=False).buffer)
         m = self._map
         assert m is not None
+        lib = native()
         parts: list[Any] = []
         total = chunks = 1
         c = 0
         while c < chunks:
             base = 64 + (self.next % self.slots) * self.stride
-            if _SEQ.unpack_from(m, base)[0] != self.next + 1:
+            if lib.mq_load(self._addr + base) != self.next + 1:  # acquire: the data after it
                 self._wait_written(base, limit)
             _, total, chunk, chunks = _SLOT.unpack_from(m, base)
             start = base + self._data_at
@@ -312,7 +322,7 @@ class MessageQueue:
                 obj = pickle.loads(m[start : start + size])
             else:
                 parts.append(m[start : start + size])
-            m[base + _SLOT.size + self.flag] = 1
+            lib.mq_mark(self._addr + base + _SLOT.size + self.flag)  # release: read before it
             self.next += 1
             c += 1
         return obj if chunks == 1 else pickle.loads(b"".join(parts))
@@ -323,7 +333,8 @@ class MessageQueue:
         want = self.next + 1
         deadline = time.monotonic() + limit
         spins = 0
-        while _SEQ.unpack_from(m, base)[0] != want:
+        load = native().mq_load
+        while load(self._addr + base) != want:
             spins += 1
             if spins > _SPIN:
                 if time.monotonic() > deadline:
@@ -356,6 +367,7 @@ class MessageQueue:
         if self._map is not None:
             self._map.close()
             self._map = None
+            self._addr = 0
         if self._sock is not None:
             # The writer's messages still queued in ZMQ are delivered first (up to the timeout).
             self._sock.close(linger=int(self.timeout * 1000) if self.is_writer else 0)
@@ -379,6 +391,16 @@ class MessageQueue:
                 self.close()
             except Exception:
                 pass
+
+
+def _address(m: mmap.mmap) -> int:
+    """Where mapping ``m`` starts (the buffer export ctypes takes ends at once, so that the
+    mapping can still be closed)."""
+    anchor = ctypes.c_char.from_buffer(m)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor
 
 
 def _pause(spins: int) -> None:

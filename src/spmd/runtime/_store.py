@@ -115,8 +115,15 @@ class FileStore:
             return False
         return True
 
-    def wait(self, keys: Sequence[str], what: str, owners: Sequence[int]) -> list[bytes]:
-        """The values of ``keys``, once all exist. ``owners[i]`` is the rank that writes keys[i]."""
+    def wait(
+        self,
+        keys: Sequence[str],
+        what: str,
+        owners: Sequence[int],
+        on_board: tuple[str, Sequence[int], int, str] | None = None,
+    ) -> list[bytes]:
+        """The values of ``keys``, once all exist. ``owners[i]`` is the rank that writes keys[i];
+        ``on_board``: the wait on the wait board (``wait_until``)."""
         values: list[bytes | None] = [None] * len(keys)
 
         def all_present() -> bool:
@@ -127,7 +134,7 @@ class FileStore:
                         return False
             return True
 
-        if not wait_until(all_present, self.timeout):
+        if not wait_until(all_present, self.timeout, on_board):
             # all_present stops at the first missing key: look at every key once more.
             missing = [
                 owners[i]
