@@ -12,6 +12,8 @@ import textwrap
 
 import pytest
 
+from .. import _leftovers as leftovers
+
 SPMD_RUN = [sys.executable, "-m", "spmd.cli.run"]
 
 
@@ -124,3 +126,29 @@ def test_ranks_waiting_for_one_that_computes_are_no_deadlock(tmp_path):
     assert out.returncode == 0, out.stderr
     assert sorted(out.stdout.splitlines()) == ["0 completed 1.0", "1 completed 1.0",
                                                "2 completed 2.0"]  # fmt: skip
+
+
+def test_a_job_killed_under_plain_mpiexec_leaves_no_segment():
+    """Under MPICH's own mpiexec (no spmd-run to clean up after it), rank 1 is killed by
+    SIGKILL after a collective and mpiexec ends the job: MPICH's segment (mpich_shm_*, 2 MiB,
+    removed by MPICH only in MPI_Finalize) and spmd's are gone, since spmd unlinks them once
+    every rank has mapped them."""
+    import shutil
+
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep
+                           + os.environ.get("PATH", ""))  # fmt: skip
+    assert mpiexec is not None
+    patterns = ["/dev/shm/mpich_shm_*", "/dev/shm/spmd-*"]
+    before = leftovers.files(patterns)
+    code = (
+        "import os, signal, time, spmd, jax.numpy as jnp\n"
+        "comm = spmd.init()\n"
+        "spmd.allreduce(jnp.ones(2))\n"
+        "if comm.rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(60)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPMD_", "PMI"))}
+    out = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", code], capture_output=True,
+                         text=True, timeout=120, env=env)  # fmt: skip
+    assert out.returncode != 0, out.stderr
+    assert leftovers.new_files(patterns, before) == set()
