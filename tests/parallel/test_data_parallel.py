@@ -479,3 +479,24 @@ def test_a_step_whose_results_ignore_its_gradients_is_refused(comm):
     assert float(value) == 3 * (comm.rank + 1) ** 2  # this rank's loss
     # The mean gradient over the two ranks' x = 1 and 2: 2 * w * x^2 averaged = 5.
     np.testing.assert_allclose(new["w"], 1 - 0.1 * 5.0, rtol=1e-6)
+
+
+@multirank(nprocs=(2,))
+def test_a_pmean_left_from_pmap_is_an_error_that_says_what_to_do(comm):
+    """A step ported from pmap with its jax.lax.pmean(grads, "batch") left in: an SpmdError on
+    every rank naming the axis and saying to remove it (JAX's NameError pointed to shard_map);
+    a psum over a made-up axis in spmd.check too."""
+
+    @spmd.data_parallel
+    def step(w, x):
+        loss, g = spmd.value_and_grad(lambda w: jnp.sum(w * x))(w)
+        return loss, w - jax.lax.pmean(g, "batch")
+
+    with pytest.raises(spmd.SpmdError) as info:
+        step(jnp.ones(2), jnp.ones(2))
+    text = str(info.value)
+    assert text.startswith(f"rank {comm.rank}: a collective over the named axis 'batch'"), text
+    assert "already averaged over the group: remove the jax.lax.pmean of them" in text
+    assert "spmd.allreduce(x, 'avg')" in text and "docs/pmap.md" in text
+    with pytest.raises(spmd.SpmdError, match="named axis 'i'"):
+        spmd.check(lambda v: jax.lax.psum(v, "i"), jnp.ones(2))

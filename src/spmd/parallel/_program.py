@@ -218,7 +218,10 @@ def trace_program(
         a, kw = jax.tree_util.tree_unflatten(in_tree, xs)
         return fn(*a, **kw)
 
-    closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*leaves)
+    try:
+        closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*leaves)
+    except NameError as e:
+        raise _named_axis_error(e) from None
     out_tree = jax.tree_util.tree_structure(out_shape)
     name = getattr(fn, "__name__", "main")
     return Program(
@@ -228,6 +231,25 @@ def trace_program(
         name=name,
         in_names=arg_names(fn, args, kwargs),
         in_sharding=in_sharding,
+    )
+
+
+def _named_axis_error(e: NameError) -> Exception:
+    """A ``jax.lax.pmean(x, "batch")`` left in a step ported from ``pmap``: JAX's NameError says to
+    use ``shard_map``, the wrong way for spmd; say what spmd does instead. Other NameErrors as
+    they are."""
+    found = re.search(r"unbound axis name: ([^\s.]+)", str(e))
+    if found is None:
+        return e
+    axis = found.group(1)
+    return SpmdError(
+        f"a collective over the named axis {axis!r} (jax.lax.pmean, psum, all_gather, "
+        "axis_index, ...) was traced in a step, but spmd runs one process per device with no "
+        "named axes: those need pmap or shard_map. In a data_parallel/zero_shard step the "
+        "gradients of spmd.grad/spmd.value_and_grad are already averaged over the group: remove "
+        "the jax.lax.pmean of them. For other values use spmd.allreduce(x, 'avg') (or "
+        "'sum'), with group= naming a mesh axis where the mesh has one. docs/pmap.md maps "
+        "pmap's idioms to spmd's"
     )
 
 
