@@ -260,3 +260,56 @@ def test_errors(comm):
             assert text in str(info.value), str(info.value)
     with pytest.raises(spmd.SpmdError, match="no mesh is active"):
         tp.copy_to(jnp.ones(2))
+
+
+def _drift_steps(use_copy_to, steps):
+    """A data-parallel step on Mesh(dp=1, tp=2) whose replicated ``scale`` meets this rank's
+    part of the sequence (sequence parallelism): without copy_to its gradient is this rank's
+    alone and the two tp ranks' copies drift apart; with it, summed over tp, they stay equal."""
+    import os
+
+    mesh = spmd.Mesh(dp=1, tp=2)
+    rank = mesh.index("tp")
+    params = {"w": jax.random.normal(jax.random.key(rank), (3, 2)), "scale": jnp.ones(2)}
+    x = jax.random.normal(jax.random.key(10 + rank), (4, 3))  # this rank's part of the sequence
+
+    def loss_fn(p):
+        scale = spmd.tensor_parallel.copy_to(p["scale"]) if use_copy_to else p["scale"]
+        return jnp.sum((x @ p["w"] * scale) ** 2)
+
+    with mesh:
+
+        @spmd.data_parallel(group="dp")
+        def step(p):
+            loss, g = spmd.value_and_grad(loss_fn)(p)
+            return jax.tree.map(lambda a, b: a - 0.01 * b, p, g), loss
+
+        old = {k: os.environ.get(k) for k in ("SPMD_DEBUG", "SPMD_CHECK_EVERY")}
+        os.environ.update(SPMD_DEBUG="1", SPMD_CHECK_EVERY="2")
+        try:
+            for _ in range(steps):
+                params, _ = step(params)
+        finally:
+            for k, v in old.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return params
+
+
+@multirank(nprocs=(2,))
+def test_a_replicated_parameter_that_drifts_apart_over_tp_is_named(comm):
+    """The silent trap of sequence parallelism without copy_to on a norm's parameters: under
+    SPMD_DEBUG=1 the replica check repeats every SPMD_CHECK_EVERY steps over every mesh axis
+    and names the parameter and the group; with copy_to, four steps pass and the copies agree
+    (the tp-split ``w``, different from the start, is never compared over tp)."""
+    with pytest.raises(spmd.SpmdError) as info:
+        _drift_steps(use_copy_to=False, steps=4)
+    text = str(info.value)
+    assert (
+        "at step 2, the parameter p.scale differs between the ranks [0, 1] of the mesh axis 'tp' "
+        "(1 of the 1 parameters they held alike at the first step have drifted apart)"
+    ) in text, text
+    assert "spmd.tensor_parallel.copy_to" in text
+    params = _drift_steps(use_copy_to=True, steps=4)
+    scales = comm.allgather_object(np.asarray(params["scale"]))
+    np.testing.assert_array_equal(scales[0], scales[1])
+    assert not np.array_equal(scales[0], np.ones(2))  # it trained

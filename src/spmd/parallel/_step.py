@@ -33,8 +33,9 @@ import numpy as np
 
 from .._errors import SpmdError
 from .._jax_compat import core
-from ..mesh import mesh_key, resolve_group
+from ..mesh import current_mesh, mesh_key, resolve_group
 from ..runtime import Communicator
+from ..runtime._env import check_every, debug_checks
 from ..sharded import is_sharded
 from ._boundary import lift, stateful, statics, unstatic
 from ._check import compare, schedule
@@ -131,6 +132,8 @@ class Step:
         self.check_params = check_params
         self._cache: dict[Any, Traced] = {}
         self._checked = False
+        self._calls = 0  # calls so far (the periodic replica check's step numbers)
+        self._replicas: dict[str, tuple[Communicator, list[str]]] = {}
         self.shards = 0  # data_parallel(deterministic=True): the global batch's shard count
 
     @property
@@ -238,24 +241,108 @@ class Step:
             raise SpmdError(TRACED_CALL, op=self.name)
         traced = self._traced(args, kwargs, key)
         variant = self.variant(traced)
+        self._calls += 1
         if not self._checked:
             comm = self.comm()
             if self.check_params:
-                named = [(traced.program.in_names[i], leaves[i]) for i in traced.param_inputs]
-                objs = jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_sharded)
-                blocks = [
-                    shard_coordinate(shard_groups(objs[i]), comm.world_rank)
-                    for i in traced.param_inputs
-                ]
+                named, blocks = self._params(traced, args, kwargs, leaves, comm)
                 check_same(comm, named, self.name, blocks)
+                if debug_checks():  # (collective over every mesh axis: only when asked for)
+                    self._replicas = replicated_over_mesh(comm, named, blocks)
             # The pre-flight schedule check, before the first program runs.
             compare(comm, schedule(self.program(traced, variant)), self.name)
             self._checked = True
+        elif self.check_params and debug_checks() and self._calls % check_every() == 0:
+            comm = self.comm()
+            named, blocks = self._params(traced, args, kwargs, leaves, comm)
+            check_still_same(comm, named, blocks, self._replicas, self._calls, self.name)
         run = traced.runs.get(variant)
         if run is None:
             run = traced.runs[variant] = self.program(traced, variant)._compiled
         outs = run(*leaves, *self.extra_inputs(traced, variant))
         return self.results(traced, variant, outs)
+
+    def _params(
+        self, traced: Traced, args: Any, kwargs: Any, leaves: list[Any], comm: Communicator
+    ) -> tuple[list[tuple[str, Any]], list[int | None]]:
+        """The parameters the replica check compares, named, and the block of each this rank
+        holds (None: not sharded)."""
+        named = [(traced.program.in_names[i], leaves[i]) for i in traced.param_inputs]
+        objs = jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_sharded)
+        blocks = [shard_coordinate(shard_groups(objs[i]), comm.world_rank)
+                  for i in traced.param_inputs]  # fmt: skip
+        return named, blocks
+
+
+def _checksum(a: Any) -> int:
+    return zlib.crc32(_canonical(a).tobytes())
+
+
+def replicated_over_mesh(
+    comm: Communicator, named: list[tuple[str, Any]], blocks: Sequence[int | None]
+) -> dict[str, tuple[Communicator, list[str]]]:
+    """At the first step: per axis of the active mesh other than the step's own group, the
+    parameters (not sharded arrays) that every rank of this rank's group on that axis holds
+    alike, so that a later check (``SPMD_DEBUG=1``) finds one that has drifted apart. A
+    parameter that differs at the first step is taken as split over the axis (a tensor-parallel
+    block). Collective over the mesh: every rank of it makes the same exchanges."""
+    mesh = current_mesh()
+    if mesh is None:
+        return {}
+    plain = [(name, a) for (name, a), b in zip(named, blocks, strict=True) if b is None]
+    out: dict[str, tuple[Communicator, list[str]]] = {}
+    for axis in mesh.axis_names:
+        group = mesh.group(axis)
+        if group.size == 1 or group.groups == comm.groups:
+            continue
+        sums = [_checksum(a) for _, a in plain]
+        everyone = group.allgather_object(sums)
+        same = [name for k, (name, _) in enumerate(plain)
+                if all(len(s) == len(sums) and s[k] == sums[k] for s in everyone)]  # fmt: skip
+        out[axis] = (group, same)
+    return out
+
+
+def check_still_same(
+    comm: Communicator,
+    named: list[tuple[str, Any]],
+    blocks: Sequence[int | None],
+    replicas: dict[str, tuple[Communicator, list[str]]],
+    step: int,
+    op: str,
+) -> None:
+    """Every ``SPMD_CHECK_EVERY`` steps under ``SPMD_DEBUG=1``: the replica check again over the
+    step's group, and over each other mesh axis for the parameters its ranks held alike at the
+    first step. A difference is an error on every rank of the world naming the parameter and
+    the group (a parameter replicated over tp that drifts apart trains another model, silently:
+    sequence parallelism without ``copy_to`` on a norm's parameters does that)."""
+    from ..runtime import get_communicator
+
+    detail = _difference(comm, named, blocks)
+    problem = (
+        f"at step {step}, the parameters differ between the ranks {list(comm.ranks)} of the step's "
+        f"group, though they were the same at the first step: {detail}"
+        if detail
+        else ""
+    )
+    values = dict(named)
+    for axis, (group, names) in replicas.items():
+        sums = [_checksum(values[n]) for n in names]
+        everyone = group.allgather_object(sums)
+        drifted = [n for k, n in enumerate(names) if any(s[k] != sums[k] for s in everyone)]
+        if drifted and not problem:
+            problem = (
+                f"at step {step}, the parameter {drifted[0]} differs between the ranks "
+                f"{list(group.ranks)} of the mesh axis {axis!r} ({len(drifted)} of the "
+                f"{len(names)} parameters they held alike at the first step have drifted "
+                f"apart). A parameter replicated over {axis!r} must get the same update on "
+                "each of its ranks: under sequence parallelism read replicated parameters (a "
+                "norm's scale and bias) through spmd.tensor_parallel.copy_to, so that their "
+                "gradients are summed over the group (docs/model_parallel.md)"
+            )
+    problems = [p for p in get_communicator().allgather_object(problem) if p]
+    if problems:
+        raise SpmdError(problems[0], op=op)
 
 
 def _canonical(x: Any) -> np.ndarray:
@@ -276,34 +363,38 @@ def check_same(
     ranks of ``comm``, naming the ranks and the first array that differs. ``blocks`` gives, per
     array, which block of a sharded parameter this rank holds (None: replicated): such an array
     is compared only between the ranks that hold the same block."""
+    detail = _difference(comm, named, blocks)
+    if detail:
+        raise SpmdError(PARAMS_DIFFER.format(detail=detail), op=op)
+
+
+def _difference(
+    comm: Communicator, named: list[tuple[str, Any]], blocks: Sequence[int | None] | None
+) -> str:
+    """What differs between the ranks of ``comm`` (check_same), the same on every rank; ""."""
     if comm.size == 1 or not named:
-        return
-    sums = [
-        (zlib.crc32(_canonical(a).tobytes()), None if blocks is None else blocks[k])
-        for k, (_, a) in enumerate(named)
-    ]
+        return ""
+    sums = [(_checksum(a), None if blocks is None else blocks[k]) for k, (_, a) in enumerate(named)]
     everyone = comm.allgather_object(sums)
     differ = [r for r, s in enumerate(everyone) if not _agree(s, everyone)]
     if not differ:
-        return
+        return ""
     first = differ[0]
     if len(everyone[first]) != len(sums) or len(everyone[0]) != len(sums):
         counts = {comm.ranks[r]: len(s) for r, s in enumerate(everyone)}
-        detail = (
+        return (
             f"the ranks hold different numbers of parameter arrays (rank: count {counts}); "
             "every rank must pass the same parameter structure"
         )
-    else:
-        theirs = _reference(everyone[first], everyone)
-        bad = [name for (name, _), a, b in zip(named, theirs, everyone[first], strict=True)
-               if a != b]  # fmt: skip
-        ranks = [comm.ranks[r] for r in differ]
-        detail = (
-            f"ranks {ranks} hold other values than rank {comm.ranks[0]} "
-            f"(first difference: {bad[0]}; {len(bad)} of {len(sums)} parameter arrays differ "
-            f"on rank {comm.ranks[first]})"
-        )
-    raise SpmdError(PARAMS_DIFFER.format(detail=detail), op=op)
+    theirs = _reference(everyone[first], everyone)
+    bad = [name for (name, _), a, b in zip(named, theirs, everyone[first], strict=True)
+           if a != b]  # fmt: skip
+    ranks = [comm.ranks[r] for r in differ]
+    return (
+        f"ranks {ranks} hold other values than rank {comm.ranks[0]} "
+        f"(first difference: {bad[0]}; {len(bad)} of {len(sums)} parameter arrays differ "
+        f"on rank {comm.ranks[first]})"
+    )
 
 
 def _reference(mine: list[Any], everyone: list[list[Any]]) -> list[Any]:

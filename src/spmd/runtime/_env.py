@@ -180,3 +180,12 @@ def debug_checks(env: Mapping[str, str] = os.environ) -> bool:
     if value not in ("", "0", "1"):
         raise SpmdError(f"SPMD_DEBUG={value!r}; expected 0 or 1", rank=None)
     return value == "1"
+
+
+def check_every(env: Mapping[str, str] = os.environ) -> int:
+    """How many steps apart a transformed step repeats its replica check under ``SPMD_DEBUG=1``
+    (``SPMD_CHECK_EVERY``, default 100)."""
+    value = env.get("SPMD_CHECK_EVERY", "100").strip()
+    if not value.isdigit() or int(value) < 1:
+        raise SpmdError(f"SPMD_CHECK_EVERY={value!r}; expected a whole number >= 1", rank=None)
+    return int(value)
