@@ -116,10 +116,11 @@ def start_mpi(launch: LaunchInfo, env: Mapping[str, str]) -> Any:
     and the library cannot work together.
 
     mpi4py initializes MPI when ``mpi4py.MPI`` is first imported, unless ``mpi4py.rc.initialize``
-    is false; here the import defers it, and ``MPI_Init_thread`` follows with mpi4py's own
-    settings (``rc.threads``, ``rc.thread_level``), and MPI is finalized at exit as mpi4py would
-    have done. A process that imported ``mpi4py.MPI`` already, or that sets
-    ``MPI4PY_RC_INITIALIZE`` (which mpi4py reads in place of ``rc``), is left as it is.
+    is false; here the import defers it, ``MPI_Init_thread`` follows with mpi4py's own settings
+    (``rc.threads``, ``rc.thread_level``), and MPI is finalized at exit as when mpi4py starts it
+    (unless ``rc.finalize`` says otherwise). Where ``mpi4py.MPI`` was imported already, or
+    ``MPI4PY_RC_INITIALIZE`` is set (mpi4py reads it in place of ``rc``), the import is
+    mpi4py's own, and MPI is started here only if that import did not start it.
     """
     import mpi4py
 
@@ -127,7 +128,7 @@ def start_mpi(launch: LaunchInfo, env: Mapping[str, str]) -> Any:
     if "mpi4py.MPI" not in sys.modules and "MPI4PY_RC_INITIALIZE" not in env:
         initialize, finalize = rc.initialize, rc.finalize
         rc.initialize = False
-        rc.finalize = initialize if finalize is None else finalize
+        rc.finalize = True if finalize is None else finalize
         try:
             from mpi4py import MPI
         finally:
