@@ -114,6 +114,7 @@ _LONGEST_FIRST = [
     "tests/parallel/test_tensor_parallel.py",
     "tests/ops/test_errors.py",
     "tests/test_sharded.py",
+    "tests/cli/test_slurm.py",
     "tests/runtime/test_communicator.py",
     "tests/parallel/test_deterministic.py",
 ]

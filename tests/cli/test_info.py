@@ -31,8 +31,29 @@ def test_info_under_mpiexec_sees_the_launcher():
     argv = mpiexec_argv(2, [sys.executable, "-m", "spmd.info"])
     out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "launcher detected: mpi; rank 0 of 2" in out.stdout
-    assert "launcher detected: mpi; rank 1 of 2" in out.stdout
+    for rank in (0, 1):
+        assert (
+            f"launcher detected: mpi; rank {rank} of 2 (a PMI launcher (MPICH's mpiexec, srun "
+            f"--mpi=pmi2): PMI_RANK={rank}, PMI_SIZE=2)\n" in out.stdout
+        ), out.stdout
+    assert "MPI start: refused" not in out.stdout
+
+
+def test_info_says_what_spmd_init_would_refuse_before_mpi_starts():
+    # A PMIx launcher's variables with the MPICH wheel, which has no PMIx (docs/slurm.md).
+    env = {**os.environ, "PMIX_RANK": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "spmd.info"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    detected = (
+        "launcher detected: mpi; rank 1 of ? (a PMIx launcher: PMIX_RANK=1 and no world size)"
+    )
+    assert detected in out.stdout, out.stdout
+    assert (
+        "MPI start: refused: a PMIx launcher started this process with PMIx (PMIX_RANK=1), but "
+        "mpi4py loaded MPICH" in out.stdout
+    ), out.stdout
 
 
 def test_info_follows_the_settings_spmd_init_follows():

@@ -11,18 +11,51 @@ def test_no_launcher_is_a_world_of_one():
     assert (info.communicator, info.rank, info.size) == (None, 0, 1)
 
 
+# Each launcher's variables as it sets them (Open MPI's mpirun and srun --mpi=pmix set PMIX_RANK
+# too; srun --mpi=pmi2 sets PMI_* beside SLURM_*): rank and size come from one launcher.
+_SRUN_STEP = {"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_NTASKS": "8",
+              "SLURM_STEP_ID": "0"}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "env, rank, size",
+    "env, rank, size, launcher",
     [
-        ({"PMI_RANK": "3", "PMI_SIZE": "4"}, 3, 4),  # MPICH / Intel MPI (Hydra)
-        ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}, 1, 2),  # Open MPI
-        ({"PMIX_RANK": "2"}, 2, None),  # PMIx (Open MPI 5, srun --mpi=pmix)
-        ({"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_ID": "0"}, 5, 8),
+        ({"PMI_RANK": "3", "PMI_SIZE": "4"}, 3, 4, "a PMI "),  # MPICH / Intel MPI (Hydra)
+        (
+            {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "PMIX_RANK": "1"},
+            1,
+            2,
+            "Open MPI",
+        ),
+        ({"PMIX_RANK": "2"}, 2, None, "a PMIx"),  # PMIx alone says no size
+        ({**_SRUN_STEP, "PMIX_RANK": "5", "SLURM_MPI_TYPE": "pmix"}, 5, 8, "a PMIx"),
+        ({**_SRUN_STEP, "PMIX_RANK": "5", "SLURM_MPI_TYPE": "pmix_v4"}, 5, 8, "a PMIx"),
+        (
+            {**_SRUN_STEP, "PMI_RANK": "5", "PMI_SIZE": "8", "SLURM_MPI_TYPE": "pmi2"},
+            5,
+            8,
+            "a PMI ",
+        ),
+        ({"MV2_COMM_WORLD_RANK": "0", "MV2_COMM_WORLD_SIZE": "3"}, 0, 3, "MVAPICH2"),
+        (_SRUN_STEP, 5, 8, "srun"),  # srun --mpi=none
+        ({**_SRUN_STEP, "SLURM_STEP_NUM_TASKS": ""}, 5, 8, "srun"),  # SLURM_NTASKS then
     ],
 )
-def test_mpi_launchers(env, rank, size):
+def test_mpi_launchers(env, rank, size, launcher):
     info = detect(env)
     assert (info.communicator, info.rank, info.size) == ("mpi", rank, size)
+    assert info.launcher is not None and info.launcher.name.startswith(launcher)
+
+
+def test_pmix_takes_slurms_size_only_from_the_task_srun_started():
+    # MPICH's mpiexec or Open MPI's mpirun inside an allocation starts its daemons with srun:
+    # a daemon's SLURM_PROCID is its node's number, not the rank.
+    env = {**_SRUN_STEP, "PMIX_RANK": "3", "SLURM_MPI_TYPE": "pmix"}
+    assert detect(env).size is None
+    env = {**_SRUN_STEP, "PMIX_RANK": "5", "SLURM_MPI_TYPE": "pmi2"}
+    assert detect(env).size is None
+    mpiexec_in_allocation = {**_SRUN_STEP, "PMI_RANK": "1", "PMI_SIZE": "4"}
+    assert (detect(mpiexec_in_allocation).rank, detect(mpiexec_in_allocation).size) == (1, 4)
 
 
 def test_slurm_batch_script_is_not_a_launched_task():
@@ -54,6 +87,35 @@ def test_requested_void_under_mpiexec_takes_the_mpi_rank():
 def test_requested_void_without_store_for_many_ranks_is_an_error():
     with pytest.raises(SpmdError, match="needs SPMD_FILE_STORE_PATH"):
         detect({"RANK": "0", "WORLD_SIZE": "2"}, "void")
+
+
+@pytest.mark.parametrize(
+    "env, rank, size",
+    [
+        ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "PMIX_RANK": "1"}, 1, 2),
+        ({**_SRUN_STEP, "PMIX_RANK": "5", "SLURM_MPI_TYPE": "pmix"}, 5, 8),
+        (_SRUN_STEP, 5, 8),
+    ],
+)
+def test_requested_void_takes_rank_and_size_from_one_launcher(env, rank, size):
+    info = detect({**env, "SPMD_FILE_STORE_PATH": "/s"}, "void")
+    assert (info.communicator, info.rank, info.size) == ("void", rank, size)
+
+
+def test_requested_void_under_a_launcher_that_gives_no_size_is_an_error_on_every_rank():
+    for rank in range(3):
+        with pytest.raises(SpmdError) as e:
+            detect({"PMIX_RANK": str(rank), "SPMD_FILE_STORE_PATH": "/s"}, "void")
+        assert str(e.value) == (
+            f"rank {rank}: the 'void' communicator needs the number of processes, but a PMIx "
+            f"launcher gave only this process's rank (PMIX_RANK={rank} and no world size). Set "
+            "RANK and WORLD_SIZE for every process, or use the 'mpi' communicator"
+        )
+
+
+def test_requested_void_with_half_of_torchruns_pair_is_an_error():
+    with pytest.raises(SpmdError, match=r"rank 1: RANK=1 WORLD_SIZE=<unset>: .* set both"):
+        detect({"RANK": "1", "PMI_RANK": "1", "PMI_SIZE": "2"}, "void")
 
 
 def test_requested_mpi_without_launcher_is_a_singleton():

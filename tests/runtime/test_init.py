@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import spmd
-from spmd.runtime._env import LaunchInfo
+from spmd.runtime._env import detect
 from spmd.testing import run
 
 
@@ -86,10 +86,16 @@ def test_void_under_mpiexec_finalize_and_switch(tmp_path):
 
 
 def mismatched_world():
+    import dataclasses
+
     from spmd.runtime._state import _Runtime
 
+    # The launcher's own announcement, with one process more than it started.
+    info = detect(os.environ)
+    assert info.launcher is not None, "not started by an MPI launcher"
+    three = dataclasses.replace(info.launcher, size=3)
     try:
-        _Runtime(LaunchInfo("mpi", 0, 3))
+        _Runtime(dataclasses.replace(info, size=3, launcher=three))
     except spmd.SpmdError as e:
         return str(e)
     return "no error"
@@ -99,8 +105,10 @@ def test_mpi_world_size_that_differs_from_the_launcher_is_an_error():
     messages = run(mismatched_world, 2, fresh=True)
     for rank, message in enumerate(messages):
         assert message.startswith(
-            f"rank {rank}: the launcher started 3 processes but MPI sees a world of 2"
-        )
+            f"rank {rank}: a PMI launcher (MPICH's mpiexec, srun --mpi=pmi2) started 3 processes "
+            f"(PMI_RANK={rank}, PMI_SIZE=3) but MPI sees a world of 2: mpi4py loaded an MPI "
+            "library other than the launcher's (MPICH"
+        ), message
         assert "MPI4PY_LIBMPI" in message
 
 

@@ -9,6 +9,10 @@ import importlib.util
 import os
 import platform
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..runtime import LaunchInfo
 
 _PACKAGES = ("spmd", "jax", "jaxlib", "numpy", "mpi4py", "mpich")
 
@@ -32,6 +36,19 @@ def _mpi_library() -> str:
         return str(MPI.Get_library_version()).strip().splitlines()[0]
     except Exception as e:
         return f"unavailable ({type(e).__name__}: {e})"
+
+
+def _mpi_refusal(launch: LaunchInfo) -> str:
+    """What spmd.init would refuse before MPI_Init under this launcher ("" if nothing)."""
+    from ..runtime import refusal_before_init
+
+    try:
+        from mpi4py import MPI  # loaded by _mpi_library, without MPI_Init
+
+        version = str(MPI.Get_library_version())
+    except Exception:
+        return ""
+    return refusal_before_init(os.environ, launch.launcher, version)
 
 
 def _native_layer() -> str:
@@ -114,7 +131,13 @@ def report() -> str:
         launch = detect(os.environ, requested_communicator(None))  # as spmd.init() would decide
         here = launch.communicator or "none (a world of one)"
         size = launch.size if launch.size is not None else "?"
-        lines.append(f"  launcher detected: {here}; rank {launch.rank} of {size}")
+        found = launch.launcher
+        by = f" ({found.name}: {found.describe()})" if found is not None else ""
+        lines.append(f"  launcher detected: {here}; rank {launch.rank} of {size}{by}")
+        if launch.communicator == "mpi":
+            refusal = _mpi_refusal(launch)
+            if refusal:
+                lines.append(f"  MPI start: refused: {refusal}")
     except SpmdError as e:
         lines.append(f"  launcher detected: error: {e}")
     lines.append("  communicators: mpi (mpi4py), void (file store, single machine)")

@@ -13,6 +13,7 @@ from ._affinity import record_cpus as record_cpus
 from ._affinity import recorded_cpus as recorded_cpus
 from ._communicator import Communicator as Communicator
 from ._device import gpu_active as gpu_active
+from ._env import LaunchInfo as LaunchInfo
 from ._env import cuda_graphs as cuda_graphs
 from ._env import detect as detect
 from ._env import mpi_rank_size as mpi_rank_size
@@ -33,6 +34,7 @@ from ._groups import shm_hop_ns as shm_hop_ns
 from ._groups import shm_staging as shm_staging
 from ._groups import transport_names as transport_names
 from ._malloc import tune as tune_malloc
+from ._mpi import refusal_before_init as refusal_before_init
 from ._queue import MessageQueue as MessageQueue
 from ._recorder import flight_report as flight_report
 from ._recorder import merge_timeline as merge_timeline
@@ -48,6 +50,7 @@ from ._state import this_rank as this_rank
 __all__ = [
     "Communicator",
     "GpuGroup",
+    "LaunchInfo",
     "MessageQueue",
     "NativeGroup",
     "abort_job",
@@ -70,6 +73,7 @@ __all__ = [
     "nccl_library",
     "record_cpus",
     "recorded_cpus",
+    "refusal_before_init",
     "report_exception",
     "report_status",
     "requested_communicator",

@@ -16,15 +16,40 @@ from .._errors import SpmdError
 CommunicatorName = Literal["mpi", "void"]
 COMMUNICATOR_NAMES: tuple[CommunicatorName, ...] = ("mpi", "void")
 
-# (rank variable, size variable) pairs set by MPI launchers: MPICH/Intel MPI (Hydra, and Slurm's
-# pmi2), PMIx (Open MPI 5, Slurm's pmix), Open MPI, MVAPICH2.
-_MPI_RANK_SIZE_VARS: tuple[tuple[str, str | None], ...] = (
-    ("PMI_RANK", "PMI_SIZE"),
-    ("PMIX_RANK", None),
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
-    ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"),
+# The MPI launchers, each with the variable that carries this process's rank and the one that
+# carries the number of processes, both read from the same launcher. Tried in this order: the
+# first whose rank variable is set wins. Open MPI also sets PMIX_RANK, without a size, so it comes
+# before PMIx; Slurm's own variables come last, because MPICH's mpiexec and Open MPI's mpirun
+# inside an allocation start their daemons with srun, which gives the ranks the daemons' SLURM_*.
+_PMI = "a PMI launcher (MPICH's mpiexec, srun --mpi=pmi2)"
+_OMPI = "Open MPI's mpirun"
+_PMIX = "a PMIx launcher"
+_MV2 = "MVAPICH2"
+SRUN = "srun"
+_MPI_LAUNCHERS: tuple[tuple[str, str, str], ...] = (
+    (_PMI, "PMI_RANK", "PMI_SIZE"),
+    (_OMPI, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    (_PMIX, "PMIX_RANK", ""),  # the size: Slurm's, for srun --mpi=pmix (_pmix_size)
+    (_MV2, "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
+    (SRUN, "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"),
 )
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """What one launcher announced: its name, this process's rank, the number of processes
+    (None where the launcher does not say), and the variables they came from."""
+
+    name: str
+    rank: int
+    size: int | None
+    rank_var: str
+    size_var: str | None
+
+    def describe(self) -> str:
+        """The variables, as a user would set them: ``SLURM_PROCID=1, SLURM_STEP_NUM_TASKS=2``."""
+        size = f", {self.size_var}={self.size}" if self.size_var else " and no world size"
+        return f"{self.rank_var}={self.rank}{size}"
 
 
 @dataclass(frozen=True)
@@ -38,6 +63,7 @@ class LaunchInfo:
     rank: int
     size: int | None  # None when the launcher does not say (MPI will)
     store_path: str | None = None
+    launcher: Launcher | None = None  # the MPI launcher that started this process, if one did
 
 
 def _int(env: Mapping[str, str], name: str) -> int | None:
@@ -52,16 +78,50 @@ def _int(env: Mapping[str, str], name: str) -> int | None:
         ) from None
 
 
-def mpi_rank_size(env: Mapping[str, str]) -> tuple[int, int | None] | None:
-    """(rank, size) announced by an MPI launcher (mpiexec, srun), or None outside one."""
-    for rank_var, size_var in _MPI_RANK_SIZE_VARS:
+def in_srun_step(env: Mapping[str, str]) -> bool:
+    """Whether this process is a task that srun started (not a batch script, nor a login)."""
+    return "SLURM_STEP_ID" in env and _int(env, "SLURM_PROCID") is not None
+
+
+def _srun_size(env: Mapping[str, str]) -> tuple[int | None, str | None]:
+    size = _int(env, "SLURM_STEP_NUM_TASKS")
+    if size is not None:
+        return size, "SLURM_STEP_NUM_TASKS"
+    return _int(env, "SLURM_NTASKS"), "SLURM_NTASKS"
+
+
+def _pmix_size(env: Mapping[str, str], rank: int) -> tuple[int | None, str | None]:
+    """The world size of a PMIx launch, where the launcher says it: a task srun started with
+    --mpi=pmix (its PMIx rank is its Slurm rank). PMIx itself has no variable for it."""
+    slurm_mpi = env.get("SLURM_MPI_TYPE", "")
+    if slurm_mpi.startswith("pmix") and in_srun_step(env) and _int(env, "SLURM_PROCID") == rank:
+        return _srun_size(env)
+    return None, None
+
+
+def mpi_launcher(env: Mapping[str, str]) -> Launcher | None:
+    """The MPI launcher (mpiexec, mpirun, srun) that started this process, or None."""
+    for name, rank_var, size_var in _MPI_LAUNCHERS:
         rank = _int(env, rank_var)
         if rank is None:
             continue
-        if rank_var == "SLURM_PROCID" and "SLURM_STEP_ID" not in env:
-            continue  # a batch script, not a task started by srun
-        return rank, (_int(env, size_var) if size_var else None)
+        size: int | None
+        if name == SRUN:
+            if not in_srun_step(env):
+                continue  # a batch script, not a task started by srun
+            size, found_var = _srun_size(env)
+        elif name == _PMIX:
+            size, found_var = _pmix_size(env, rank)
+        else:
+            size, found_var = _int(env, size_var), size_var
+        return Launcher(name, rank, size, rank_var, found_var if size is not None else None)
     return None
+
+
+def mpi_rank_size(env: Mapping[str, str]) -> tuple[int, int | None] | None:
+    """(rank, size) announced by an MPI launcher (mpiexec, srun), or None outside one."""
+    found = mpi_launcher(env)
+    return None if found is None else (found.rank, found.size)
 
 
 def detect(env: Mapping[str, str], requested: CommunicatorName | None = None) -> LaunchInfo:
@@ -69,12 +129,12 @@ def detect(env: Mapping[str, str], requested: CommunicatorName | None = None) ->
 
     Order: an explicit request; ``RANK``/``WORLD_SIZE`` with ``SPMD_FILE_STORE_PATH`` (a
     torchrun-style launcher) -> "void"; an MPI launcher's variables -> "mpi"; otherwise a world
-    of one.
+    of one. Rank and size always come from one launcher: torchrun's pair, or one MPI launcher's.
     """
     rank = _int(env, "RANK")
     size = _int(env, "WORLD_SIZE")
     store = env.get("SPMD_FILE_STORE_PATH") or None
-    mpi = mpi_rank_size(env)
+    mpi = mpi_launcher(env)
 
     if requested is None:
         if store is not None and rank is not None and size is not None:
@@ -97,15 +157,28 @@ def detect(env: Mapping[str, str], requested: CommunicatorName | None = None) ->
         if mpi is None:
             # MPI started without a launcher (singleton init) is a legal world of one.
             return LaunchInfo("mpi", 0, None)
-        return LaunchInfo("mpi", mpi[0], mpi[1])
+        return LaunchInfo("mpi", mpi.rank, mpi.size, launcher=mpi)
 
     if requested == "void":
-        if rank is None:
-            rank = mpi[0] if mpi is not None else 0
-        if size is None:
-            size = mpi[1] if mpi is not None else 1
-        if size is None:
-            size = 1
+        if rank is not None or size is not None:
+            if rank is None or size is None:
+                raise SpmdError(
+                    f"RANK={_shown(env, 'RANK')} WORLD_SIZE={_shown(env, 'WORLD_SIZE')}: the "
+                    "'void' communicator takes this process's rank and the number of processes "
+                    "together, from both variables; set both, or neither under an MPI launcher",
+                    rank=rank if rank is not None else (mpi.rank if mpi else None),
+                )
+        elif mpi is not None:
+            if mpi.size is None:
+                raise SpmdError(
+                    f"the 'void' communicator needs the number of processes, but {mpi.name} "
+                    f"gave only this process's rank ({mpi.describe()}). Set RANK and WORLD_SIZE "
+                    "for every process, or use the 'mpi' communicator",
+                    rank=mpi.rank,
+                )
+            rank, size = mpi.rank, mpi.size
+        else:
+            rank, size = 0, 1
         if not 0 <= rank < size:
             raise SpmdError(f"RANK={rank} is outside WORLD_SIZE={size}", rank=rank)
         if size > 1 and store is None:
@@ -114,12 +187,16 @@ def detect(env: Mapping[str, str], requested: CommunicatorName | None = None) ->
                 "SPMD_FILE_STORE_PATH, a directory shared by all ranks, to exchange bootstrap data",
                 rank=rank,
             )
-        return LaunchInfo("void", rank, size, store)
+        return LaunchInfo("void", rank, size, store, launcher=mpi)
 
     raise SpmdError(
         f"unknown communicator {requested!r}; expected one of {', '.join(COMMUNICATOR_NAMES)}",
         rank=None,
     )
+
+
+def _shown(env: Mapping[str, str], name: str) -> str:
+    return env[name] if env.get(name) else "<unset>"
 
 
 def node_id(env: Mapping[str, str], rank: int, size: int) -> str:

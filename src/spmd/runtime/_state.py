@@ -24,6 +24,7 @@ from ._env import stall_warn_seconds as _stall_warn_seconds
 from ._env import timeout_seconds as _timeout_seconds
 from ._failure import install_abort_hook, uninstall_abort_hook
 from ._malloc import tune as _tune_malloc
+from ._mpi import refusal_after_init, start_mpi
 from ._store import FileStore, namespace_from_env
 
 
@@ -65,20 +66,16 @@ class _Runtime:
         self.pool: dict[Groups, Communicator] = {}
 
         if launch.communicator == "mpi":
-            from mpi4py import MPI  # MPI_Init happens here, never at import of spmd
+            MPI = start_mpi(launch, os.environ)  # MPI_Init happens here, never at import of spmd
 
             # A private duplicate: spmd's messages never match the application's.
             self.mpi_world = MPI.COMM_WORLD.Dup()
             rank, size = self.mpi_world.Get_rank(), self.mpi_world.Get_size()
-            if launch.size is not None and launch.size != size:
-                raise SpmdError(
-                    f"the launcher started {launch.size} processes but MPI sees a "
-                    f"world of {size}: mpi4py loaded an MPI library other than the launcher's "
-                    f"({MPI.Get_library_version().splitlines()[0].strip()}). Use the mpiexec of "
-                    "that library, or point mpi4py at the launcher's library with MPI4PY_LIBMPI "
-                    "(README, 'Using a system MPI').",
-                    rank=rank,
-                )
+            refusal = refusal_after_init(
+                os.environ, launch.launcher, rank, size, MPI.Get_library_version()
+            )
+            if refusal:
+                raise SpmdError(refusal, rank=launch.rank)
             bootstrap: Channel = MpiChannel(self.mpi_world, rank, range(size), self.timeout)
             # The world's data communicator, for spmd.ops (its collectives never match the
             # bootstrap's exchanges). Made here, where every rank takes part, so that a send
