@@ -139,18 +139,15 @@ def test_scancel_ends_a_running_job_and_its_ranks(cancelled):
     assert cancelled["gone_s"] < 15, cancelled["output"]
     assert "CANCELLED" in cancelled["output"]
     assert not [p for p in cancelled["pids"] if os.path.exists(f"/proc/{p}")], "a rank lives on"
-    # The ranks had spmd's segment and MPICH's mapped (spmd's already unlinked).
+    # The ranks had spmd's segment and MPICH's mapped (both already unlinked).
     assert any("/spmd-" in s for s in cancelled["segments"]), cancelled["segments"]
     assert any("/mpich_shm_" in s for s in cancelled["segments"]), cancelled["segments"]
     assert not [s for s in cancelled["left"] if "/spmd-" in s]
 
 
-@pytest.mark.xfail(
-    reason="MPICH's /dev/shm/mpich_shm_* segment stays after scancel kills the ranks: nothing "
-    "of MPICH runs to remove it, and under srun spmd does not remove it yet (spmd-run removes "
-    "those of its own jobs, and on a shared machine may remove this one first)",
-)
 def test_scancel_leaves_nothing_in_dev_shm(cancelled):
+    """Nothing of MPICH runs after scancel kills the ranks to remove its segment: spmd.init
+    unlinked it (and spmd's own) once every rank had mapped it."""
     assert cancelled["left"] == []
 
 
