@@ -18,7 +18,7 @@ from typing import Any
 from ._errors import SpmdError
 
 # Must equal SPMD_NATIVE_ABI_VERSION in native/include/spmd/common.h.
-NATIVE_ABI_VERSION = 15
+NATIVE_ABI_VERSION = 16
 
 
 def _load(name: str) -> ModuleType:
