@@ -57,6 +57,11 @@ bool loaded = false;
 bool large_count = false;
 size_t max_count = std::numeric_limits<int>::max();
 
+// Open MPI (4.1 to 5.0.11 at least) sums MPI_INT8_T and MPI_UINT8_T with saturating vector adds
+// in blocks of 32 elements and wrapping ones elsewhere (100 + 100 gave 127 or -56 by position):
+// there 8-bit sums travel as int32, whose sum wraps to the same bits as spmd's other paths.
+bool widen_byte_sums = false;
+
 // Whether `n` elements fit one classic call.
 bool Fits(size_t n) { return n <= max_count; }
 
@@ -124,6 +129,7 @@ thread_local std::vector<float> scratch_in, scratch_out;
 // -0 below +0), MPI takes the integer max/min, which no order changes, and the keys go back to
 // floats with NaN made the canonical quiet NaN.
 thread_local std::vector<int64_t> key_in, key_out;
+thread_local std::vector<int32_t> wide_in, wide_out;  // widen_byte_sums
 
 template <typename F, typename I>
 void ToKeys(const F* in, I* out, size_t n, bool max) {
@@ -162,7 +168,7 @@ bool IsFloating(xla::ffi::DataType d) {
 // (ToKeys). Stage fills the buffers MPI reads and writes; Finish turns MPI's result into `out`.
 struct Reduction {
   xla::ffi::DataType dtype;
-  bool keyed, wide;
+  bool keyed, wide, bytes_widened;
   const void* send;
   void* recv;
   H type, op;
@@ -172,8 +178,10 @@ struct Reduction {
 Reduction Stage(xla::ffi::DataType dtype, ReduceOp op, const void* in, size_t n_in, void* out,
                 size_t n_out) {
   const bool max = op == ReduceOp::kMax;
+  const bool byte = dtype == xla::ffi::DataType::S8 || dtype == xla::ffi::DataType::U8;
   Reduction r{dtype, (max || op == ReduceOp::kMin) && IsFloating(dtype),
-              dtype == xla::ffi::DataType::F64, in, out, Datatype(dtype),
+              dtype == xla::ffi::DataType::F64, widen_byte_sums && byte && op == ReduceOp::kSum,
+              in, out, Datatype(dtype),
               Op(op, dtype == xla::ffi::DataType::PRED), ElemBytes(dtype)};
   const float* f = static_cast<const float*>(in);
   if (IsHalf(dtype)) {
@@ -186,6 +194,19 @@ Reduction Stage(xla::ffi::DataType dtype, ReduceOp op, const void* in, size_t n_
     r.recv = scratch_out.data();
     r.type = consts.float32;
     r.elem = sizeof(float);
+  }
+  if (r.bytes_widened) {
+    if (wide_in.size() < n_in) wide_in.resize(n_in);
+    if (wide_out.size() < n_out) wide_out.resize(n_out);
+    if (dtype == xla::ffi::DataType::S8) {
+      std::copy_n(static_cast<const int8_t*>(in), n_in, wide_in.data());
+    } else {
+      std::copy_n(static_cast<const uint8_t*>(in), n_in, wide_in.data());
+    }
+    r.send = wide_in.data();
+    r.recv = wide_out.data();
+    r.type = consts.int32;
+    r.elem = sizeof(int32_t);
   }
   if (r.keyed) {
     if (key_in.size() < n_in) key_in.resize(n_in);
@@ -205,6 +226,11 @@ Reduction Stage(xla::ffi::DataType dtype, ReduceOp op, const void* in, size_t n_
 }
 
 void Finish(const Reduction& r, void* out, size_t n_out) {
+  if (r.bytes_widened) {  // the low byte: the sum modulo 256, signed or not
+    uint8_t* o = static_cast<uint8_t*>(out);
+    for (size_t i = 0; i < n_out; ++i) o[i] = static_cast<uint8_t>(wide_out[i]);
+    return;
+  }
   const bool half = IsHalf(r.dtype);
   if (r.keyed && r.wide) {
     FromKeys(key_out.data(), static_cast<double*>(out), n_out);
@@ -284,6 +310,7 @@ Status MpiLoad(const std::string& library, const MpiConstants& constants, bool p
     Resolve(lib, "MPI_Irecv_c", &fns.Irecv_c);
   }
   max_count = static_cast<size_t>(classic_max_count);
+  widen_byte_sums = dlsym(lib, "ompi_mpi_comm_world") != nullptr;  // Open MPI's
   consts = constants;
   loaded = true;
   return Status::Ok();

@@ -45,10 +45,7 @@ def _mpi_calls() -> str:
         return f"unavailable ({e})"
     if calls == "large-count":
         return "large-count (MPI-4 MPI_*_c functions)"
-    return (
-        "classic (int counts: calls above SPMD_MPI_MAX_COUNT elements, 2147483647 unset, "
-        "are split)"
-    )
+    return "classic (int counts; calls above SPMD_MPI_MAX_COUNT elements, 2^31-1 unset, split)"
 
 
 def _native_layer() -> str:
