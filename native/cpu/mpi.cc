@@ -57,9 +57,10 @@ bool loaded = false;
 bool large_count = false;
 size_t max_count = std::numeric_limits<int>::max();
 
-// Open MPI (4.1 to 5.0.11 at least) sums MPI_INT8_T and MPI_UINT8_T with saturating vector adds
-// in blocks of 32 elements and wrapping ones elsewhere (100 + 100 gave 127 or -56 by position):
-// there 8-bit sums travel as int32, whose sum wraps to the same bits as spmd's other paths.
+// Open MPI's vectorised ops (op/avx, since 4.1) sum MPI_INT8_T and MPI_UINT8_T with saturating
+// adds in blocks of 32 elements and wrapping ones elsewhere: 100 + 100 gave 127 or -56 by position
+// in 4.1.4 and 5.0.11 (open-mpi/ompi#8045, closed as won't fix). There 8-bit sums travel as int32,
+// whose sum wraps to the same bits as spmd's other paths.
 bool widen_byte_sums = false;
 
 // Whether `n` elements fit one classic call.
@@ -165,7 +166,8 @@ bool IsFloating(xla::ffi::DataType d) {
 
 // How a reduction travels over MPI. Most dtypes go as they are. float16/bfloat16 go as float32
 // (scratch), so that they are reduced in float32 and rounded once. Floating max/min go as keys
-// (ToKeys). Stage fills the buffers MPI reads and writes; Finish turns MPI's result into `out`.
+// (ToKeys). Under Open MPI, int8/uint8 sums go as int32 (widen_byte_sums). Stage fills the
+// buffers MPI reads and writes; Finish turns MPI's result into `out`.
 struct Reduction {
   xla::ffi::DataType dtype;
   bool keyed, wide, bytes_widened;
