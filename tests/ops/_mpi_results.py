@@ -23,15 +23,19 @@ DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32",
 N = 2503  # elements of the large inputs: three pieces of at most 1000
 
 
-def _input(rank: int, dtype: str, n: int, salt: int = 0) -> Any:
+def values(rank: int, dtype: str, n: int, salt: int = 0) -> np.ndarray:
     """Random values that differ by rank (normals x 100: float sums round; ints wrap), made by
     NumPy (whose integer casts wrap, where XLA's of out-of-range floats may differ by version)."""
     x = np.random.default_rng(1000 * salt + rank).standard_normal(n) * 100
     if dtype == "bool":
-        return jnp.asarray(x > 0)
+        return x > 0
     if dtype in ("int8", "uint8", "int32", "int64"):
-        return jnp.asarray(np.round(x).astype(np.int64).astype(dtype))
-    return jnp.asarray(x.astype(jnp.bfloat16 if dtype == "bfloat16" else dtype))
+        return np.round(x).astype(np.int64).astype(dtype)
+    return x.astype(jnp.bfloat16 if dtype == "bfloat16" else dtype)
+
+
+def _input(rank: int, dtype: str, n: int, salt: int = 0) -> Any:
+    return jnp.asarray(values(rank, dtype, n, salt))
 
 
 def results() -> dict[str, Any]:

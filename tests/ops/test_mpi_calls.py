@@ -21,8 +21,7 @@ import spmd
 from spmd.runtime._env import mpi_large_count, mpi_max_count
 from spmd.testing import run
 
-from ._cases import x64
-from ._mpi_results import N, _input, results
+from ._mpi_results import N, results, values
 
 ROOT = Path(__file__).resolve().parents[2]
 CLASSIC = {"SPMD_MPI_LARGE_COUNT": "0", "SPMD_MPI_MAX_COUNT": "1000"}
@@ -48,15 +47,11 @@ def test_classic_calls_split_give_the_large_count_results_bit_for_bit(large_coun
     assert [r.pop("calls") for r in classic] == ["classic"] * 2
     _same(classic, large_count, "the classic calls")
     # The values themselves: an int32 sum (wrapping) and the broadcast of rank 1's input.
-    with x64():
-        want = np.asarray(_input(0, "int32", N)) + np.asarray(_input(1, "int32", N))
-        np.testing.assert_array_equal(
-            np.frombuffer(classic[0]["allreduce_sum/int32"], np.int32), want
-        )
-        np.testing.assert_array_equal(
-            np.frombuffer(classic[0]["broadcast/float64"], np.float64),
-            np.asarray(_input(1, "float64", N)),
-        )
+    want = values(0, "int32", N) + values(1, "int32", N)
+    np.testing.assert_array_equal(np.frombuffer(classic[0]["allreduce_sum/int32"], np.int32), want)
+    np.testing.assert_array_equal(
+        np.frombuffer(classic[0]["broadcast/float64"], np.float64), values(1, "float64", N)
+    )
 
 
 def test_bad_settings_are_refused():
