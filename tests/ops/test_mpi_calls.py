@@ -14,12 +14,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import spmd
 from spmd.runtime._env import mpi_large_count, mpi_max_count
 from spmd.testing import run
+from tests import HEAVY
 
 from ._mpi_results import N, results, values
 
@@ -52,6 +54,20 @@ def test_classic_calls_split_give_the_large_count_results_bit_for_bit(large_coun
     np.testing.assert_array_equal(
         np.frombuffer(classic[0]["broadcast/float64"], np.float64), values(1, "float64", N)
     )
+
+
+def _past_2_to_the_31() -> tuple[str, int, int, int]:
+    comm = spmd.init()
+    spmd.ops.set_transport("mpi")
+    n = 2**31 + 192  # two classic calls: 2**31 - 1 elements, then 193
+    y = spmd.allreduce(jnp.full((n,), comm.rank + 1, jnp.int8))
+    # min == max == 3: every element, those of the second call included, holds the sum.
+    return spmd.runtime.mpi_calls(), y.shape[0], int(jnp.min(y)), int(jnp.max(y))
+
+
+def test_classic_calls_past_2_to_the_31_elements():
+    got = run(_past_2_to_the_31, 2, env={"SPMD_MPI_LARGE_COUNT": "0"}, timeout=HEAVY, fresh=True)
+    assert got == [("classic", 2**31 + 192, 3, 3)] * 2
 
 
 def test_bad_settings_are_refused():
