@@ -110,6 +110,7 @@ _LONGEST_FIRST = [
     "tests/cli/test_run.py",
     "tests/cli/test_hosts.py",
     "tests/ops/test_transports.py",
+    "tests/ops/test_mpi_calls.py",
     "tests/parallel/test_data_parallel.py",
     "tests/parallel/test_tensor_parallel.py",
     "tests/ops/test_errors.py",

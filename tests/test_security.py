@@ -383,9 +383,11 @@ def test_segments_and_the_flight_recorder_are_the_users_alone_whatever_the_umask
         "q.close()\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPMD_", "PMI", "OMPI_"))}
+    # umask set by a shell: a preexec_fn would fork this process, which JAX may have started.
     out = subprocess.run(
-        [*SPMD_RUN, "-n", "2", sys.executable, str(script)],
-        capture_output=True, text=True, env=env, timeout=120, preexec_fn=lambda: os.umask(0),
+        ["sh", "-c", 'umask 000 && exec "$@"', "sh", *SPMD_RUN, "-n", "2", sys.executable,
+         str(script)],
+        capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()

@@ -33,6 +33,17 @@ struct Fns {
                       H, H, H*);
   int (*Isend_c)(const void*, Count, H, int, int, H, H*);
   int (*Irecv_c)(void*, Count, H, int, int, H, H*);
+  // The classic calls (MPI-3, int counts and displacements), for libraries without the above.
+  int (*Iallreduce)(const void*, void*, int, H, H, H, H*);
+  int (*Iallgatherv)(const void*, int, H, void*, const int*, const int*, H, H, H*);
+  int (*Ireduce_scatter)(const void*, void*, const int*, H, H, H, H*);
+  int (*Ireduce)(const void*, void*, int, H, H, int, H, H*);
+  int (*Ibcast)(void*, int, H, int, H, H*);
+  int (*Ialltoall)(const void*, int, H, void*, int, H, H, H*);
+  int (*Ialltoallv)(const void*, const int*, const int*, H, void*, const int*, const int*, H, H,
+                    H*);
+  int (*Isend)(const void*, int, H, int, int, H, H*);
+  int (*Irecv)(void*, int, H, int, int, H, H*);
   int (*Ibarrier)(H, H*);
   int (*Test)(H*, int*, void*);
   int (*Cancel)(H*);
@@ -43,6 +54,19 @@ struct Fns {
 Fns fns;
 MpiConstants consts;
 bool loaded = false;
+// Chosen once at MpiLoad: the MPI-4 large-count calls, or the classic ones with at most
+// `max_count` elements (or bytes) per call, larger calls split (see MpiLoad in mpi.h).
+bool large_count = false;
+size_t max_count = std::numeric_limits<int>::max();
+
+// Open MPI's vectorised ops (op/avx, since 4.1) sum MPI_INT8_T and MPI_UINT8_T with saturating
+// adds in blocks of 32 elements and wrapping ones elsewhere: 100 + 100 gave 127 or -56 by position
+// in 4.1.4 and 5.0.11 (open-mpi/ompi#8045, closed as won't fix). There 8-bit sums travel as int32,
+// whose sum wraps to the same bits as spmd's other paths.
+bool widen_byte_sums = false;
+
+// Whether `n` elements fit one classic call.
+bool Fits(size_t n) { return n <= max_count; }
 
 template <typename F>
 bool Resolve(void* lib, const char* name, F* fn) {
@@ -108,6 +132,7 @@ thread_local std::vector<float> scratch_in, scratch_out;
 // -0 below +0), MPI takes the integer max/min, which no order changes, and the keys go back to
 // floats with NaN made the canonical quiet NaN.
 thread_local std::vector<int64_t> key_in, key_out;
+thread_local std::vector<int32_t> wide_in, wide_out;  // widen_byte_sums
 
 template <typename F, typename I>
 void ToKeys(const F* in, I* out, size_t n, bool max) {
@@ -143,21 +168,25 @@ bool IsFloating(xla::ffi::DataType d) {
 
 // How a reduction travels over MPI. Most dtypes go as they are. float16/bfloat16 go as float32
 // (scratch), so that they are reduced in float32 and rounded once. Floating max/min go as keys
-// (ToKeys). Stage fills the buffers MPI reads and writes; Finish turns MPI's result into `out`.
+// (ToKeys). Under Open MPI, int8/uint8 sums go as int32 (widen_byte_sums). Stage fills the
+// buffers MPI reads and writes; Finish turns MPI's result into `out`.
 struct Reduction {
   xla::ffi::DataType dtype;
-  bool keyed, wide;
+  bool keyed, wide, bytes_widened;
   const void* send;
   void* recv;
   H type, op;
+  size_t elem;  // bytes per element of `type`
 };
 
 Reduction Stage(xla::ffi::DataType dtype, ReduceOp op, const void* in, size_t n_in, void* out,
                 size_t n_out) {
   const bool max = op == ReduceOp::kMax;
+  const bool byte = dtype == xla::ffi::DataType::S8 || dtype == xla::ffi::DataType::U8;
   Reduction r{dtype, (max || op == ReduceOp::kMin) && IsFloating(dtype),
-              dtype == xla::ffi::DataType::F64, in, out, Datatype(dtype),
-              Op(op, dtype == xla::ffi::DataType::PRED)};
+              dtype == xla::ffi::DataType::F64, widen_byte_sums && byte && op == ReduceOp::kSum,
+              in, out, Datatype(dtype),
+              Op(op, dtype == xla::ffi::DataType::PRED), ElemBytes(dtype)};
   const float* f = static_cast<const float*>(in);
   if (IsHalf(dtype)) {
     if (scratch_in.size() < n_in) scratch_in.resize(n_in);
@@ -168,6 +197,20 @@ Reduction Stage(xla::ffi::DataType dtype, ReduceOp op, const void* in, size_t n_
     r.send = scratch_in.data();
     r.recv = scratch_out.data();
     r.type = consts.float32;
+    r.elem = sizeof(float);
+  }
+  if (r.bytes_widened) {
+    if (wide_in.size() < n_in) wide_in.resize(n_in);
+    if (wide_out.size() < n_out) wide_out.resize(n_out);
+    if (dtype == xla::ffi::DataType::S8) {
+      std::copy_n(static_cast<const int8_t*>(in), n_in, wide_in.data());
+    } else {
+      std::copy_n(static_cast<const uint8_t*>(in), n_in, wide_in.data());
+    }
+    r.send = wide_in.data();
+    r.recv = wide_out.data();
+    r.type = consts.int32;
+    r.elem = sizeof(int32_t);
   }
   if (r.keyed) {
     if (key_in.size() < n_in) key_in.resize(n_in);
@@ -180,12 +223,18 @@ Reduction Stage(xla::ffi::DataType dtype, ReduceOp op, const void* in, size_t n_
     r.send = key_in.data();
     r.recv = key_out.data();
     r.type = r.wide ? consts.int64 : consts.int32;
+    r.elem = r.wide ? 8 : 4;
     r.op = max ? consts.max : consts.min;
   }
   return r;
 }
 
 void Finish(const Reduction& r, void* out, size_t n_out) {
+  if (r.bytes_widened) {  // the low byte: the sum modulo 256, signed or not
+    uint8_t* o = static_cast<uint8_t*>(out);
+    for (size_t i = 0; i < n_out; ++i) o[i] = static_cast<uint8_t>(wide_out[i]);
+    return;
+  }
   const bool half = IsHalf(r.dtype);
   if (r.keyed && r.wide) {
     FromKeys(key_out.data(), static_cast<double*>(out), n_out);
@@ -199,34 +248,79 @@ void Finish(const Reduction& r, void* out, size_t n_out) {
   }
 }
 
-}  // namespace
+bool HasLargeCount(void* lib) {
+  for (const char* name : {"MPI_Iallreduce_c", "MPI_Iallgatherv_c", "MPI_Ireduce_scatter_c",
+                           "MPI_Ibcast_c", "MPI_Ialltoall_c", "MPI_Ialltoallv_c", "MPI_Isend_c",
+                           "MPI_Irecv_c"}) {
+    if (dlsym(lib, name) == nullptr) return false;
+  }
+  return true;
+}
 
-Status MpiLoad(const std::string& library, const MpiConstants& constants) {
+void* OpenMpi(const std::string& library, Status* status) {
   void* lib = dlopen(library.c_str(), RTLD_NOW | RTLD_NOLOAD);
   if (lib == nullptr) lib = dlopen(library.c_str(), RTLD_NOW);
   if (lib == nullptr) {
-    return Status::Error("cannot open the MPI library " + library + ": " + dlerror());
+    *status = Status::Error("cannot open the MPI library " + library + ": " + dlerror());
   }
-  bool ok = Resolve(lib, "MPI_Iallreduce_c", &fns.Iallreduce_c) &&
-            Resolve(lib, "MPI_Iallgatherv_c", &fns.Iallgatherv_c) &&
-            Resolve(lib, "MPI_Ireduce_scatter_c", &fns.Ireduce_scatter_c) &&
-            Resolve(lib, "MPI_Ibcast_c", &fns.Ibcast_c) &&
-            Resolve(lib, "MPI_Ialltoall_c", &fns.Ialltoall_c) &&
-            Resolve(lib, "MPI_Ialltoallv_c", &fns.Ialltoallv_c) &&
-            Resolve(lib, "MPI_Isend_c", &fns.Isend_c) && Resolve(lib, "MPI_Irecv_c", &fns.Irecv_c) &&
+  return lib;
+}
+
+}  // namespace
+
+Status MpiHasLargeCount(const std::string& library, bool* has) {
+  Status s = Status::Ok();
+  void* lib = OpenMpi(library, &s);
+  if (lib == nullptr) return s;
+  *has = HasLargeCount(lib);
+  return Status::Ok();
+}
+
+Status MpiLoad(const std::string& library, const MpiConstants& constants, bool prefer_large_count,
+               int64_t classic_max_count) {
+  Status opened = Status::Ok();
+  void* lib = OpenMpi(library, &opened);
+  if (lib == nullptr) return opened;
+  if (classic_max_count < 1 || classic_max_count > std::numeric_limits<int>::max()) {
+    return Status::Error("the most elements per classic MPI call must be between 1 and " +
+                         std::to_string(std::numeric_limits<int>::max()) + "; got " +
+                         std::to_string(classic_max_count));
+  }
+  bool ok = Resolve(lib, "MPI_Iallreduce", &fns.Iallreduce) &&
+            Resolve(lib, "MPI_Iallgatherv", &fns.Iallgatherv) &&
+            Resolve(lib, "MPI_Ireduce_scatter", &fns.Ireduce_scatter) &&
+            Resolve(lib, "MPI_Ireduce", &fns.Ireduce) && Resolve(lib, "MPI_Ibcast", &fns.Ibcast) &&
+            Resolve(lib, "MPI_Ialltoall", &fns.Ialltoall) &&
+            Resolve(lib, "MPI_Ialltoallv", &fns.Ialltoallv) &&
+            Resolve(lib, "MPI_Isend", &fns.Isend) && Resolve(lib, "MPI_Irecv", &fns.Irecv) &&
             Resolve(lib, "MPI_Ibarrier", &fns.Ibarrier) && Resolve(lib, "MPI_Test", &fns.Test) &&
             Resolve(lib, "MPI_Cancel", &fns.Cancel) &&
             Resolve(lib, "MPI_Request_free", &fns.Request_free) &&
             Resolve(lib, "MPI_Error_string", &fns.Error_string);
   if (!ok) {
     return Status::Error("the MPI library " + library +
-                         " lacks the MPI-4 large-count functions spmd needs (MPI_Iallreduce_c, "
-                         "...); use MPICH >= 4 or Open MPI >= 5");
+                         " lacks the MPI-3 non-blocking functions spmd needs (MPI_Iallreduce, "
+                         "MPI_Ibarrier, ...); use an MPI of version 3 or later");
   }
+  large_count = prefer_large_count && HasLargeCount(lib);
+  if (large_count) {
+    Resolve(lib, "MPI_Iallreduce_c", &fns.Iallreduce_c);
+    Resolve(lib, "MPI_Iallgatherv_c", &fns.Iallgatherv_c);
+    Resolve(lib, "MPI_Ireduce_scatter_c", &fns.Ireduce_scatter_c);
+    Resolve(lib, "MPI_Ibcast_c", &fns.Ibcast_c);
+    Resolve(lib, "MPI_Ialltoall_c", &fns.Ialltoall_c);
+    Resolve(lib, "MPI_Ialltoallv_c", &fns.Ialltoallv_c);
+    Resolve(lib, "MPI_Isend_c", &fns.Isend_c);
+    Resolve(lib, "MPI_Irecv_c", &fns.Irecv_c);
+  }
+  max_count = static_cast<size_t>(classic_max_count);
+  widen_byte_sums = dlsym(lib, "ompi_mpi_comm_world") != nullptr;  // Open MPI's
   consts = constants;
   loaded = true;
   return Status::Ok();
 }
+
+bool MpiLargeCount() { return large_count; }
 
 bool MpiLoaded() { return loaded; }
 
@@ -389,16 +483,71 @@ Status MpiComm::Wait(H* requests, int n, const char* what) const {
   return Status::Ok();
 }
 
+Status MpiComm::Pieces(size_t count, const char* what,
+                       const std::function<int(size_t, int, H*)>& start) const {
+  for (size_t at = 0; at < count; at += max_count) {
+    const int n = static_cast<int>(std::min(count - at, max_count));
+    H request = 0;
+    SPMD_RETURN_IF_ERROR(Check(start(at, n, &request), what));
+    SPMD_RETURN_IF_ERROR(Wait(&request, 1, what));
+  }
+  return Status::Ok();
+}
+
+Status MpiComm::Exchange(const void* in, const std::vector<size_t>& send_bytes,
+                         const std::vector<size_t>& send_off, void* out,
+                         const std::vector<size_t>& recv_bytes,
+                         const std::vector<size_t>& recv_off, const char* what) const {
+  constexpr int kTag = 0x5d3;  // (SendRecv's tags differ: no message of one matches the other)
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  std::vector<H> requests;
+  for (int p = 0; p < size; ++p) {
+    if (p == rank) continue;
+    for (size_t at = 0; at < recv_bytes[p]; at += max_count) {
+      const int n = static_cast<int>(std::min(recv_bytes[p] - at, max_count));
+      requests.push_back(0);
+      SPMD_RETURN_IF_ERROR(Check(fns.Irecv(dst + recv_off[p] + at, n, consts.byte, p, kTag, comm,
+                                           &requests.back()),
+                                 what));
+    }
+  }
+  for (int p = 0; p < size; ++p) {
+    if (p == rank) continue;
+    for (size_t at = 0; at < send_bytes[p]; at += max_count) {
+      const int n = static_cast<int>(std::min(send_bytes[p] - at, max_count));
+      requests.push_back(0);
+      SPMD_RETURN_IF_ERROR(Check(fns.Isend(src + send_off[p] + at, n, consts.byte, p, kTag, comm,
+                                           &requests.back()),
+                                 what));
+    }
+  }
+  if (dst + recv_off[rank] != src + send_off[rank]) {
+    std::memmove(dst + recv_off[rank], src + send_off[rank], send_bytes[rank]);
+  }
+  return Wait(requests.data(), static_cast<int>(requests.size()), what);
+}
+
 Status MpiComm::Allreduce(const void* in, void* out, size_t count, xla::ffi::DataType dtype,
                           ReduceOp op) const {
   SPMD_RETURN_IF_ERROR(Usable());
   Reduction r = Stage(dtype, op, in, count, out, count);
   if (r.type == 0) return Status::Error("allreduce over MPI does not support this dtype");
-  H request = 0;
-  SPMD_RETURN_IF_ERROR(Check(
-      fns.Iallreduce_c(r.send, r.recv, static_cast<Count>(count), r.type, r.op, comm, &request),
-      "allreduce"));
-  SPMD_RETURN_IF_ERROR(Wait(&request, 1, "allreduce"));
+  if (large_count) {
+    H request = 0;
+    SPMD_RETURN_IF_ERROR(Check(
+        fns.Iallreduce_c(r.send, r.recv, static_cast<Count>(count), r.type, r.op, comm, &request),
+        "allreduce"));
+    SPMD_RETURN_IF_ERROR(Wait(&request, 1, "allreduce"));
+  } else {
+    // Element by element, the pieces reduce as the whole would.
+    const char* send = static_cast<const char*>(r.send);
+    char* recv = static_cast<char*>(r.recv);
+    SPMD_RETURN_IF_ERROR(Pieces(count, "allreduce", [&](size_t at, int n, H* request) {
+      return fns.Iallreduce(send + at * r.elem, recv + at * r.elem, n, r.type, r.op, comm,
+                            request);
+    }));
+  }
   Finish(r, out, count);
   return Status::Ok();
 }
@@ -406,40 +555,80 @@ Status MpiComm::Allreduce(const void* in, void* out, size_t count, xla::ffi::Dat
 Status MpiComm::Allgatherv(const void* in, void* out, const std::vector<size_t>& bytes,
                            const std::vector<size_t>* at_bytes) const {
   SPMD_RETURN_IF_ERROR(Usable());
-  std::vector<Count> counts(size);
-  std::vector<Aint> displs(size);
-  Aint at = 0;
+  std::vector<size_t> at(size);
+  size_t next = 0, extent = 0;
   for (int r = 0; r < size; ++r) {
-    counts[r] = static_cast<Count>(bytes[r]);
-    displs[r] = at_bytes != nullptr ? static_cast<Aint>((*at_bytes)[r]) : at;
-    at += static_cast<Aint>(bytes[r]);
+    at[r] = at_bytes != nullptr ? (*at_bytes)[r] : next;
+    next += bytes[r];
+    extent = std::max(extent, at[r] + bytes[r]);
   }
   H request = 0;
-  SPMD_RETURN_IF_ERROR(Check(fns.Iallgatherv_c(in, counts[rank], consts.byte, out, counts.data(),
+  if (large_count) {
+    std::vector<Count> counts(bytes.begin(), bytes.end());
+    std::vector<Aint> displs(at.begin(), at.end());
+    SPMD_RETURN_IF_ERROR(Check(fns.Iallgatherv_c(in, counts[rank], consts.byte, out,
+                                                 counts.data(), displs.data(), consts.byte, comm,
+                                                 &request),
+                               "allgather"));
+  } else if (Fits(extent)) {
+    std::vector<int> counts(bytes.begin(), bytes.end()), displs(at.begin(), at.end());
+    SPMD_RETURN_IF_ERROR(Check(fns.Iallgatherv(in, counts[rank], consts.byte, out, counts.data(),
                                                displs.data(), consts.byte, comm, &request),
-                             "allgather"));
+                               "allgather"));
+  } else {
+    // Displacements past an int: this rank's block to every peer, point to point.
+    return Exchange(in, std::vector<size_t>(size, bytes[rank]), std::vector<size_t>(size, 0), out,
+                    bytes, at, "allgather");
+  }
   return Wait(&request, 1, "allgather");
 }
 
 Status MpiComm::ReduceScatterv(const void* in, void* out, const std::vector<size_t>& counts,
                                xla::ffi::DataType dtype, ReduceOp op) const {
   SPMD_RETURN_IF_ERROR(Usable());
-  std::vector<Count> c(counts.begin(), counts.end());
   size_t total = 0;
   for (size_t x : counts) total += x;
   Reduction r = Stage(dtype, op, in, total, out, counts[rank]);
   if (r.type == 0) return Status::Error("reduce_scatter over MPI does not support this dtype");
-  H request = 0;
-  SPMD_RETURN_IF_ERROR(Check(
-      fns.Ireduce_scatter_c(r.send, r.recv, c.data(), r.type, r.op, comm, &request),
-      "reduce_scatter"));
-  SPMD_RETURN_IF_ERROR(Wait(&request, 1, "reduce_scatter"));
+  if (large_count || Fits(total)) {
+    H request = 0;
+    if (large_count) {
+      std::vector<Count> c(counts.begin(), counts.end());
+      SPMD_RETURN_IF_ERROR(Check(
+          fns.Ireduce_scatter_c(r.send, r.recv, c.data(), r.type, r.op, comm, &request),
+          "reduce_scatter"));
+    } else {
+      std::vector<int> c(counts.begin(), counts.end());
+      SPMD_RETURN_IF_ERROR(
+          Check(fns.Ireduce_scatter(r.send, r.recv, c.data(), r.type, r.op, comm, &request),
+                "reduce_scatter"));
+    }
+    SPMD_RETURN_IF_ERROR(Wait(&request, 1, "reduce_scatter"));
+  } else {
+    // More elements than an int counts: each rank's block reduced to it, in pieces.
+    const char* send = static_cast<const char*>(r.send);
+    char* recv = static_cast<char*>(r.recv);
+    size_t off = 0;
+    for (int root = 0; root < size; ++root) {
+      SPMD_RETURN_IF_ERROR(Pieces(counts[root], "reduce_scatter", [&](size_t at, int n, H* q) {
+        return fns.Ireduce(send + (off + at) * r.elem, root == rank ? recv + at * r.elem : nullptr,
+                           n, r.type, r.op, root, comm, q);
+      }));
+      off += counts[root];
+    }
+  }
   Finish(r, out, counts[rank]);
   return Status::Ok();
 }
 
 Status MpiComm::Broadcast(void* buf, size_t bytes, int root) const {
   SPMD_RETURN_IF_ERROR(Usable());
+  if (!large_count) {
+    char* b = static_cast<char*>(buf);
+    return Pieces(bytes, "broadcast", [&](size_t at, int n, H* request) {
+      return fns.Ibcast(b + at, n, consts.byte, root, comm, request);
+    });
+  }
   H request = 0;
   SPMD_RETURN_IF_ERROR(Check(
       fns.Ibcast_c(buf, static_cast<Count>(bytes), consts.byte, root, comm, &request),
@@ -450,10 +639,20 @@ Status MpiComm::Broadcast(void* buf, size_t bytes, int root) const {
 Status MpiComm::AllToAll(const void* in, void* out, size_t block_bytes) const {
   SPMD_RETURN_IF_ERROR(Usable());
   H request = 0;
-  SPMD_RETURN_IF_ERROR(Check(fns.Ialltoall_c(in, static_cast<Count>(block_bytes), consts.byte,
-                                             out, static_cast<Count>(block_bytes), consts.byte,
-                                             comm, &request),
-                             "all_to_all"));
+  if (large_count) {
+    SPMD_RETURN_IF_ERROR(Check(fns.Ialltoall_c(in, static_cast<Count>(block_bytes), consts.byte,
+                                               out, static_cast<Count>(block_bytes), consts.byte,
+                                               comm, &request),
+                               "all_to_all"));
+  } else if (Fits(block_bytes * size)) {
+    const int n = static_cast<int>(block_bytes);
+    SPMD_RETURN_IF_ERROR(Check(
+        fns.Ialltoall(in, n, consts.byte, out, n, consts.byte, comm, &request), "all_to_all"));
+  } else {
+    std::vector<size_t> blocks(size, block_bytes), offs(size);
+    for (int p = 0; p < size; ++p) offs[p] = p * block_bytes;
+    return Exchange(in, blocks, offs, out, blocks, offs, "all_to_all");
+  }
   return Wait(&request, 1, "all_to_all");
 }
 
@@ -462,15 +661,34 @@ Status MpiComm::AllToAllv(const void* in, const std::vector<size_t>& send_bytes,
                           const std::vector<size_t>& recv_bytes,
                           const std::vector<size_t>& recv_off) const {
   SPMD_RETURN_IF_ERROR(Usable());
-  thread_local std::vector<Count> sc, rc;
-  thread_local std::vector<Aint> sd, rd;
+  H request = 0;
+  if (large_count) {
+    thread_local std::vector<Count> sc, rc;
+    thread_local std::vector<Aint> sd, rd;
+    sc.assign(send_bytes.begin(), send_bytes.end());
+    rc.assign(recv_bytes.begin(), recv_bytes.end());
+    sd.assign(send_off.begin(), send_off.end());
+    rd.assign(recv_off.begin(), recv_off.end());
+    SPMD_RETURN_IF_ERROR(Check(fns.Ialltoallv_c(in, sc.data(), sd.data(), consts.byte, out,
+                                                rc.data(), rd.data(), consts.byte, comm,
+                                                &request),
+                               "all_to_allv"));
+    return Wait(&request, 1, "all_to_allv");
+  }
+  size_t extent = 0;
+  for (int p = 0; p < size; ++p) {
+    extent = std::max({extent, send_off[p] + send_bytes[p], recv_off[p] + recv_bytes[p]});
+  }
+  if (!Fits(extent)) {
+    return Exchange(in, send_bytes, send_off, out, recv_bytes, recv_off, "all_to_allv");
+  }
+  thread_local std::vector<int> sc, rc, sd, rd;
   sc.assign(send_bytes.begin(), send_bytes.end());
   rc.assign(recv_bytes.begin(), recv_bytes.end());
   sd.assign(send_off.begin(), send_off.end());
   rd.assign(recv_off.begin(), recv_off.end());
-  H request = 0;
-  SPMD_RETURN_IF_ERROR(Check(fns.Ialltoallv_c(in, sc.data(), sd.data(), consts.byte, out,
-                                              rc.data(), rd.data(), consts.byte, comm, &request),
+  SPMD_RETURN_IF_ERROR(Check(fns.Ialltoallv(in, sc.data(), sd.data(), consts.byte, out, rc.data(),
+                                            rd.data(), consts.byte, comm, &request),
                              "all_to_allv"));
   return Wait(&request, 1, "all_to_allv");
 }
@@ -500,36 +718,74 @@ std::string MessageShape::Describe() const {
   return s + (ndims > static_cast<uint64_t>(kDims) ? ",...]" : "]");
 }
 
+namespace {
+// Starts sending (receiving) `bytes` to (from) group rank `peer`: one request with the large-count
+// calls, else one per piece of at most max_count bytes (at least one, so that an empty message
+// is still a message). Both sides split the same byte count alike, and MPI keeps the order of
+// messages between two ranks on one tag, so the pieces match.
+int StartSend(const void* buf, size_t bytes, int peer, int tag, H comm, std::vector<H>* requests) {
+  const char* b = static_cast<const char*>(buf);
+  if (large_count) {
+    requests->push_back(0);
+    return fns.Isend_c(buf, static_cast<Count>(bytes), consts.byte, peer, tag, comm,
+                       &requests->back());
+  }
+  size_t at = 0;
+  do {
+    const int n = static_cast<int>(std::min(bytes - at, max_count));
+    requests->push_back(0);
+    const int code = fns.Isend(b + at, n, consts.byte, peer, tag, comm, &requests->back());
+    if (code != 0) return code;
+    at += n;
+  } while (at < bytes);
+  return 0;
+}
+
+int StartRecv(void* buf, size_t bytes, int peer, int tag, H comm, std::vector<H>* requests) {
+  char* b = static_cast<char*>(buf);
+  if (large_count) {
+    requests->push_back(0);
+    return fns.Irecv_c(buf, static_cast<Count>(bytes), consts.byte, peer, tag, comm,
+                       &requests->back());
+  }
+  size_t at = 0;
+  do {
+    const int n = static_cast<int>(std::min(bytes - at, max_count));
+    requests->push_back(0);
+    const int code = fns.Irecv(b + at, n, consts.byte, peer, tag, comm, &requests->back());
+    if (code != 0) return code;
+    at += n;
+  } while (at < bytes);
+  return 0;
+}
+}  // namespace
+
 Status MpiComm::SendRecv(const void* send, const MessageShape& send_shape, int dst, void* recv,
                          const MessageShape& recv_shape, int src) const {
   SPMD_RETURN_IF_ERROR(Usable());
   current_ = nullptr;  // not a collective: no stall report of the group's calls
   // The shape goes first, on its own tag; the data follows once the receiver has checked it.
   constexpr int kTag = 0x5d1, kShapeTag = 0x5d2;
-  const Count shape_bytes = sizeof(MessageShape);
-  H sends[2] = {0, 0};
+  std::vector<H> sends, shape_request, requests;
   MessageShape got_shape;
-  H shape_request = 0;
   if (src >= 0) {
-    SPMD_RETURN_IF_ERROR(Check(fns.Irecv_c(&got_shape, shape_bytes, consts.byte, src, kShapeTag,
-                                           comm, &shape_request),
-                               "recv"));
+    SPMD_RETURN_IF_ERROR(Check(
+        StartRecv(&got_shape, sizeof(MessageShape), src, kShapeTag, comm, &shape_request),
+        "recv"));
   }
-  int n = 0;
   if (dst >= 0) {
-    SPMD_RETURN_IF_ERROR(Check(fns.Isend_c(&send_shape, shape_bytes, consts.byte, dst,
-                                           kShapeTag, comm, &sends[n++]),
-                               "send"));
-    SPMD_RETURN_IF_ERROR(Check(fns.Isend_c(send, static_cast<Count>(send_shape.bytes),
-                                           consts.byte, dst, kTag, comm, &sends[n++]),
-                               "send"));
+    SPMD_RETURN_IF_ERROR(
+        Check(StartSend(&send_shape, sizeof(MessageShape), dst, kShapeTag, comm, &sends), "send"));
+    SPMD_RETURN_IF_ERROR(
+        Check(StartSend(send, send_shape.bytes, dst, kTag, comm, &sends), "send"));
   }
   std::string bad;
+  std::vector<char> scratch;
   if (src >= 0) {
-    SPMD_RETURN_IF_ERROR(Wait(&shape_request, 1, "recv"));
+    SPMD_RETURN_IF_ERROR(
+        Wait(shape_request.data(), static_cast<int>(shape_request.size()), "recv"));
     // A message of another shape is still received (into scratch), so that its sender's send
     // completes; this rank then fails naming both shapes.
-    std::vector<char> scratch;
     void* into = recv;
     if (!(got_shape == recv_shape)) {
       bad = "rank " + std::to_string(world_ranks[src]) + " sent " + got_shape.Describe() +
@@ -539,13 +795,14 @@ Status MpiComm::SendRecv(const void* send, const MessageShape& send_shape, int d
       scratch.resize(got_shape.bytes);
       into = scratch.data();
     }
-    H request = 0;
-    SPMD_RETURN_IF_ERROR(Check(fns.Irecv_c(into, static_cast<Count>(got_shape.bytes),
-                                           consts.byte, src, kTag, comm, &request),
-                               "recv"));
-    SPMD_RETURN_IF_ERROR(Wait(&request, 1, "recv"));
+    SPMD_RETURN_IF_ERROR(
+        Check(StartRecv(into, got_shape.bytes, src, kTag, comm, &requests), "recv"));
+    SPMD_RETURN_IF_ERROR(Wait(requests.data(), static_cast<int>(requests.size()), "recv"));
   }
-  if (n) SPMD_RETURN_IF_ERROR(Wait(sends, n, dst >= 0 && src >= 0 ? "sendrecv" : "send"));
+  if (!sends.empty()) {
+    SPMD_RETURN_IF_ERROR(Wait(sends.data(), static_cast<int>(sends.size()),
+                              dst >= 0 && src >= 0 ? "sendrecv" : "send"));
+  }
   return bad.empty() ? Status::Ok() : Status::Error(bad);
 }
 

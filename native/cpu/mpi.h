@@ -33,9 +33,22 @@ struct MpiConstants {
   MpiHandle sum, prod, max, min, land, lor;
 };
 
-// Loads the MPI functions from `library` (already loaded by mpi4py).
-Status MpiLoad(const std::string& library, const MpiConstants& constants);
+// Loads the MPI functions from `library` (already loaded by mpi4py), and chooses once how calls
+// carry counts: with the MPI-4 large-count functions (MPI_Iallreduce_c, ...) where the library
+// has them and `prefer_large_count`, else with the classic ones, whose counts and displacements
+// are ints: a call of more than `classic_max_count` elements (2^31-1; less for tests) is split
+// into calls of at most that many, and an allgather or all_to_all whose displacements pass it
+// goes point to point. Each element is reduced by one MPI call either way, so results are those
+// of the large-count path wherever the MPI's reduction order does not depend on the count (any
+// call of up to `classic_max_count` elements: the same single call; every split call on two
+// ranks, where a sum has one order).
+Status MpiLoad(const std::string& library, const MpiConstants& constants, bool prefer_large_count,
+               int64_t classic_max_count);
 bool MpiLoaded();
+// Whether the loaded calls are the large-count ones (false before MpiLoad).
+bool MpiLargeCount();
+// Whether `library` has the MPI-4 large-count functions spmd uses.
+Status MpiHasLargeCount(const std::string& library, bool* has);
 
 // What a point-to-point message holds: sent ahead of the data, so that a receiver checks the
 // dtype and shape it receives into, not only the byte count (the same bytes as float32[4] and
@@ -135,6 +148,16 @@ struct MpiComm {
   Status Usable() const;
   // Polls `requests` to completion, or fails after the deadline naming the group.
   Status Wait(MpiHandle* requests, int n, const char* what) const;
+  // The classic path's split call: `start(at, n, &request)` starts the call on elements
+  // [at, at + n), n at most the classic limit; the pieces run one after another.
+  Status Pieces(size_t count, const char* what,
+                const std::function<int(size_t, int, MpiHandle*)>& start) const;
+  // The classic path's all_to_allv (and allgatherv) whose displacements pass an int: bytes to
+  // and from every peer by point-to-point messages of at most the classic limit each.
+  Status Exchange(const void* in, const std::vector<size_t>& send_bytes,
+                  const std::vector<size_t>& send_off, void* out,
+                  const std::vector<size_t>& recv_bytes, const std::vector<size_t>& recv_off,
+                  const char* what) const;
   // The peers that have not reached collective #calls_: the segment's and the watch's.
   std::string Behind(bool ask) const;
   // The watch's verdict that a peer left before collective #calls_ ("" if none).

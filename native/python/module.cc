@@ -90,22 +90,36 @@ PyObject* CpuHandlers(PyObject*, PyObject*) {
 }
 
 // mpi_load(library, (byte, c_bool, int8, uint8, int32, int64, float32, float64,
-//                    sum, prod, max, min, land, lor)) -> None
+//                    sum, prod, max, min, land, lor), prefer_large_count, classic_max_count)
+//   -> bool: whether the large-count calls were chosen
 PyObject* MpiLoad(PyObject*, PyObject* args) {
   const char* lib;
   spmd::MpiConstants c;
   unsigned long long v[14];
-  if (!PyArg_ParseTuple(args, "s(KKKKKKKKKKKKKK)", &lib, &v[0], &v[1], &v[2], &v[3], &v[4],
-                        &v[5], &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13])) {
+  int prefer_large;
+  long long max_count;
+  if (!PyArg_ParseTuple(args, "s(KKKKKKKKKKKKKK)pL", &lib, &v[0], &v[1], &v[2], &v[3], &v[4],
+                        &v[5], &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13],
+                        &prefer_large, &max_count)) {
     return nullptr;
   }
   spmd::MpiHandle* fields[] = {&c.byte, &c.c_bool, &c.int8, &c.uint8, &c.int32,
                                &c.int64, &c.float32, &c.float64, &c.sum, &c.prod,
                                &c.max, &c.min, &c.land, &c.lor};
   for (int i = 0; i < 14; ++i) *fields[i] = static_cast<spmd::MpiHandle>(v[i]);
-  spmd::Status s = spmd::MpiLoad(lib, c);
+  spmd::Status s = spmd::MpiLoad(lib, c, prefer_large != 0, max_count);
   if (!s.ok()) return Raise(s);
-  Py_RETURN_NONE;
+  return PyBool_FromLong(spmd::MpiLargeCount());
+}
+
+// mpi_has_large_count(library) -> bool: whether the library has the MPI-4 large-count calls
+PyObject* MpiHasLargeCount(PyObject*, PyObject* args) {
+  const char* lib;
+  if (!PyArg_ParseTuple(args, "s", &lib)) return nullptr;
+  bool has = false;
+  spmd::Status s = spmd::MpiHasLargeCount(lib, &has);
+  if (!s.ok()) return Raise(s);
+  return PyBool_FromLong(has);
 }
 
 // group_create(id, rank, size, world_ranks, timeout_s, one_shot_max) -> None
@@ -538,6 +552,8 @@ PyMethodDef kMethods[] = {
     {"tables", Tables, METH_NOARGS, "The native code tables, by name."},
     {"cpu_handlers", CpuHandlers, METH_NOARGS, "The CPU FFI handlers by target name."},
     {"mpi_load", MpiLoad, METH_VARARGS, "Resolve MPI functions from the library mpi4py loaded."},
+    {"mpi_has_large_count", MpiHasLargeCount, METH_VARARGS,
+     "Whether an MPI library has the MPI-4 large-count functions."},
     {"group_create", GroupCreate, METH_VARARGS, "Register a group."},
     {"group_attach_shm", GroupAttachShm, METH_VARARGS, "Map a group's shared-memory segment."},
     {"group_attach_mpi", GroupAttachMpi, METH_VARARGS, "Give a group an MPI communicator."},

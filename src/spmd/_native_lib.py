@@ -18,7 +18,7 @@ from typing import Any
 from ._errors import SpmdError
 
 # Must equal SPMD_NATIVE_ABI_VERSION in native/include/spmd/common.h.
-NATIVE_ABI_VERSION = 16
+NATIVE_ABI_VERSION = 17
 
 
 def _load(name: str) -> ModuleType:

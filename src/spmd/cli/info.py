@@ -51,6 +51,20 @@ def _mpi_refusal(launch: LaunchInfo) -> str:
     return refusal_before_init(os.environ, launch.launcher, version)
 
 
+def _mpi_calls() -> str:
+    """Which MPI calls spmd's collectives make with that library (mpi4py's MPI module is
+    imported by _mpi_library)."""
+    from ..runtime import mpi_calls
+
+    try:
+        calls = mpi_calls()
+    except Exception as e:
+        return f"unavailable ({e})"
+    if calls == "large-count":
+        return "large-count (MPI-4 MPI_*_c functions)"
+    return "classic (int counts; calls above SPMD_MPI_MAX_COUNT elements, 2^31-1 unset, split)"
+
+
 def _native_layer() -> str:
     from .._native_lib import native
 
@@ -120,6 +134,7 @@ def report() -> str:
     lines.append("versions:")
     lines += [f"  {p}: {_version(p)}" for p in _PACKAGES]
     lines.append(f"  MPI library (mpi4py): {_mpi_library()}")
+    lines.append(f"  MPI calls: {_mpi_calls()}")
     try:
         exe = find_mpiexec()
         lines.append(f"  mpiexec: {exe} ({flavor(exe)})")

@@ -28,6 +28,7 @@ from ._gpu import describe as describe_gpu
 from ._gpu import nccl_library as nccl_library
 from ._groups import NativeGroup as NativeGroup
 from ._groups import find as find_native_group
+from ._groups import mpi_calls as mpi_calls
 from ._groups import requested_transport as requested_transport
 from ._groups import set_cpu_transport as set_cpu_transport
 from ._groups import shm_hop_ns as shm_hop_ns
@@ -68,6 +69,7 @@ __all__ = [
     "init",
     "is_initialized",
     "merge_timeline",
+    "mpi_calls",
     "mpi_rank_size",
     "must_abort",
     "nccl_library",

@@ -266,3 +266,28 @@ def check_every(env: Mapping[str, str] = os.environ) -> int:
     if not value.isdigit() or int(value) < 1:
         raise SpmdError(f"SPMD_CHECK_EVERY={value!r}; expected a whole number >= 1", rank=None)
     return int(value)
+
+
+_INT_MAX = 2**31 - 1
+
+
+def mpi_large_count(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether MPI calls may use the MPI-4 large-count functions where the library has them
+    (``SPMD_MPI_LARGE_COUNT``: ``1``, the default, or ``0``: the classic int-count calls)."""
+    value = env.get("SPMD_MPI_LARGE_COUNT", "1").strip()
+    if value not in ("", "0", "1"):
+        raise SpmdError(f"SPMD_MPI_LARGE_COUNT={value!r}; expected 0 or 1", rank=None)
+    return value != "0"
+
+
+def mpi_max_count(env: Mapping[str, str] = os.environ) -> int:
+    """The most elements one classic MPI call carries; larger calls are split
+    (``SPMD_MPI_MAX_COUNT``, for tests of the split; default and largest 2147483647)."""
+    count = _int(env, "SPMD_MPI_MAX_COUNT")
+    if count is None:
+        return _INT_MAX
+    if not 1 <= count <= _INT_MAX:
+        raise SpmdError(
+            f"SPMD_MPI_MAX_COUNT={count}: expected a count between 1 and {_INT_MAX}", rank=None
+        )
+    return count

@@ -42,7 +42,7 @@ from .._native_lib import native, tables
 from . import _gpu, _recorder
 from ._affinity import recorded_cpus
 from ._device import gpu_active
-from ._env import timeout_seconds
+from ._env import mpi_large_count, mpi_max_count, timeout_seconds
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -135,7 +135,19 @@ def _mpi_library() -> str:
     raise SpmdError("cannot find the MPI library mpi4py loaded in this process's memory map")
 
 
-_mpi_loaded = False
+_mpi_loaded: str | None = None  # the calls chosen at load
+
+
+def mpi_calls(library: str | None = None) -> str:
+    """How MPI calls carry counts in this process: ``"large-count"`` (the MPI-4 ``MPI_*_c``
+    functions) where the MPI library mpi4py loaded has them and ``SPMD_MPI_LARGE_COUNT`` is not
+    ``0``, else ``"classic"`` (int counts; calls above ``SPMD_MPI_MAX_COUNT`` elements are
+    split). Chosen once, when the first group attaches MPI; needs mpi4py's MPI module imported."""
+    if _mpi_loaded is not None:
+        return _mpi_loaded
+    if not mpi_large_count():
+        return "classic"
+    return "large-count" if native().mpi_has_large_count(library or _mpi_library()) else "classic"
 
 
 def _load_mpi() -> None:
@@ -152,8 +164,8 @@ def _load_mpi() -> None:
             MPI.FLOAT, MPI.DOUBLE, MPI.SUM, MPI.PROD, MPI.MAX, MPI.MIN, MPI.LAND, MPI.LOR,
         )
     )  # fmt: skip
-    native().mpi_load(_mpi_library(), constants)
-    _mpi_loaded = True
+    large = native().mpi_load(_mpi_library(), constants, mpi_large_count(), mpi_max_count())
+    _mpi_loaded = "large-count" if large else "classic"
 
 
 def _node_layout(comm: Communicator) -> dict[str, list[int]]:
