@@ -34,8 +34,7 @@ import numpy as np
 from .._errors import SpmdError
 from .._jax_compat import core
 from ..mesh import current_mesh, mesh_key, resolve_group
-from ..runtime import Communicator
-from ..runtime._env import check_every, debug_checks
+from ..runtime import Communicator, check_every, debug_checks
 from ..sharded import is_sharded
 from ._boundary import lift, stateful, statics, unstatic
 from ._check import compare, schedule

@@ -14,7 +14,9 @@ from ._affinity import recorded_cpus as recorded_cpus
 from ._communicator import Communicator as Communicator
 from ._device import gpu_active as gpu_active
 from ._env import LaunchInfo as LaunchInfo
+from ._env import check_every as check_every
 from ._env import cuda_graphs as cuda_graphs
+from ._env import debug_checks as debug_checks
 from ._env import detect as detect
 from ._env import mpi_rank_size as mpi_rank_size
 from ._env import timeout_seconds as timeout_seconds
@@ -57,7 +59,9 @@ __all__ = [
     "abort_job",
     "bind_mode",
     "bind_rank",
+    "check_every",
     "cuda_graphs",
+    "debug_checks",
     "describe_gpu",
     "detect",
     "finalize",
