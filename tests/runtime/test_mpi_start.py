@@ -129,3 +129,24 @@ def test_deferred_initialization_keeps_mpi4pys_settings(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     lines = sorted(line for line in out.stdout.splitlines() if line[:1].isdigit())
     assert lines == ["0 2 True True True None", "1 2 True True True None"], out.stdout
+
+
+def test_open_mpis_mpirun_with_the_mpich_wheel_is_refused_on_every_rank_before_mpi_init():
+    """The real route: a system Open MPI's mpiexec (SPMD_TEST_OPENMPI_SYSTEM, which .ci/run sets
+    to Debian's) starting processes whose mpi4py loads the MPICH wheel. MPICH would abort in
+    MPI_Init ("unsupported PMI version PMIx"); spmd refuses first, on every rank, by its rank."""
+    mpiexec = os.environ.get("SPMD_TEST_OPENMPI_SYSTEM")
+    if not mpiexec:
+        pytest.skip("SPMD_TEST_OPENMPI_SYSTEM is not set: no system Open MPI to start ranks")
+    out = subprocess.run(
+        [mpiexec, "--oversubscribe", "--allow-run-as-root", "-n", "2", sys.executable, "-c",
+         "import spmd; spmd.init(); print('started')"],
+        capture_output=True, text=True, timeout=120, env=_clean_env(),
+    )  # fmt: skip
+    assert out.returncode != 0 and "started" not in out.stdout, out.stdout + out.stderr
+    for rank in (0, 1):
+        assert (
+            f"SpmdError: rank {rank}: Open MPI's mpirun started this process with PMIx "
+            f"(PMIX_RANK={rank}), but mpi4py loaded MPICH"
+        ) in out.stderr, out.stderr
+    assert "unsupported PMI version" not in out.stderr
