@@ -723,40 +723,36 @@ namespace {
 // calls, else one per piece of at most max_count bytes (at least one, so that an empty message
 // is still a message). Both sides split the same byte count alike, and MPI keeps the order of
 // messages between two ranks on one tag, so the pieces match.
-int StartSend(const void* buf, size_t bytes, int peer, int tag, H comm, std::vector<H>* requests) {
-  const char* b = static_cast<const char*>(buf);
+// `large(at, count, request)` / `classic(at, count, request)`: the MPI call of one piece.
+template <typename Large, typename Classic>
+int StartPieces(char* b, size_t bytes, std::vector<H>* requests, Large large, Classic classic) {
   if (large_count) {
     requests->push_back(0);
-    return fns.Isend_c(buf, static_cast<Count>(bytes), consts.byte, peer, tag, comm,
-                       &requests->back());
+    return large(b, static_cast<Count>(bytes), &requests->back());
   }
   size_t at = 0;
   do {
     const int n = static_cast<int>(std::min(bytes - at, max_count));
     requests->push_back(0);
-    const int code = fns.Isend(b + at, n, consts.byte, peer, tag, comm, &requests->back());
+    const int code = classic(b + at, n, &requests->back());
     if (code != 0) return code;
     at += n;
   } while (at < bytes);
   return 0;
 }
 
+int StartSend(const void* buf, size_t bytes, int peer, int tag, H comm, std::vector<H>* requests) {
+  return StartPieces(
+      const_cast<char*>(static_cast<const char*>(buf)), bytes, requests,
+      [&](char* at, Count n, H* r) { return fns.Isend_c(at, n, consts.byte, peer, tag, comm, r); },
+      [&](char* at, int n, H* r) { return fns.Isend(at, n, consts.byte, peer, tag, comm, r); });
+}
+
 int StartRecv(void* buf, size_t bytes, int peer, int tag, H comm, std::vector<H>* requests) {
-  char* b = static_cast<char*>(buf);
-  if (large_count) {
-    requests->push_back(0);
-    return fns.Irecv_c(buf, static_cast<Count>(bytes), consts.byte, peer, tag, comm,
-                       &requests->back());
-  }
-  size_t at = 0;
-  do {
-    const int n = static_cast<int>(std::min(bytes - at, max_count));
-    requests->push_back(0);
-    const int code = fns.Irecv(b + at, n, consts.byte, peer, tag, comm, &requests->back());
-    if (code != 0) return code;
-    at += n;
-  } while (at < bytes);
-  return 0;
+  return StartPieces(
+      static_cast<char*>(buf), bytes, requests,
+      [&](char* at, Count n, H* r) { return fns.Irecv_c(at, n, consts.byte, peer, tag, comm, r); },
+      [&](char* at, int n, H* r) { return fns.Irecv(at, n, consts.byte, peer, tag, comm, r); });
 }
 }  // namespace
 
