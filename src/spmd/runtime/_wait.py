@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from .._errors import SpmdError
+from .._native_lib import native
 
 
 class Deadlock(SpmdError):
@@ -38,8 +39,6 @@ def wait_until(
             if time.monotonic() > deadline:
                 return False
             if on_board is not None:
-                from .._native_lib import native
-
                 if handle is None:
                     kind, members, n, what = on_board
                     handle = native().board_wait(kind, list(members), n, what)
@@ -50,7 +49,5 @@ def wait_until(
             pause = min(pause * 2, 5e-3)
     finally:
         if handle is not None:
-            from .._native_lib import native
-
             native().board_end(handle)
     return True
