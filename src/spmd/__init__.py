@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from . import ops as ops
     from . import parallel as parallel
     from . import perf as perf
+    from . import random as random
     from . import sharded as sharded
     from .checkpoint import load as load
     from .checkpoint import save as save
@@ -103,7 +104,7 @@ _MODEL_PARALLEL = ("moe", "pipeline", "tensor_parallel")
 def __getattr__(name: str) -> Any:
     import importlib
 
-    if name in ("ops", "parallel", "data", "sharded", "checkpoint", "elastic", "perf"):
+    if name in ("ops", "parallel", "data", "sharded", "checkpoint", "elastic", "perf", "random"):
         return importlib.import_module("." + name, __name__)
     if name in _MODEL_PARALLEL:
         return importlib.import_module(".parallel." + name, __name__)
@@ -130,6 +131,7 @@ __all__ = [
     "ops",
     "parallel",
     "perf",
+    "random",
     "sharded",
     "Communicator",
     "MessageQueue",

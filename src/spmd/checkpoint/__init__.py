@@ -114,7 +114,7 @@ from ._plan import Leaf, flatten, plan
 from ._read import load_tree, resolve
 from ._write import check_arrived, check_target, commit, write_file
 
-__all__ = ["FORMAT", "VERSION", "load", "metadata", "save"]
+__all__ = ["FORMAT", "VERSION", "load", "load_safetensors", "metadata", "save", "save_safetensors"]
 
 PathLike = str | os.PathLike[str]
 T = TypeVar("T")
@@ -140,6 +140,7 @@ def save(
     *,
     metadata: dict[str, Any] | None = None,
     group: Any = None,
+    format: str = "spmd",
 ) -> None:
     """Write ``tree`` to the checkpoint directory ``path``, replacing what is there atomically.
 
@@ -158,6 +159,10 @@ def save(
         group: the ranks that save together (None: the default communicator; a Communicator;
             or an axis name of the active mesh); they must hold every shard of every
             ShardedArray in ``tree``.
+        format: ``"spmd"`` (this format) or ``"orbax"``: an Orbax checkpoint of the full arrays
+            (ShardedArrays gathered), which ``orbax.checkpoint.StandardCheckpointer().restore``
+            reads in a one-process JAX program; rank 0 gathers the tree and Orbax writes it
+            (``metadata`` is not stored). :func:`load` reads both.
 
     Raises:
         SpmdTypeError: a leaf that is not an array, a scalar or a ShardedArray (naming its path).
@@ -168,6 +173,13 @@ def save(
     comm = _communicator(group)
     target = _target(path)
     op = f"spmd.save({str(path)!r})"
+    if format == "orbax":
+        from ._external import save_orbax
+
+        save_orbax(target, tree, comm, op)
+        return
+    if format != "spmd":
+        raise SpmdError(f"format={format!r}; expected 'spmd' or 'orbax'", op=op)
 
     # 1. Local checks, then one exchange: each rank's description of its tree, and rank 0's id
     #    for the temporary directory. Nothing is written before every rank knows that every
@@ -268,7 +280,10 @@ def load(path: PathLike, like: Any = None, *, group: Any = None, trust: bool = F
     """Read the checkpoint at ``path``, at any world size and in any layout.
 
     Args:
-        path: a directory written by :func:`save`. If it is missing but a complete
+        path: a directory written by :func:`save` (in either format), or an Orbax checkpoint
+            of a one-process program (``StandardCheckpointer``/``PyTreeCheckpointer``; read by
+            Orbax, the full arrays on every rank, then each rank keeps its blocks of
+            ShardedArrays in ``like``). If it is missing but a complete
             ``{path}.old-*`` exists (a save was interrupted between its two renames), the
             newest of those is read, with a warning.
         like: None, or a pytree of the saved structure whose leaves say what to return:
@@ -303,11 +318,58 @@ def load(path: PathLike, like: Any = None, *, group: Any = None, trust: bool = F
     result: list[Any] = []
 
     def read() -> None:  # the tree stays on this rank: only the outcome is exchanged
+        from ._external import is_orbax, load_orbax
+
+        if is_orbax(_target(path)):
+            result.append(load_orbax(_target(path), like, op))
+            return
         # A fallback to {path}.old-* warns at load's caller, 8 frames up: resolve, load_tree,
         # this step, _agree's wrapper of it, Communicator.agree, _agree, load.
         result.append(load_tree(_target(path), like, op, stacklevel=8, trust=trust))
 
     _agree(comm, op, read)
+    return result[0]
+
+
+def save_safetensors(path: PathLike, tree: Any, *, group: Any = None) -> None:
+    """Write ``tree`` as one safetensors file: one tensor per leaf, the full array (ShardedArrays
+    gathered), named by its path with the keys joined by dots as Hugging Face names weights
+    (``{"params": {"dense": {"w": ..}}}`` -> ``params.dense.w``; list and tuple positions as
+    numbers). Collective over ``group``; rank 0 writes, streaming: no rank holds more than its
+    shards plus one full tensor. The file appears whole or not at all (a temporary file beside
+    it, renamed), mode 0600. For layers' parameters (``spmd.tensor_parallel.linen`` and the
+    others) pass ``spmd.tensor_parallel.sharded(params)``.
+
+    Example (a world of one)::
+
+        >>> import jax.numpy as jnp, spmd, tempfile, os
+        >>> f = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+        >>> spmd.checkpoint.save_safetensors(f, {"dense": {"w": jnp.ones((2, 3))}})
+        >>> back = spmd.checkpoint.load_safetensors(f, {"dense": {"w": jnp.zeros((2, 3))}})
+        >>> back["dense"]["w"].sum()
+        Array(6., dtype=float32)
+    """
+    from ._external import save_safetensors as write
+
+    comm = _communicator(group)
+    op = f"spmd.checkpoint.save_safetensors({str(path)!r})"
+    _agree(comm, op, lambda: None)  # every rank is here before rank 0 creates the file
+    write(path, tree, comm, op)
+
+
+def load_safetensors(path: PathLike, like: Any, *, strict: bool = True, group: Any = None) -> Any:
+    """Read a safetensors file into the structure and layout of ``like``: a ShardedArray leaf
+    gets this rank's block (only its slice of the tensor is read), an array the full tensor,
+    converted to the leaf's dtype. Tensors are found by the names :func:`save_safetensors`
+    gives (keys joined by dots). ``strict``: tensors in the file that ``like`` does not name
+    are an error (False: skipped, as a Hugging Face file's extra buffers). Shapes must match.
+    Errors are raised on every rank of ``group``."""
+    from ._external import load_safetensors as read
+
+    comm = _communicator(group)
+    op = f"spmd.checkpoint.load_safetensors({str(path)!r})"
+    result: list[Any] = []
+    _agree(comm, op, lambda: result.append(read(path, like, strict, op)))
     return result[0]
 
 

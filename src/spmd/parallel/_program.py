@@ -31,6 +31,7 @@ import numpy as np
 from .._errors import SpmdError
 from .._jax_compat import ClosedJaxpr, core, is_closed_jaxpr
 from ..ops import holds_collective
+from ._column import check_column_splits
 
 __all__ = ["Env", "Op", "Program", "eval_eqn", "retrace", "trace"]
 
@@ -224,12 +225,14 @@ def trace_program(
         raise _named_axis_error(e) from None
     out_tree = jax.tree_util.tree_structure(out_shape)
     name = getattr(fn, "__name__", "main")
+    names = arg_names(fn, args, kwargs)
+    check_column_splits(closed, names, name)
     return Program(
         closed,
         in_tree,
         out_tree,
         name=name,
-        in_names=arg_names(fn, args, kwargs),
+        in_names=names,
         in_sharding=in_sharding,
     )
 

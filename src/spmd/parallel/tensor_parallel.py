@@ -42,18 +42,23 @@ from .._errors import SpmdError, SpmdTypeError
 from ..mesh import Mesh, current_mesh, resolve_group
 from ..runtime import Communicator
 from ..sharded import PartitionSpec, ShardedArray, is_sharded, normalize_spec, shard
+from ._column import mark_column
 
 __all__ = [
     "column_linear",
     "copy_to",
     "gather_from",
     "gather_sequence",
+    "join_qkv",
     "local",
     "reduce_from",
     "reduce_scatter_sequence",
     "row_linear",
     "scatter_to",
     "shard_params",
+    "sharded",
+    "split_qkv",
+    "unsharded",
     "vocab_cross_entropy",
     "vocab_embed",
 ]
@@ -254,6 +259,7 @@ def column_linear(
     group: Any = "tp",
     gather_output: bool = False,
     sequence_parallel: bool = False,
+    fused: int = 1,
 ) -> Any:
     """``x @ W + b`` with ``W`` split by output columns: this rank computes its ``out / tp``.
 
@@ -264,6 +270,10 @@ def column_linear(
             ``(out / tp,)``, or None.
         gather_output: return the full ``(..., out)`` on every rank (default: this rank's
             ``(..., out / tp)``, what :func:`row_linear` takes).
+        fused: ``W`` is a fused kernel of this many parts (3 for ``[q|k|v]``) and ``w`` this
+            rank's block of each part side by side, as :func:`split_qkv` gives it; the output
+            may then be split into its parts on each rank. Splitting the output of a layer
+            not told so is an error when the step is traced (the parts would be mixed up).
 
     The backward pass sums the input's gradient over the group (:func:`copy_to`; with sequence
     parallelism, a reduce_scatter).
@@ -275,6 +285,13 @@ def column_linear(
         ...     spmd.tensor_parallel.column_linear(jnp.ones((1, 2)), jnp.ones((2, 3)))
         Array([[2., 2., 2.]], dtype=float32)
     """
+    return _column_linear(x, w, b, group, gather_output, sequence_parallel, fused, "")
+
+
+def _column_linear(
+    x: Any, w: Any, b: Any, group: Any, gather_output: bool, sequence_parallel: bool,
+    fused: int, layer: str,
+) -> Any:  # fmt: skip
     op = "column_linear"
     comm = _comm(group, op)
     x, w = jnp.asarray(x), _weight(w, op, split=1, comm=comm)
@@ -284,7 +301,23 @@ def column_linear(
     if b is not None:
         b = _bias(b, w.shape[1], op, "this rank's out / tp columns", split=0, comm=comm)
         y = y + b
-    return gather_from(y, -1, group=comm) if gather_output else y
+    if gather_output:
+        return gather_from(y, -1, group=comm)
+    return column_output(y, comm, fused=fused, layer=layer)
+
+
+def column_output(y: Any, comm: Communicator, *, fused: int = 1, layer: str = "") -> Any:
+    """Mark ``y`` as a column-parallel layer's output, so that a traced step that splits it into
+    parts is an error (the fused-kernel trap, ``parallel/_column.py``); size-1 groups unmarked."""
+    if fused < 1 or y.shape[-1] % fused:
+        raise SpmdError(
+            f"fused={fused}, but this rank's block has {y.shape[-1]} columns: expected a "
+            "positive part count that divides them",
+            op="column_linear",
+        )
+    if comm.size == 1:
+        return y
+    return mark_column(y, fused=fused, layer=layer, ranks=tuple(comm.ranks))
 
 
 def row_linear(
@@ -534,3 +567,101 @@ def shard_params(params: Any, specs: Any, *, mesh: Mesh | None = None) -> Any:
     return jax.tree_util.tree_map_with_path(
         one, specs, params, is_leaf=lambda s: s is None or isinstance(s, PartitionSpec)
     )
+
+
+# -- fused kernels ------------------------------------------------------------------------------
+
+
+def split_qkv(w: Any, heads: int, *, group: Any = "tp", parts: int = 3) -> Any:
+    """This rank's block of a fused ``[q|k|v]`` kernel ``(in, parts * out)`` (or bias
+    ``(parts * out,)``): the same heads of each part, side by side, ``(in, parts * out / tp)``.
+
+    The columns of each part are head-major (head h is ``h * out / heads`` onwards), so rank r
+    gets heads ``r * heads / tp`` to ``(r + 1) * heads / tp - 1`` of q, of k and of v; after
+    ``column_linear(x, w, fused=parts)`` it splits its output into its q, k and v as one process
+    splits the full one. :func:`join_qkv` is the inverse (collective over the group).
+
+    Example (a world of one: the kernel unchanged)::
+
+        >>> import jax.numpy as jnp, spmd
+        >>> with spmd.Mesh(tp=-1):
+        ...     spmd.tensor_parallel.split_qkv(jnp.arange(6.0)[None], heads=1)
+        Array([[0., 1., 2., 3., 4., 5.]], dtype=float32)
+    """
+    op = "split_qkv"
+    comm = _comm(group, op)
+    w = jnp.asarray(w)
+    out = _part_width(w, parts, op)
+    if heads < 1 or heads % comm.size or out % heads:
+        raise SpmdError(
+            f"heads={heads}: each of the {parts} parts has {out} columns and the group "
+            f"{comm.size} ranks; expected a head count that divides the columns and that the "
+            "group size divides (each rank holds whole heads)",
+            op=op,
+        )
+    n = out // comm.size
+    blocks = w.reshape(*w.shape[:-1], parts, out)[..., comm.rank * n : (comm.rank + 1) * n]
+    return blocks.reshape(*w.shape[:-1], parts * n)
+
+
+def join_qkv(w: Any, *, group: Any = "tp", parts: int = 3) -> Any:
+    """The full fused kernel ``(in, parts * out)`` from every rank's :func:`split_qkv` block
+    (an allgather over the group; every rank gets it)."""
+    op = "join_qkv"
+    comm = _comm(group, op)
+    w = jnp.asarray(w)
+    n = _part_width(w, parts, op)
+    if comm.size == 1:
+        return w
+    everyone = _allgather(w, w.ndim - 1, comm)  # [q0 k0 v0 q1 k1 v1 ...]
+    lead = w.shape[:-1]
+    split = everyone.reshape(*lead, comm.size, parts, n)
+    return jnp.swapaxes(split, -3, -2).reshape(*lead, parts * comm.size * n)
+
+
+def _part_width(w: Any, parts: int, op: str) -> int:
+    if w.ndim < 1 or parts < 1 or w.shape[-1] % parts:
+        raise SpmdError(
+            f"w has shape {w.shape}; expected a last axis of {parts} equal parts "
+            "([q|k|v] for parts=3)",
+            op=op,
+        )
+    return int(w.shape[-1] // parts)
+
+
+# -- framework layers ---------------------------------------------------------------------------
+
+_FRAMEWORKS = {"linen": "_tp_linen", "nnx": "_tp_nnx", "equinox": "_tp_equinox"}
+
+
+def __getattr__(name: str) -> Any:
+    """``spmd.tensor_parallel.linen`` / ``.nnx`` / ``.equinox``: the layers as modules of the
+    framework, imported when first named (the framework must be installed)."""
+    if name in _FRAMEWORKS:
+        import importlib
+
+        return importlib.import_module(f".{_FRAMEWORKS[name]}", __package__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def sharded(tree: Any) -> Any:
+    """The parameters of the framework layers (``linen``, ``nnx``, ``equinox``) as ShardedArrays
+    of the dense model's layout, for ``spmd.gather``, ``spmd.save`` and the checkpoint exports.
+
+    ``tree``: a tree that holds the layers' blocks (linen's boxed ``params``, an NNX state or
+    model, an Equinox model); every block becomes a ShardedArray over the active mesh, a fused
+    kernel reordered from its per-rank ``[q|k|v]`` blocks to the dense kernel's columns (one
+    allgather of that kernel); other leaves are returned as they are (replicated). Collective
+    over the tensor-parallel group: every rank of it calls it. :func:`unsharded` is the inverse.
+    """
+    from ._tp_common import to_sharded
+
+    return to_sharded(tree)
+
+
+def unsharded(tree: Any, like: Any) -> Any:
+    """``like`` (the layers' parameters, as :func:`sharded` takes them) with its values taken from
+    ``tree`` (what :func:`sharded` returns, or ``spmd.load(path, like=sharded(like))``)."""
+    from ._tp_common import from_sharded
+
+    return from_sharded(tree, like)
