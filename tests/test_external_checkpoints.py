@@ -37,7 +37,10 @@ def _full():
     }  # fmt: skip
 
 
-def _sharded(full, spec_w=P("x", None), spec_l=P(None, "x")):
+ROWS, COLUMNS = P("x", None), P(None, "x")
+
+
+def _sharded(full, spec_w=ROWS, spec_l=COLUMNS):
     with spmd.Mesh(x=spmd.get_communicator().size) as mesh:
         p = full["params"]
         return {
@@ -65,7 +68,7 @@ def save_orbax_from_ranks(path):
 
 
 def load_into_layout(path, fmt):
-    like = _sharded(_full(), spec_w=P(None, "x"), spec_l=P("x", None))
+    like = _sharded(_full(), spec_w=COLUMNS, spec_l=ROWS)
     if fmt == "orbax":
         got = spmd.load(path, like=like)
     else:

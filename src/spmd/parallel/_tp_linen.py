@@ -205,11 +205,11 @@ class LayerNorm(nn.Module):
 
 def _read(box: Any) -> Any:
     if not box.names or not any(box.names):
-        return box.value, None
+        return [(box.value, None)]
     axis = next(i for i, n in enumerate(box.names) if n)
-    return box.value, Layout(axis, box.names[axis], getattr(box, "fused", 1))
+    return [(box.value, Layout(axis, box.names[axis], getattr(box, "fused", 1)))]
 
 
-register(lambda x: isinstance(x, nn.Partitioned), _read, lambda box, v: box.replace(value=v))
+register(lambda x: isinstance(x, nn.Partitioned), _read, lambda box, v: box.replace(value=v[0]))
 
 del jax

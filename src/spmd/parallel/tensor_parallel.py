@@ -43,6 +43,7 @@ from ..mesh import Mesh, current_mesh, resolve_group
 from ..runtime import Communicator
 from ..sharded import PartitionSpec, ShardedArray, is_sharded, normalize_spec, shard
 from ._column import mark_column
+from ._tp_common import join_qkv, sharded, split_qkv, unsharded
 
 __all__ = [
     "column_linear",
@@ -569,66 +570,6 @@ def shard_params(params: Any, specs: Any, *, mesh: Mesh | None = None) -> Any:
     )
 
 
-# -- fused kernels ------------------------------------------------------------------------------
-
-
-def split_qkv(w: Any, heads: int, *, group: Any = "tp", parts: int = 3) -> Any:
-    """This rank's block of a fused ``[q|k|v]`` kernel ``(in, parts * out)`` (or bias
-    ``(parts * out,)``): the same heads of each part, side by side, ``(in, parts * out / tp)``.
-
-    The columns of each part are head-major (head h is ``h * out / heads`` onwards), so rank r
-    gets heads ``r * heads / tp`` to ``(r + 1) * heads / tp - 1`` of q, of k and of v; after
-    ``column_linear(x, w, fused=parts)`` it splits its output into its q, k and v as one process
-    splits the full one. :func:`join_qkv` is the inverse (collective over the group).
-
-    Example (a world of one: the kernel unchanged)::
-
-        >>> import jax.numpy as jnp, spmd
-        >>> with spmd.Mesh(tp=-1):
-        ...     spmd.tensor_parallel.split_qkv(jnp.arange(6.0)[None], heads=1)
-        Array([[0., 1., 2., 3., 4., 5.]], dtype=float32)
-    """
-    op = "split_qkv"
-    comm = _comm(group, op)
-    w = jnp.asarray(w)
-    out = _part_width(w, parts, op)
-    if heads < 1 or heads % comm.size or out % heads:
-        raise SpmdError(
-            f"heads={heads}: each of the {parts} parts has {out} columns and the group "
-            f"{comm.size} ranks; expected a head count that divides the columns and that the "
-            "group size divides (each rank holds whole heads)",
-            op=op,
-        )
-    n = out // comm.size
-    blocks = w.reshape(*w.shape[:-1], parts, out)[..., comm.rank * n : (comm.rank + 1) * n]
-    return blocks.reshape(*w.shape[:-1], parts * n)
-
-
-def join_qkv(w: Any, *, group: Any = "tp", parts: int = 3) -> Any:
-    """The full fused kernel ``(in, parts * out)`` from every rank's :func:`split_qkv` block
-    (an allgather over the group; every rank gets it)."""
-    op = "join_qkv"
-    comm = _comm(group, op)
-    w = jnp.asarray(w)
-    n = _part_width(w, parts, op)
-    if comm.size == 1:
-        return w
-    everyone = _allgather(w, w.ndim - 1, comm)  # [q0 k0 v0 q1 k1 v1 ...]
-    lead = w.shape[:-1]
-    split = everyone.reshape(*lead, comm.size, parts, n)
-    return jnp.swapaxes(split, -3, -2).reshape(*lead, parts * comm.size * n)
-
-
-def _part_width(w: Any, parts: int, op: str) -> int:
-    if w.ndim < 1 or parts < 1 or w.shape[-1] % parts:
-        raise SpmdError(
-            f"w has shape {w.shape}; expected a last axis of {parts} equal parts "
-            "([q|k|v] for parts=3)",
-            op=op,
-        )
-    return int(w.shape[-1] // parts)
-
-
 # -- framework layers ---------------------------------------------------------------------------
 
 _FRAMEWORKS = {"linen": "_tp_linen", "nnx": "_tp_nnx", "equinox": "_tp_equinox"}
@@ -642,26 +583,3 @@ def __getattr__(name: str) -> Any:
 
         return importlib.import_module(f".{_FRAMEWORKS[name]}", __package__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def sharded(tree: Any) -> Any:
-    """The parameters of the framework layers (``linen``, ``nnx``, ``equinox``) as ShardedArrays
-    of the dense model's layout, for ``spmd.gather``, ``spmd.save`` and the checkpoint exports.
-
-    ``tree``: a tree that holds the layers' blocks (linen's boxed ``params``, an NNX state or
-    model, an Equinox model); every block becomes a ShardedArray over the active mesh, a fused
-    kernel reordered from its per-rank ``[q|k|v]`` blocks to the dense kernel's columns (one
-    allgather of that kernel); other leaves are returned as they are (replicated). Collective
-    over the tensor-parallel group: every rank of it calls it. :func:`unsharded` is the inverse.
-    """
-    from ._tp_common import to_sharded
-
-    return to_sharded(tree)
-
-
-def unsharded(tree: Any, like: Any) -> Any:
-    """``like`` (the layers' parameters, as :func:`sharded` takes them) with its values taken from
-    ``tree`` (what :func:`sharded` returns, or ``spmd.load(path, like=sharded(like))``)."""
-    from ._tp_common import from_sharded
-
-    return from_sharded(tree, like)
