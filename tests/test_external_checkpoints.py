@@ -24,7 +24,7 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 
 def _full():
-    """The global arrays: uneven splits (10 rows over 4 ranks) and a bf16 leaf included."""
+    """The global arrays: uneven splits (10 rows over 4 ranks, 4 over 3), int leaves included."""
     rng = np.random.default_rng(0)
     return {
         "params": {

@@ -93,7 +93,10 @@ def test_mesh_shapes_and_errors(comm):
         rf"{2 * n + 2} ranks but the world has {n}",
     ):
         spmd.Mesh(dp=2, tp=n + 1)
-    with pytest.raises(spmd.SpmdError, match=rf"rank {comm.rank}: .* has no axis 'pp'"):
+    with pytest.raises(
+        spmd.SpmdError,
+        match=rf"rank {comm.rank}: .* has no axis 'pp'.*not taken as size 1 .* add it as pp=1",
+    ):
         mesh.rank_lists("pp")
     with pytest.raises(spmd.SpmdError, match=r"may infer \(-1\) at most one axis"):
         spmd.Mesh(dp=-1, tp=-1)

@@ -214,3 +214,50 @@ def test_nnx_and_equinox_models_on_dp2_tp2_follow_the_dense_model_in_one_process
     _compare(eqx_got, _eqx_train(False), "equinox")
     for r in results[1:]:
         np.testing.assert_allclose(r[0][0], nnx_got[0], rtol=0)  # every rank saw the same losses
+
+
+# -- dropout keys and the way back from ShardedArrays ---------------------------------------------
+
+
+def keys_and_round_trip(path):
+    """fold_in_axes over Mesh(dp=2, tp=2); linen parameters (a fused kernel among them) saved
+    as ShardedArrays of the dense layout, loaded, and put back into the layers' blocks."""
+    nn = pytest.importorskip("flax.linen")
+    L = spmd.tensor_parallel.linen
+
+    class Tiny(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            q, k, v = jnp.split(L.ColumnDense(12, fused=3, name="c_attn")(x), 3, axis=-1)
+            return L.RowDense(4, name="c_proj")(q * k + v) + L.LayerNorm(name="ln")(x)
+
+    with spmd.Mesh(dp=2, tp=2) as mesh:
+        key = jax.random.key(3)
+        keys = {axes: np.asarray(jax.random.key_data(spmd.random.fold_in_axes(key, axes)))
+                for axes in ("dp", "tp", ("dp", "tp"))}  # fmt: skip
+        with pytest.raises(spmd.SpmdError, match=r"has no axis 'pp'"):
+            spmd.random.fold_in_axes(key, "pp")
+        params = Tiny().init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+        spmd.save(path, spmd.tensor_parallel.sharded(params))
+        loaded = spmd.load(path, like=spmd.tensor_parallel.sharded(params))
+        back = spmd.tensor_parallel.unsharded(loaded, params)
+        same = jax.tree_util.tree_all(
+            jax.tree_util.tree_map(lambda a, b: bool(jnp.array_equal(a, b)), back, params)
+        )
+        kernel = spmd.gather(spmd.tensor_parallel.sharded(params))["c_attn"]["kernel"]
+        return mesh.index("dp"), mesh.index("tp"), keys, same, np.asarray(kernel)
+
+
+def test_dropout_keys_vary_over_the_named_axes_and_parameters_come_back_from_a_checkpoint(
+    tmp_path,
+):
+    out = run(keys_and_round_trip, 4, args=(str(tmp_path / "ckpt"),))
+    by = {(dp, tp): keys for dp, tp, keys, _, _ in out}
+    for axes, varies in (("dp", "dp"), ("tp", "tp"), (("dp", "tp"), "both")):
+        k = {c: by[c][axes].tobytes() for c in by}
+        assert (k[0, 0] == k[0, 1]) == (varies == "dp"), axes  # differ only over tp?
+        assert (k[0, 0] == k[1, 0]) == (varies == "tp"), axes  # differ only over dp?
+        assert len(set(k.values())) == (4 if varies == "both" else 2), axes
+    assert all(same for _, _, _, same, _ in out)  # the blocks (fused ones included) came back
+    for _, _, _, _, kernel in out:  # the fused kernel gathered in the dense layout
+        np.testing.assert_array_equal(kernel, out[0][4])

@@ -177,7 +177,9 @@ class Mesh:
                     ""
                     if "ep" in self._shape or not _ep_axes(self._shape)
                     else " (and 'ep', derived from its dp and tp axes)"
-                ),
+                )
+                + f". An axis the mesh lacks is not taken as size 1 (a misspelt name would then "
+                f"skip a reduction silently): add it as {name}=1 to the mesh",
                 rank=self._world.world_rank,
             )
         return (name,)

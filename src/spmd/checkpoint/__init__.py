@@ -176,6 +176,13 @@ def save(
     if format == "orbax":
         from ._external import save_orbax
 
+        if metadata is not None:
+            raise SpmdError(
+                "metadata= is not stored in an Orbax checkpoint; save it beside the checkpoint "
+                "(a JSON file), or use format='spmd'",
+                op=op,
+            )
+
         save_orbax(target, tree, comm, op)
         return
     if format != "spmd":

@@ -147,8 +147,9 @@ def _message(eqn: Any, how: str, weight: str) -> str:
     return (
         f"the output of {what} is {how}, but each rank of the group "
         f"{ranks} holds a contiguous block of the weight's columns: rank {ranks[0]}'s first part "
-        "is not the first part of the full output (for a fused [q|k|v] kernel, its q and some "
-        "of its k), so the model would train with its parts mixed up, silently. Give a fused "
+        "is not its share of the full output's first part (for a fused [q|k|v] kernel on 2 "
+        "ranks, rank 0 holds q and half of k), so the model would train with its parts mixed "
+        "up, silently. Give a fused "
         "kernel to the layer as such: spmd.tensor_parallel.linen.ColumnDense(..., fused=3) "
         "(nnx.ColumnLinear, equinox.ColumnLinear likewise), or column_linear(..., fused=3) "
         "with the weight from spmd.tensor_parallel.split_qkv (docs/model_parallel.md, "
