@@ -40,7 +40,7 @@ class Attention(nn.Module):
     heads: int
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         C = x.shape[-1]
         qkv = nn.Dense(3 * C, name="c_attn")(x)
         q, k, v = jnp.split(qkv, 3, axis=-1)
@@ -54,7 +54,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         C = x.shape[-1]
         h = nn.gelu(nn.Dense(4 * C, name="c_fc")(x))
         return nn.Dense(C, name="c_proj")(h)
@@ -64,7 +64,7 @@ class Block(nn.Module):
     heads: int
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         x = x + Attention(self.heads, name="attn")(nn.LayerNorm(name="ln_1")(x))
         return x + MLP(name="mlp")(nn.LayerNorm(name="ln_2")(x))
 
@@ -77,7 +77,7 @@ class GPT(nn.Module):
     layers: int
 
     @nn.compact
-    def __call__(self, ids):
+    def __call__(self, ids: jax.Array) -> jax.Array:
         wte = nn.Embed(self.vocab, self.width, name="wte")
         x = wte(ids) + nn.Embed(self.context, self.width, name="wpe")(jnp.arange(ids.shape[1]))
         for i in range(self.layers):
