@@ -241,8 +241,10 @@ def test_grouped_layout_with_out_rows(comm):
                                static_argnums=2)  # fmt: skip
                 (want_obj, want_y), want_g = grad(experts, router, None)
                 (obj, y), g = grad(experts, router, most)
-                np.testing.assert_allclose(y, want_y, rtol=1e-6, err_msg=path)
-                np.testing.assert_allclose(obj, want_obj, rtol=1e-6, err_msg=path)
+                # (out_rows changes the buffers' row count, and XLA may sum in another order:
+                # a difference of a few float32 ulps was seen, 5e-6 relative)
+                np.testing.assert_allclose(y, want_y, rtol=2e-5, atol=1e-7, err_msg=path)
+                np.testing.assert_allclose(obj, want_obj, rtol=2e-5, err_msg=path)
                 for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want_g), strict=True):
                     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=path)
                 with pytest.raises(jax.errors.JaxRuntimeError) as info:  # jit: XLA's error

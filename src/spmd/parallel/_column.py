@@ -155,3 +155,25 @@ def _message(eqn: Any, how: str, weight: str) -> str:
         "with the weight from spmd.tensor_parallel.split_qkv (docs/model_parallel.md, "
         "'Fused kernels'); or split the kernel into separate layers"
     )
+
+
+def strip_columns(closed: Any) -> Any:
+    """``closed`` without its top-level column marks (once checked they say nothing more: the
+    op list a user prints shows what runs)."""
+    jaxpr = closed.jaxpr
+    if not any(e.primitive is column_p for e in jaxpr.eqns):
+        return closed
+    sub: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v if isinstance(v, core.Literal) else sub.get(v, v)
+
+    eqns = []
+    for e in jaxpr.eqns:
+        ins = [read(v) for v in e.invars]
+        if e.primitive is column_p:
+            sub[e.outvars[0]] = ins[0]
+        else:
+            eqns.append(e.replace(invars=ins))
+    new = jaxpr.replace(eqns=eqns, outvars=[read(v) for v in jaxpr.outvars])
+    return type(closed)(new, closed.consts)

@@ -31,7 +31,7 @@ import numpy as np
 from .._errors import SpmdError
 from .._jax_compat import ClosedJaxpr, core, is_closed_jaxpr
 from ..ops import holds_collective
-from ._column import check_column_splits
+from ._column import check_column_splits, strip_columns
 
 __all__ = ["Env", "Op", "Program", "eval_eqn", "retrace", "trace"]
 
@@ -227,6 +227,7 @@ def trace_program(
     name = getattr(fn, "__name__", "main")
     names = arg_names(fn, args, kwargs)
     check_column_splits(closed, names, name)
+    closed = strip_columns(closed)
     return Program(
         closed,
         in_tree,
