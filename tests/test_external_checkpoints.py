@@ -89,6 +89,9 @@ def test_orbax_checkpoint_from_4_ranks_restores_in_one_plain_process_and_back(tm
     for g, w in zip(got_leaves, want_leaves, strict=True):
         assert np.asarray(g).dtype == np.asarray(w).dtype
         np.testing.assert_array_equal(np.asarray(g), w)
+    plain_load = spmd.load(path)  # no like: Orbax's own restore, through spmd
+    for g, w in zip(jax.tree_util.tree_leaves(plain_load), want_leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), w)
 
     # Back: a one-process program's Orbax checkpoint into a sharded layout at 2 and 3 ranks.
     plain = str(tmp_path / "plain")
@@ -159,3 +162,22 @@ def test_safetensors_errors_name_the_tensor(tmp_path):
         np.testing.assert_array_equal(got["a"], np.ones((2, 3)))
         with pytest.raises(spmd.SpmdError, match=r"a has shape \(2, 3\) in .*; like has \(3, 2\)"):
             spmd.checkpoint.load_safetensors(path, {"a": jnp.zeros((3, 2)), "b": jnp.zeros(2)})
+
+
+def _unwritable(path):
+    try:
+        spmd.checkpoint.save_safetensors(path, _sharded(_full()))
+    except spmd.SpmdError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_safetensors_file_rank_0_cannot_write_is_an_error_on_every_rank(tmp_path):
+    """Rank 0 cannot create the file; the others still take part in every gather and all
+    raise, naming rank 0's error (no hang)."""
+    path = str(tmp_path / "no-such-directory" / "w.safetensors")
+    texts = run(_unwritable, 3, args=(path,))
+    assert "writing" in texts[0] and "FileNotFoundError" in texts[0], texts
+    for text in texts[1:]:
+        assert "rank 0 failed: writing" in text and "FileNotFoundError" in text, texts
+    assert not list(tmp_path.iterdir())

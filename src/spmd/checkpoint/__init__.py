@@ -288,7 +288,7 @@ def load(path: PathLike, like: Any = None, *, group: Any = None, trust: bool = F
 
     Args:
         path: a directory written by :func:`save` (in either format), or an Orbax checkpoint
-            of a one-process program (``StandardCheckpointer``/``PyTreeCheckpointer``; read by
+            of a one-process program (``orbax.checkpoint.StandardCheckpointer``; read by
             Orbax, the full arrays on every rank, then each rank keeps its blocks of
             ShardedArrays in ``like``). If it is missing but a complete
             ``{path}.old-*`` exists (a save was interrupted between its two renames), the

@@ -96,34 +96,53 @@ def save_safetensors(path: Any, tree: Any, comm: Communicator, op: str) -> None:
     target = Path(os.path.realpath(os.fspath(path)))
     token = comm.broadcast_object(uuid.uuid4().hex if comm.rank == 0 else None, root=0)
     tmp = target.with_name(f".{target.name}.tmp-{token}")
-    out = None
-    error = ""
-    try:
+    out, error = None, ""
+
+    def attempt(step: Any) -> None:  # rank 0's writing; a failure stops the writing only
+        nonlocal error
+        if error:
+            return
+        try:
+            step()
+        except Exception as e:
+            error = f"writing {target} failed: {type(e).__name__}: {e}"
+
+    def start() -> None:
+        nonlocal out
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        out = os.fdopen(fd, "wb")
+        out.write(struct.pack("<Q", len(text)) + text)
+
+    def finish() -> None:
+        assert out is not None
+        out.flush()
+        os.fsync(out.fileno())
+        out.close()
+        os.replace(tmp, target)
+
+    if comm.rank == 0:
+        attempt(start)
+    for _, x in named:  # every rank takes part in every gather, in order, whatever rank 0 met
+        full = x.gather() if is_sharded(x) else x
         if comm.rank == 0:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            out = os.fdopen(fd, "wb")
-            out.write(struct.pack("<Q", len(text)) + text)
-        for _, x in named:  # every rank takes part in each gather, in the same order
-            full = x.gather() if is_sharded(x) else x
-            if out is not None:
-                a = np.ascontiguousarray(np.asarray(jax.device_get(full)))
-                out.write(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
-            del full
-        if out is not None:
-            out.flush()
-            os.fsync(out.fileno())
-            out.close()
-            out = None
-            os.replace(tmp, target)
-    except Exception as e:
-        error = f"writing {target} failed: {type(e).__name__}: {e}"
-        if out is not None:
-            out.close()
-        if comm.rank == 0:
+            attempt(lambda full=full: _write_tensor(out, full))
+        del full
+    if comm.rank == 0:
+        attempt(finish)
+        if error:
+            if out is not None and not out.closed:
+                out.close()
             tmp.unlink(missing_ok=True)
     failed = comm.broadcast_object(error, root=0)
     if failed:
         raise SpmdError(failed if comm.rank == 0 else f"rank 0 failed: {failed}", op=op)
+
+
+def _write_tensor(out: Any, full: Any) -> None:
+    """The tensor's bytes, little-endian, C order, without a copy where it is one already."""
+    a = np.asarray(jax.device_get(full))
+    a = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<"))
+    out.write(a.reshape(-1).view(np.uint8).data)
 
 
 def load_safetensors(path: Any, like: Any, strict: bool, op: str) -> Any:

@@ -56,6 +56,14 @@ def _boxed(init: Any, full: tuple[int, ...], layout: Layout, comm: Any) -> Any:
     return boxed
 
 
+def _param(
+    module: Any, name: str, init: Any, full: Any, local: Any, layout: Layout, comm: Any
+) -> Any:
+    """``module``'s parameter ``name``: this rank's block (shape ``local``) of what ``init``
+    makes of the full shape, boxed with its layout."""
+    return module.param(name, _boxed(init, full, layout, comm), local, module.param_dtype)
+
+
 class ColumnDense(nn.Module):
     """``nn.Dense(features)`` with the kernel split by output columns over ``group``: this
     rank's kernel is ``(in, features / tp)`` and its output ``(..., features / tp)`` (what
@@ -81,15 +89,11 @@ class ColumnDense(nn.Module):
         layout = Layout(1, group_name(self.group), self.fused)
         width = local_size(self.features, comm, f"{self.name}: features", "ColumnDense")
         full = (jnp.shape(x)[-1], self.features)
-        kernel = self.param(
-            "kernel", _boxed(self.kernel_init, full, layout, comm), (full[0], width),
-            self.param_dtype,
-        )  # fmt: skip
+        kernel = _param(self, "kernel", self.kernel_init, full, (full[0], width), layout, comm)
         bias = None
         if self.use_bias:
             b_layout = Layout(0, layout.group, self.fused)
-            init = _boxed(self.bias_init, (self.features,), b_layout, comm)
-            bias = self.param("bias", init, (width,), self.param_dtype)
+            bias = _param(self, "bias", self.bias_init, (self.features,), (width,), b_layout, comm)
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
         return tp._column_linear(
             x, kernel, bias, comm, self.gather_output, self.sequence_parallel, self.fused,
@@ -118,10 +122,7 @@ class RowDense(nn.Module):
         layout = Layout(0, group_name(self.group))
         rows = jnp.shape(x)[-1]
         full = (rows * comm.size, self.features)
-        kernel = self.param(
-            "kernel", _boxed(self.kernel_init, full, layout, comm), (rows, self.features),
-            self.param_dtype,
-        )  # fmt: skip
+        kernel = _param(self, "kernel", self.kernel_init, full, (rows, self.features), layout, comm)
         bias = None
         if self.use_bias:
             bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
@@ -148,10 +149,9 @@ class VocabEmbed(nn.Module):
         layout = Layout(0, group_name(self.group))
         rows = local_size(self.num_embeddings, comm, "num_embeddings", "VocabEmbed")
         full = (self.num_embeddings, self.features)
-        self.embedding = self.param(
-            "embedding", _boxed(self.embedding_init, full, layout, comm), (rows, self.features),
-            self.param_dtype,
-        )  # fmt: skip
+        self.embedding = _param(
+            self, "embedding", self.embedding_init, full, (rows, self.features), layout, comm
+        )
 
     def __call__(self, ids: Any) -> Any:
         (table,) = nn.dtypes.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)
