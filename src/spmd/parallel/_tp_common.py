@@ -164,24 +164,20 @@ def from_sharded(tree: Any, like: Any) -> Any:
     mesh = _mesh()
     mine = jax.tree_util.tree_leaves(tree, is_leaf=is_sharded)
     boxes, structure = jax.tree_util.tree_flatten(like, is_leaf=_is_leaf)
-    fields = [(b, _handler(b)) for b in boxes]
-    need = sum(len(h[1](b)) if h is not None else 1 for b, h in fields)
+    # Per box: its handler and the layout of each array it holds (None: a plain leaf).
+    fields = [(b, h, [lay for _, lay in h[1](b)] if h else [None]) for b in boxes
+              for h in [_handler(b)]]  # fmt: skip
+    need = sum(len(layouts) for _, _, layouts in fields)
     if len(mine) != need:
         raise SpmdError(
             f"tree has {len(mine)} leaves but like has {need} arrays: expected the tree "
             "spmd.tensor_parallel.sharded(like) returns (or spmd.load of it)"
         )
     out, k = [], 0
-    for box, h in fields:
-        if h is None:
-            x = mine[k]
-            out.append(x.gather() if is_sharded(x) else x)
-            k += 1
-            continue
-        layouts = [layout for _, layout in h[1](box)]
+    for box, h, layouts in fields:
         values = [_from_sharded(mine[k + i], lay, mesh) for i, lay in enumerate(layouts)]
         k += len(layouts)
-        out.append(h[2](box, values))
+        out.append(h[2](box, values) if h else values[0])
     return jax.tree_util.tree_unflatten(structure, out)
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from flax import struct
 
@@ -211,5 +210,3 @@ def _read(box: Any) -> Any:
 
 
 register(lambda x: isinstance(x, nn.Partitioned), _read, lambda box, v: box.replace(value=v[0]))
-
-del jax

@@ -304,10 +304,10 @@ def _column_linear(
         y = y + b
     if gather_output:
         return gather_from(y, -1, group=comm)
-    return column_output(y, comm, fused=fused, layer=layer)
+    return _column_output(y, comm, fused=fused, layer=layer)
 
 
-def column_output(y: Any, comm: Communicator, *, fused: int = 1, layer: str = "") -> Any:
+def _column_output(y: Any, comm: Communicator, *, fused: int = 1, layer: str = "") -> Any:
     """Mark ``y`` as a column-parallel layer's output, so that a traced step that splits it into
     parts is an error (the fused-kernel trap, ``parallel/_column.py``); size-1 groups unmarked."""
     if fused < 1 or y.shape[-1] % fused:
