@@ -238,6 +238,16 @@ def keys_and_round_trip(path):
         with pytest.raises(spmd.SpmdError, match=r"has no axis 'pp'"):
             spmd.random.fold_in_axes(key, "pp")
         params = Tiny().init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+        # The blocks as they are would be saved as replicated leaves (rank 0's alone): refused.
+        with pytest.raises(
+            spmd.SpmdError,
+            match=r"leaf \['c_attn'\]\['bias'\] is this rank's "
+            r"block of a tensor-parallel parameter \(a flax Partitioned box",
+        ):
+            spmd.save(path + "-raw", params)
+        layer = spmd.tensor_parallel.equinox.ColumnLinear(4, 4, key=key)
+        with pytest.raises(spmd.SpmdError, match=r"tensor-parallel ColumnLinear layer"):
+            spmd.checkpoint.save_safetensors(path + ".safetensors", {"layer": layer})
         spmd.save(path, spmd.tensor_parallel.sharded(params))
         loaded = spmd.load(path, like=spmd.tensor_parallel.sharded(params))
         back = spmd.tensor_parallel.unsharded(loaded, params)

@@ -33,6 +33,7 @@ import numpy as np
 from .._errors import SpmdError
 from ..runtime import Communicator
 from ..sharded import ShardedArray, is_sharded
+from ._plan import check_no_blocks
 
 _ST_DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
@@ -61,6 +62,7 @@ def tensor_name(path: Any) -> str:
 
 
 def _named(tree: Any, op: str) -> list[tuple[str, Any]]:
+    check_no_blocks(tree, op)
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sharded)[0]
     named = [(tensor_name(p), x) for p, x in leaves]
     seen: dict[str, int] = {}
@@ -204,6 +206,7 @@ def is_orbax(path: Path) -> bool:
 def save_orbax(path: Path, tree: Any, comm: Communicator, op: str) -> None:
     import orbax.checkpoint as ocp
 
+    check_no_blocks(tree, op)
     leaves, structure = jax.tree_util.tree_flatten(tree, is_leaf=is_sharded)
     gathered = []
     for x in leaves:  # one tensor at a time on the ranks other than 0

@@ -68,8 +68,43 @@ def _native(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 
 def flatten(tree: Any, op: str) -> tuple[list[Leaf], Any]:
+    check_no_blocks(tree, op)
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sharded)
     return [_describe(jax.tree_util.keystr(p), x, op) for p, x in with_path], treedef
+
+
+def _block(x: Any) -> str:
+    """What makes ``x`` one rank's block of a framework layer's parameter (spmd.tensor_parallel's
+    linen, NNX and Equinox layers), or "" (told by duck typing: this layer is below them)."""
+    names = getattr(x, "names", None)
+    if type(x).__name__ in ("Partitioned", "FusedPartitioned") and names and any(names):
+        return f"a flax Partitioned box split over {tuple(names)}"
+    meta = getattr(x, "get_metadata", None)
+    if type(x).__module__.startswith("flax") and callable(meta):
+        m = meta()
+        if isinstance(m, dict) and "tp_axis" in m:
+            return f"an nnx.Param split over {m.get('tp_group')!r}"
+    if getattr(type(x), "spmd_tp_blocks", False):
+        return f"a tensor-parallel {type(x).__name__} layer"
+    return ""
+
+
+def check_no_blocks(tree: Any, op: str) -> None:
+    """Refuse a tree that holds the framework layers' blocks as they are: saved as replicated
+    leaves, only rank 0's block would be written, silently."""
+    found = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: is_sharded(x) or bool(_block(x))
+    )[0]
+    for path, x in found:
+        what = "" if is_sharded(x) else _block(x)
+        if what:
+            raise SpmdError(
+                f"leaf {jax.tree_util.keystr(path)} is this rank's block of a tensor-parallel "
+                f"parameter ({what}): written as a replicated leaf, only one rank's block would "
+                "be saved. Pass spmd.tensor_parallel.sharded(params) (ShardedArrays of the dense "
+                "layout; spmd.tensor_parallel.unsharded puts a loaded tree back)",
+                op=op,
+            )
 
 
 def _describe(path: str, x: Any, op: str) -> Leaf:

@@ -20,7 +20,7 @@ Example (a world of one: the dense layer)::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -39,6 +39,7 @@ class ColumnLinear(eqx.Module):
     ``sequence_parallel``: the input is this rank's part of the sequence (axis -2). ``fused``:
     the dense weight is ``fused`` parts (``[q|k|v]``: 3), each rank holding its heads of each."""
 
+    spmd_tp_blocks: ClassVar[bool] = True  # (spmd.save refuses the blocks as they are)
     weight: jax.Array
     bias: jax.Array | None
     in_features: int = eqx.field(static=True)
@@ -77,6 +78,7 @@ class RowLinear(eqx.Module):
     the bias (replicated) added once; with ``sequence_parallel`` the sum is reduce-scattered
     over the sequence axis (axis -2)."""
 
+    spmd_tp_blocks: ClassVar[bool] = True  # (spmd.save refuses the blocks as they are)
     weight: jax.Array
     bias: jax.Array | None
     in_features: int = eqx.field(static=True)
@@ -109,6 +111,7 @@ class VocabEmbedding(eqx.Module):
     ``group``; takes ids of any shape. :meth:`attend` is the tied head: this rank's
     ``(..., num_embeddings / tp)`` logits for ``spmd.tensor_parallel.vocab_cross_entropy``."""
 
+    spmd_tp_blocks: ClassVar[bool] = True  # (spmd.save refuses the blocks as they are)
     weight: jax.Array
     num_embeddings: int = eqx.field(static=True)
     embedding_size: int = eqx.field(static=True)
