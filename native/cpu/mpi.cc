@@ -422,6 +422,11 @@ Status MpiComm::Wait(H* requests, int n, const char* what) const {
           if (gone.empty() && current_ != nullptr) gone = WatchGone();
           if (!gone.empty()) {
             broken = true;  // the call cannot complete, and MPI cannot cancel it
+            // A peer that found a deadlock this wait is part of raises and exits: its exit is
+            // the deadlock's doing, and the board holds the verdict every rank should give.
+            if (on_board) {
+              if (std::string dead = on_board->Poll(); !dead.empty()) return Status::Error(dead);
+            }
             const std::string in = current_ != nullptr
                                        ? where()
                                        : std::string(what) + " over MPI on the group " +

@@ -35,7 +35,7 @@ def wait_until(
     pause = 1e-5
     handle = None
     try:
-        while not ready():
+        while not _ready(ready, handle):
             if time.monotonic() > deadline:
                 return False
             if on_board is not None:
@@ -51,3 +51,16 @@ def wait_until(
         if handle is not None:
             native().board_end(handle)
     return True
+
+
+def _ready(ready: Callable[[], bool], handle: object) -> bool:
+    """``ready()``; where it raises (a peer gone) while this wait is on the board, a deadlock
+    declared meanwhile is the error instead: the peer that found it raised and exited, and
+    every rank of the deadlock gives its verdict."""
+    try:
+        return ready()
+    except SpmdError:
+        dead = native().board_poll(handle) if handle is not None else ""
+        if dead:
+            raise Deadlock(dead) from None
+        raise
