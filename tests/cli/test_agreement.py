@@ -6,6 +6,7 @@ rank's wait, and ranks that wait for one that computes are no deadlock."""
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -152,3 +153,34 @@ def test_a_job_killed_under_plain_mpiexec_leaves_no_segment():
                          text=True, timeout=120, env=env)  # fmt: skip
     assert out.returncode != 0, out.stderr
     assert leftovers.new_files(patterns, before) == set()
+
+
+def test_a_job_aborted_under_plain_mpiexec_leaves_no_topology_file():
+    """Rank 1 raises under MPICH's own mpiexec: spmd stops the job with MPI_Abort, and MPICH's
+    launcher, killed, used to leave its topology file (/tmp/hydra_hwloc_xmlfile_*, written for
+    the ranks' MPI_Init) each time. The job's own ranks now remove it once every rank has passed
+    MPI_Init. The job runs in a PID and mount namespace of its own with a private /tmp, so that
+    the launchers of the tests running meanwhile are neither seen nor counted."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a private /tmp and PID namespace")
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep
+                           + os.environ.get("PATH", ""))  # fmt: skip
+    assert mpiexec is not None
+    code = (
+        "import jax.numpy as jnp, spmd\n"
+        "comm = spmd.init()\n"
+        "if comm.rank == 1:\n    raise RuntimeError('rank 1 fails')\n"
+        "spmd.allreduce(jnp.ones(2))\n"
+    )
+    job = f"{shlex.quote(mpiexec)} -n 2 {shlex.quote(sys.executable)} -c {shlex.quote(code)}"
+    shell = f"mount -t tmpfs -o mode=1777 spmd-test /tmp && {job}; echo rc=$?; ls -a /tmp"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPMD_", "PMI"))}
+    out = subprocess.run(["unshare", "-m", "-p", "-f", "--mount-proc", "sh", "-c", shell],
+                         capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert "RuntimeError: rank 1 fails" in out.stderr, out.stderr
+    lines = out.stdout.splitlines()
+    rc = next(line for line in lines if line.startswith("rc="))
+    assert rc != "rc=0", out.stdout
+    assert [n for n in lines[lines.index(rc) + 1 :] if n not in (".", "..")] == [], out.stdout

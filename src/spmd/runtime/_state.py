@@ -23,34 +23,10 @@ from ._env import COMMUNICATOR_NAMES, CommunicatorName, LaunchInfo, detect, node
 from ._env import stall_warn_seconds as _stall_warn_seconds
 from ._env import timeout_seconds as _timeout_seconds
 from ._failure import install_abort_hook, uninstall_abort_hook
+from ._leftovers import unlink_launcher_topology, unlink_mpich_segments
 from ._malloc import tune as _tune_malloc
 from ._mpi import refusal_after_init, start_mpi
 from ._store import FileStore, namespace_from_env
-
-
-def _unlink_mpich_segments() -> None:
-    """Unlink the shared-memory segments MPICH mapped in ``MPI_Init`` (``/dev/shm/mpich_shm_*``).
-
-    MPICH removes them only in ``MPI_Finalize``, so a job killed under a launcher other than
-    ``spmd-run`` (``srun``, plain ``mpiexec``) left 2 MiB in ``/dev/shm`` each time. Every rank of
-    the node maps them in ``MPI_Init`` and keeps them mapped, and once every rank has passed it
-    (the bootstrap exchange) the name is no longer needed: each rank unlinks those it maps (the
-    first one succeeds), and nothing is left however the job ends. ``MPI_Finalize`` then finds
-    the names gone, which it ignores. Open MPI's segments are attached later, peer by peer, so
-    they are left alone."""
-    try:
-        with open("/proc/self/maps") as maps:
-            lines = maps.read().splitlines()
-    except OSError:
-        return
-    for line in lines:
-        parts = line.split(None, 5)
-        name = parts[5] if len(parts) == 6 else ""
-        if name.startswith("/dev/shm/mpich_shm_") and not name.endswith(" (deleted)"):
-            try:
-                os.unlink(name)
-            except OSError:
-                pass  # another rank of the node was first
 
 
 class _Runtime:
@@ -99,8 +75,10 @@ class _Runtime:
         self.rank, self.size = rank, size
         set_rank(rank)  # errors name this rank from here on, the exchanges' below included
         self.node_ids: tuple[str, ...] = tuple(bootstrap.allgather(node_id(os.environ, rank, size)))
-        if self.mpi_world is not None:  # every rank has passed MPI_Init: see _unlink_mpich_segments
-            _unlink_mpich_segments()
+        if self.mpi_world is not None:  # every rank has passed MPI_Init: see _leftovers
+            unlink_mpich_segments()
+            if self.node_ids.index(self.node_ids[rank]) == rank:  # one rank of each node
+                unlink_launcher_topology()
         groups: Groups = (tuple(range(size)),)
         self.world = Communicator(
             groups=groups,
