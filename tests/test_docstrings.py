@@ -24,6 +24,8 @@ DOCUMENTED = [
     spmd.parallel.shard_state,
     spmd.parallel.chain,
     spmd.perf,
+    spmd.tensor_parallel.linen,
+    spmd.moe.linen,
 ]
 
 

@@ -32,6 +32,7 @@ from .._jax_compat import ad, batching, core, mlir
 from ..runtime import Communicator, this_rank
 from ..sharded import is_sharded, spec_axes
 from ._boundary import split_for_grad
+from ._tp_common import box_groups, is_block_box
 
 __all__ = ["grad", "mark_p", "marking", "value_and_grad"]
 
@@ -143,10 +144,19 @@ def mark_tree(tree: Any, kind: str, call: int) -> Any:
     if not leaves:
         return tree
     paths = tuple(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
-    # A ShardedArray flattens to one leaf (its block): the groups that hold its blocks go with it.
-    shards = tuple(shard_groups(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_sharded))
+    shards = leaf_shard_groups(tree)
     out = mark_p.bind(*leaves, kind=kind, call=call, paths=paths, shards=shards)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def leaf_shard_groups(tree: Any) -> tuple[tuple[tuple[int, ...], ...] | None, ...]:
+    """Per array leaf of ``tree``, :func:`shard_groups`. A ShardedArray flattens to one leaf
+    (its block), as does a framework layer's box (linen's ``Partitioned``: a tensor-parallel
+    block, an expert block): the groups that hold its blocks go with it."""
+    return tuple(
+        box_groups(x) if is_block_box(x) else shard_groups(x)
+        for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: is_sharded(x) or is_block_box(x))
+    )
 
 
 def shard_groups(x: Any) -> tuple[tuple[int, ...], ...] | None:

@@ -35,10 +35,9 @@ from .._errors import SpmdError
 from .._jax_compat import core
 from ..mesh import current_mesh, mesh_key, resolve_group
 from ..runtime import Communicator, check_every, debug_checks
-from ..sharded import is_sharded
 from ._boundary import lift, stateful, statics, unstatic
 from ._check import compare, schedule
-from ._grad import marking, shard_groups
+from ._grad import leaf_shard_groups, marking
 from ._passes import Pass, gradients_reach_results, marked_params, shard_coordinate
 from ._program import Program, arg_names, trace_program
 
@@ -267,9 +266,8 @@ class Step:
         """The parameters the replica check compares, named, and the block of each this rank
         holds (None: not sharded)."""
         named = [(traced.program.in_names[i], leaves[i]) for i in traced.param_inputs]
-        objs = jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_sharded)
-        blocks = [shard_coordinate(shard_groups(objs[i]), comm.world_rank)
-                  for i in traced.param_inputs]  # fmt: skip
+        groups = leaf_shard_groups((args, kwargs))
+        blocks = [shard_coordinate(groups[i], comm.world_rank) for i in traced.param_inputs]
         return named, blocks
 
 

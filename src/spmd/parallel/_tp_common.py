@@ -107,6 +107,24 @@ def _is_leaf(x: Any) -> bool:
     return is_sharded(x) or _handler(x) is not None
 
 
+def is_block_box(x: Any) -> bool:
+    """A framework box (linen's ``Partitioned``) that holds one array and its layout."""
+    h = _handler(x)
+    return h is not None and not h[3]
+
+
+def box_groups(x: Any) -> tuple[tuple[int, ...], ...] | None:
+    """For a box of :func:`is_block_box`, the groups of world ranks over which its blocks
+    differ (those of its mesh axis in the active mesh), as ``_grad.shard_groups`` gives for a
+    ShardedArray; None for a replicated parameter or outside a mesh."""
+    h = _handler(x)
+    layout = h[1](x)[0][1] if h is not None else None
+    mesh = current_mesh()
+    if layout is None or mesh is None or layout.group not in mesh.shape:
+        return None
+    return tuple(tuple(int(r) for r in g) for g in mesh.rank_lists(layout.group))
+
+
 def _mesh() -> Mesh:
     mesh = current_mesh()
     if mesh is None:

@@ -26,9 +26,10 @@ from ._boundary import shard_nodes
 from ._grad import marking
 from ._join import current_join
 from ._partition import shard_state
-from ._passes import Pass, chain, marked_params
+from ._passes import Pass, block_groups, chain, marked_params
 from ._program import arg_names, path_name, trace_program
 from ._step import Step, Traced, check_same, syncing
+from ._tp_common import box_groups, is_block_box
 
 __all__ = ["ZeroShard", "zero_shard"]
 
@@ -153,19 +154,26 @@ class ZeroShard(Step):
         comm, where, axis = self._where()
         place = {"group": where} if isinstance(where, Communicator) else {"mesh": where}
 
+        def kept(x: Any) -> bool:
+            """A ShardedArray, or a framework layer's block (or its state's) that differs
+            within the group (experts): left as it is."""
+            return is_sharded(x) or (
+                is_block_box(x) and block_groups(comm.groups, box_groups(x)) is not None
+            )
+
         def one(x: Any) -> Any:
-            if is_sharded(x):
+            if kept(x):
                 return x
             x = jnp.asarray(x)
             return x if x.ndim == 0 else shard(x, make_spec(axis), **place)
 
-        sharded_state = jax.tree_util.tree_map(one, opt_state, is_leaf=is_sharded)
+        sharded_state = jax.tree_util.tree_map(one, opt_state, is_leaf=kept)
         if self.stage == 3:
             if self.check_params:  # the step's own check sees only shards from here on
-                flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_sharded)[0]
-                named = [("params" + path_name(k), x) for k, x in flat if not is_sharded(x)]
+                flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=kept)[0]
+                named = [("params" + path_name(k), x) for k, x in flat if not kept(x)]
                 check_same(comm, named, f"{self.name}.shard")
-            params = jax.tree_util.tree_map(one, params, is_leaf=is_sharded)
+            params = jax.tree_util.tree_map(one, params, is_leaf=kept)
         return params, sharded_state
 
     # The step ----------------------------------------------------------------------------------

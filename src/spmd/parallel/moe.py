@@ -370,3 +370,13 @@ def shard_experts(params: Any, *, group: Any = "ep") -> Any:
             )
     spec = PartitionSpec(group)
     return jax.tree_util.tree_map(lambda v: shard(v, spec), params, is_leaf=is_sharded)
+
+
+def __getattr__(name: str) -> Any:
+    """``spmd.moe.linen``: the layer as a Flax linen module, imported when first named (Flax
+    must be installed)."""
+    if name == "linen":
+        import importlib
+
+        return importlib.import_module("._moe_linen", __package__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

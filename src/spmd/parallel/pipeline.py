@@ -175,11 +175,25 @@ def value_and_grad(
     if schedule not in SCHEDULES:
         raise SpmdError(f"schedule={schedule!r}; expected one of {SCHEDULES}", op=_OP)
 
+    compiled: dict[Any, Any] = {}  # per group: the schedule as one program, for eager calls
+
     @functools.wraps(stage_fn)
     def step(stage_params: Any, inputs: Any = None, targets: Any = None) -> tuple[Any, Any]:
         comm = resolve_group(None, group, op=_OP)
-        run = _Run(comm, stage_fn, loss_fn, microbatches, schedule)
-        return run(stage_params, inputs, targets, shared)
+
+        def go(params: Any, xs: Any, ts: Any) -> tuple[Any, Any]:
+            return _Run(comm, stage_fn, loss_fn, microbatches, schedule)(params, xs, ts, shared)
+
+        leaves = jax.tree_util.tree_leaves((stage_params, inputs, targets))
+        if active() is not None or any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return go(stage_params, inputs, targets)
+        # Called outside any trace: the schedule runs as one compiled program, as it does in a
+        # transform. (Eager, the stage's forward pass would hand back copies of its parameters
+        # among its residuals, which the stash keeps apart from the parameters by identity.)
+        key = (comm.groups, comm.world_rank)
+        if key not in compiled:
+            compiled[key] = jax.jit(go)
+        return compiled[key](stage_params, inputs, targets)  # type: ignore[no-any-return]
 
     return step
 
