@@ -24,9 +24,18 @@ DOCUMENTED = [
     spmd.parallel.shard_state,
     spmd.parallel.chain,
     spmd.perf,
+    *(getattr(spmd.tensor_parallel, name) for name in (
+        "column_linear", "row_linear", "copy_to", "vocab_embed", "vocab_cross_entropy",
+        "shard_params", "split_qkv",
+    )),
+    spmd.moe.route,
+    spmd.moe.moe,
+    spmd.pipeline.split,
+    spmd.pipeline.stage_layers,
+    spmd.pipeline.value_and_grad,
     spmd.tensor_parallel.linen,
     spmd.moe.linen,
-]
+]  # fmt: skip
 
 
 def _name(obj):

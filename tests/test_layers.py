@@ -26,9 +26,9 @@ LAYERS = [
     ("spmd.mesh",),
     ("spmd.ops",),
     ("spmd.sharded",),
-    ("spmd.parallel", "spmd.checkpoint", "spmd.data"),
+    ("spmd.parallel", "spmd.checkpoint", "spmd.data", "spmd.elastic", "spmd.random"),
     ("spmd.launch",),
-    ("spmd.testing", "spmd.notebook", "spmd.bench"),
+    ("spmd.testing", "spmd.notebook", "spmd.bench", "spmd.perf"),
     ("spmd.cli", "spmd.info", "spmd"),
 ]
 
@@ -104,7 +104,9 @@ def _layer(name: str) -> int:
     best = (-1, -1)
     for i, group in enumerate(LAYERS):
         for prefix in group:
-            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best[1]:
+            # The package itself ("spmd") is its __init__ only: no catch-all for its modules.
+            inside = prefix != "spmd" and name.startswith(prefix + ".")
+            if (name == prefix or inside) and len(prefix) > best[1]:
                 best = (i, len(prefix))
     assert best[0] >= 0, f"{name} is in no layer of LAYERS: place it"
     return best[0]
@@ -113,6 +115,19 @@ def _layer(name: str) -> int:
 def test_every_module_has_a_layer():
     for name in MODULES:
         _layer(name)
+
+
+def test_a_module_outside_every_layer_is_not_placed():
+    """The package's own name places its __init__ only, so a new top-level module must be
+    given a layer: the check above can fail."""
+    assert _layer("spmd") == len(LAYERS) - 1
+    for name in ("spmd.new_module", "spmd.newpkg.mod"):
+        try:
+            _layer(name)
+        except AssertionError as e:
+            assert f"{name} is in no layer" in str(e)
+        else:
+            raise AssertionError(f"{name} was placed")
 
 
 def test_layers_call_only_down():

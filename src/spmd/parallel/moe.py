@@ -110,8 +110,8 @@ def route(logits: Any, k: int, *, capacity_factor: float | None = None) -> Routi
         >>> r = spmd.moe.route(jnp.array([[2.0, 0.0, 1.0]]), k=2)
         >>> r.experts
         Array([[0, 2]], dtype=int32)
-        >>> r.gates.round(3)
-        Array([[0.731, 0.269]], dtype=float32)
+        >>> [round(float(g), 3) for g in r.gates[0]]
+        [0.731, 0.269]
     """
     logits = jnp.asarray(logits)
     if logits.ndim != 2:

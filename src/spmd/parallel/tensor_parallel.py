@@ -535,7 +535,7 @@ def shard_params(params: Any, specs: Any, *, mesh: Mesh | None = None) -> Any:
         ...     tree = spmd.tensor_parallel.shard_params(
         ...         {"w": jnp.ones((4, 6)), "b": jnp.ones(6)}, {"w": P(None, "tp"), "b": None})
         >>> tree["w"].local.shape, tree["b"].spec
-        ((4, 6), PartitionSpec(None,))
+        ((4, 6), P(None,))
     """
     where = mesh if mesh is not None else current_mesh()
     if where is None:
