@@ -89,3 +89,17 @@ def test_the_gpu_module_exports_the_same_gpu_tables():
     tables = mod.tables()
     for name in ("algos", "codecs", "custom_dtypes"):
         assert tables[name] == native().tables()[name], name
+
+
+@pytest.mark.parametrize("module", ["spmd._native", "spmd._native_cuda"])
+def test_the_type_stubs_match_the_built_module(module):
+    """src/spmd/_native.pyi and _native_cuda.pyi name exactly the functions the compiled module
+    has, as mypy's stubtest finds them (mypy checks the stubs themselves with the package)."""
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not built here (spmd was built without CUDA)")
+    out = subprocess.run([sys.executable, "-m", "mypy.stubtest", module],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
