@@ -13,9 +13,18 @@ from __future__ import annotations
 import functools
 import importlib
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._errors import SpmdError
+
+__all__ = [
+    "NATIVE_ABI_VERSION",
+    "cuda_tables",
+    "native",
+    "native_cuda",
+    "require_native_cuda",
+    "tables",
+]
 
 # Must equal SPMD_NATIVE_ABI_VERSION in native/include/spmd/common.h.
 NATIVE_ABI_VERSION = 17
@@ -33,7 +42,7 @@ def _load(name: str) -> ModuleType:
 
 
 @functools.cache
-def native() -> ModuleType:
+def _cpu() -> ModuleType:
     """The compiled ``spmd._native`` module; a clear error if it is missing or stale."""
     try:
         return _load("_native")
@@ -43,6 +52,27 @@ def native() -> ModuleType:
             "compiles native/ (pip install .), not used from a source checkout",
             rank=None,
         ) from None
+
+
+class _Lazy:
+    """``spmd._native``, loaded and checked on first use: every attribute is the module's.
+    Calling it gives the module itself."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_cpu(), name)
+
+    def __call__(self) -> ModuleType:
+        return _cpu()
+
+
+# The CPU module, typed by its stub (src/spmd/_native.pyi) for mypy; at run time a stand-in that
+# loads it (the ABI check included) when an attribute is first read, not at import.
+if TYPE_CHECKING:
+    from . import _native as native
+else:
+    native = _Lazy()
 
 
 @functools.cache
@@ -73,7 +103,7 @@ def tables() -> dict[str, Any]:
     """The codes the native layer shares with Python (``spmd._native.tables()``): reduce_ops,
     transports, wires, staging, roles, role_shift, error_marker, dtypes, and the GPU chain's
     algos, codecs and custom_dtypes."""
-    return dict(native().tables())
+    return dict(native.tables())
 
 
 def cuda_tables() -> dict[str, Any]:

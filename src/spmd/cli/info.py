@@ -69,7 +69,7 @@ def _native_layer() -> str:
     from .._native_lib import native
 
     try:
-        mod = native()
+        mod = native
     except Exception as e:
         return f"unavailable ({e})"
     major, minor = mod.xla_ffi_api_version()
@@ -98,7 +98,7 @@ def _collectives() -> list[str]:
 
     out = []
     try:
-        targets = ", ".join(sorted(native().cpu_handlers()))
+        targets = ", ".join(sorted(native.cpu_handlers()))
         out.append(f"  collective handlers (cpu): {targets}")
     except Exception as e:
         out.append(f"  collective handlers (cpu): unavailable ({e})")

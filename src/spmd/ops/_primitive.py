@@ -235,7 +235,7 @@ def _ensure_targets(platform: str) -> None:
         if platform in _targets:
             return
         if platform == "cpu":
-            for name, capsule in native().cpu_handlers().items():
+            for name, capsule in native.cpu_handlers().items():
                 jax.ffi.register_ffi_target(name, capsule, platform="cpu")
         else:
             graphs = cuda_graphs()

@@ -129,7 +129,7 @@ def abort_job(code: int, rank: int | None = None) -> None:
         try:
             from .._native_lib import native
 
-            native().shm_mark_leaving()
+            native.shm_mark_leaving()
         except Exception:  # the native layer never loaded: no group to leave
             pass
         # MPICH's launcher ends the whole job at once when a process with MPI running exits, so

@@ -132,7 +132,7 @@ def set_up(comm: Communicator, gid: int, settings: Callable[[], Any]) -> GpuGrou
     # The sequence check counts every call only where no handler may be captured in a CUDA
     # graph (groups.h, SetGpuHooks).
     every = not cuda_graphs()
-    mod.set_gpu_hooks(native().gpu_hooks(), debug_checks(), every, bool(timeline_dir()))
+    mod.set_gpu_hooks(native.gpu_hooks(), debug_checks(), every, bool(timeline_dir()))
     cfgs, error = comm._try_agree(settings)
     if cfgs is None:
         raise SpmdError(error, rank=None)

@@ -147,7 +147,7 @@ def mpi_calls(library: str | None = None) -> str:
         return _mpi_loaded
     if not mpi_large_count():
         return "classic"
-    return "large-count" if native().mpi_has_large_count(library or _mpi_library()) else "classic"
+    return "large-count" if native.mpi_has_large_count(library or _mpi_library()) else "classic"
 
 
 def _load_mpi() -> None:
@@ -164,7 +164,7 @@ def _load_mpi() -> None:
             MPI.FLOAT, MPI.DOUBLE, MPI.SUM, MPI.PROD, MPI.MAX, MPI.MIN, MPI.LAND, MPI.LOR,
         )
     )  # fmt: skip
-    large = native().mpi_load(_mpi_library(), constants, mpi_large_count(), mpi_max_count())
+    large = native.mpi_load(_mpi_library(), constants, mpi_large_count(), mpi_max_count())
     _mpi_loaded = "large-count" if large else "classic"
 
 
@@ -189,10 +189,10 @@ def _attach_shm(gid: int, which: int, comm: Communicator, parts: list[list[int]]
     def create() -> str | None:
         staging = tables()["staging"][shm_staging()]  # a bad value fails every rank alike
         if creator:
-            assert mine is not None
+            assert mine is not None and name is not None
             ranks = [comm.ranks[m] for m in mine]
             try:
-                native().group_attach_shm(
+                native.group_attach_shm(
                     gid, which, name, True, 0, len(mine), ranks, SHM_CHUNK, staging
                 )
             except RuntimeError as e:
@@ -201,9 +201,11 @@ def _attach_shm(gid: int, which: int, comm: Communicator, parts: list[list[int]]
 
     def attach(names: list[str | None]) -> None:
         if mine is not None and not creator:
+            segment = names[mine[0]]
+            assert segment is not None  # the creator, group rank mine[0], always names one
             try:
-                native().group_attach_shm(
-                    gid, which, names[mine[0]], False, mine.index(me), len(mine),
+                native.group_attach_shm(
+                    gid, which, segment, False, mine.index(me), len(mine),
                     [comm.ranks[m] for m in mine], SHM_CHUNK, tables()["staging"][shm_staging()],
                 )  # fmt: skip
             except RuntimeError as e:
@@ -229,7 +231,7 @@ def _register(comm: Communicator, ng: NativeGroup) -> None:
     """Create the native group and attach MPI: all that point-to-point calls need. For the world
     this involves no other rank (its MPI communicator was made in spmd.init); for a sub-group,
     making its communicator is collective over the group."""
-    native().group_create(
+    native.group_create(
         ng.gid, comm.rank, comm.size, list(comm.ranks), timeout_seconds(), ONE_SHOT_MAX
     )
     _recorder.note_group(ng.gid, list(comm.ranks))
@@ -243,7 +245,7 @@ def _register(comm: Communicator, ng: NativeGroup) -> None:
                 data = comm._setup_dup()
                 ng.mpi_comms.append(data)
             ng.data = data
-            native().group_attach_mpi(
+            native.group_attach_mpi(
                 ng.gid, 0, MPI._handleof(data), comm.rank, comm.size, list(comm.ranks)
             )
     except BaseException:
@@ -253,7 +255,7 @@ def _register(comm: Communicator, ng: NativeGroup) -> None:
 
 def _release(ng: NativeGroup) -> None:
     """Undo a registration: the native group, its GPU side and the MPI communicators made."""
-    native().group_destroy(ng.gid)
+    native.group_destroy(ng.gid)
     if ng.gpu_checked and ng.gpu is not None:
         _gpu.release(ng.gid)
     for c in ng.mpi_comms:  # (only made where MPI runs)
@@ -272,7 +274,7 @@ def _attach(ng: NativeGroup) -> None:
         _attach_shm(ng.gid, 0, comm, [list(range(comm.size))])
         available.append("shm")
         if len(comm.groups) == 1 and comm.size == len(comm.node_ids):
-            native().board_use(ng.gid)  # the world's segment: the wait board (board.h)
+            native.board_use(ng.gid)  # the world's segment: the wait board (board.h)
     if ng.data is not None:
         from mpi4py import MPI
 
@@ -287,7 +289,7 @@ def _attach(ng: NativeGroup) -> None:
                 index = local.index(comm.rank)
                 rail = ng.data.Split(index, parts.index(local))
                 ng.mpi_comms.append(rail)
-                native().group_attach_mpi(
+                native.group_attach_mpi(
                     ng.gid, 2, MPI._handleof(rail), rail.Get_rank(), rail.Get_size(),
                     [comm.ranks[m[index]] for m in parts],
                 )  # fmt: skip
@@ -296,7 +298,7 @@ def _attach(ng: NativeGroup) -> None:
                 leaders = ng.data.Split(0 if leader else MPI.UNDEFINED, comm.rank)
                 if leader:
                     ng.mpi_comms.append(leaders)
-                    native().group_attach_mpi(
+                    native.group_attach_mpi(
                         ng.gid, 1, MPI._handleof(leaders), leaders.Get_rank(),
                         leaders.Get_size(), [comm.ranks[m[0]] for m in parts],
                     )  # fmt: skip
@@ -304,7 +306,7 @@ def _attach(ng: NativeGroup) -> None:
             for n, members in enumerate(parts):
                 for m in members:
                     node_of[m] = n
-            native().group_set_nodes(ng.gid, node_of)
+            native.group_set_nodes(ng.gid, node_of)
             available.append("hier")
     ng.available = tuple(available)
     ng.attached = True
@@ -322,7 +324,7 @@ def _choose(ng: NativeGroup) -> None:
     if name not in ng.available:
         available = ", ".join(ng.available)
         raise SpmdError(UNAVAILABLE.format(name=name, ranks=ranks, available=available))
-    native().group_set_transport(ng.gid, tables()["transports"][name])
+    native.group_set_transport(ng.gid, tables()["transports"][name])
     ng.transport = name
 
 
@@ -384,7 +386,7 @@ def prepare_world(world: Communicator) -> None:
     if world.size == 1:
         return
     # More ranks than cores on this machine: MPI waits yield their core after every poll.
-    native().mpi_oversubscribed(_oversubscribed(world))
+    native.mpi_oversubscribed(_oversubscribed(world))
     with _lock:
         try:
             ng = native_group(world, p2p=True)
@@ -441,7 +443,7 @@ def shm_hop_ns(comm: Communicator) -> float | None:
     ng = native_group(comm)
     if ng.size == 1 or "shm" not in ng.available:
         return None
-    return float(native().group_shm_hop_ns(ng.gid))
+    return float(native.group_shm_hop_ns(ng.gid))
 
 
 _leaving_registered = False
@@ -458,7 +460,7 @@ def _leave() -> None:
             array.block_until_ready()
     except Exception:  # a failed computation: its error is raised where it is used
         pass
-    native().shm_mark_leaving()  # the peer watch's answers say so too
+    native.shm_mark_leaving()  # the peer watch's answers say so too
 
 
 def watch_peers() -> None:
@@ -483,4 +485,4 @@ def watch_peers() -> None:
             faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
         except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
             return  # no usable file descriptor (a notebook's stream): no stack on request
-        native().shm_dumps_stack(True)
+        native.shm_dumps_stack(True)

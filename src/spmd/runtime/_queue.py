@@ -255,7 +255,7 @@ class MessageQueue:
             return
         limit = self.timeout if timeout is None else timeout
         m, n, size, addr = self._map, len(self.local), self.slot_bytes, self._addr
-        lib = native()
+        lib = native
         chunks = max(1, -(-len(data) // size))
         view = memoryview(data) if chunks > 1 else data
         for c in range(chunks):
@@ -278,7 +278,7 @@ class MessageQueue:
         flags = base + _SLOT.size
         deadline = time.monotonic() + limit
         spins = 0
-        lib = native()
+        lib = native
         while True:
             seq = _SEQ.unpack_from(m, base)[0]
             if seq == 0 or lib.mq_all_set(self._addr + flags, n):
@@ -307,7 +307,7 @@ class MessageQueue:
             return pickle.loads(self._sock.recv(copy=False).buffer)
         m = self._map
         assert m is not None
-        lib = native()
+        lib = native
         parts: list[Any] = []
         total = chunks = 1
         c = 0
@@ -333,7 +333,7 @@ class MessageQueue:
         want = self.next + 1
         deadline = time.monotonic() + limit
         spins = 0
-        load = native().mq_load
+        load = native.mq_load
         while load(self._addr + base) != want:
             spins += 1
             if spins > _SPIN:

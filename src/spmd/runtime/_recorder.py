@@ -58,9 +58,9 @@ def start(rank: int) -> None:
     timeline = timeline_dir()
     path = os.path.join(status, f"rank{rank}.ring") if status else ""
     try:
-        native().recorder_open(path, TIMELINE_CAPACITY if timeline else CAPACITY)
+        native.recorder_open(path, TIMELINE_CAPACITY if timeline else CAPACITY)
     except RuntimeError:
-        native().recorder_open("", CAPACITY)  # the status directory is gone: keep recording
+        native.recorder_open("", CAPACITY)  # the status directory is gone: keep recording
     if timeline:
         atexit.register(write_trace, timeline, rank)
 
@@ -93,7 +93,7 @@ def records() -> np.ndarray:
     """This process's records, oldest first."""
     from .._native_lib import native
 
-    return parse(native().recorder_snapshot())
+    return parse(native.recorder_snapshot())
 
 
 def _names() -> dict[int, str]:

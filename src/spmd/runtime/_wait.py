@@ -41,26 +41,26 @@ def wait_until(
             if on_board is not None:
                 if handle is None:
                     kind, members, n, what = on_board
-                    handle = native().board_wait(kind, list(members), n, what)
-                dead = native().board_poll(handle)
+                    handle = native.board_wait(kind, list(members), n, what)
+                dead = native.board_poll(handle)
                 if dead:
                     raise Deadlock(dead)
             time.sleep(pause)
             pause = min(pause * 2, 5e-3)
     finally:
         if handle is not None:
-            native().board_end(handle)
+            native.board_end(handle)
     return True
 
 
-def _ready(ready: Callable[[], bool], handle: object) -> bool:
+def _ready(ready: Callable[[], bool], handle: int | None) -> bool:
     """``ready()``; where it raises (a peer gone) while this wait is on the board, a deadlock
     declared meanwhile is the error instead: the peer that found it raised and exited, and
     every rank of the deadlock gives its verdict."""
     try:
         return ready()
     except SpmdError:
-        dead = native().board_poll(handle) if handle is not None else ""
+        dead = native.board_poll(handle) if handle is not None else ""
         if dead:
             raise Deadlock(dead) from None
         raise

@@ -109,7 +109,7 @@ class _Watch:
         self.thread = threading.Thread(target=self._watch, name="spmd-watch", daemon=True)
 
     def listen(self) -> None:
-        self.port = int(native().watch_listen(self.host, self.token))
+        self.port = int(native.watch_listen(self.host, self.token))
 
     def ask(self, rank: int, ranks: Sequence[int], stack: bool = False) -> dict[str, int] | str:
         """A peer's answer (started, leaving, pid, dumps), or ``"gone"`` (its port refuses or
@@ -139,7 +139,7 @@ class _Watch:
     def _watch(self) -> None:
         while not self.stop.wait(_POLL_S):
             try:
-                waits = native().mpi_watch_waits()
+                waits = native.mpi_watch_waits()
             except Exception:  # the native layer is going away (interpreter exit)
                 return
             for ranks, call, waited in waits:
@@ -213,7 +213,7 @@ class _Watch:
                 if isinstance(answer, dict) and answer["dumps"]:
                     self.ask(r, ranks, stack=True)
         text = "; and ".join(late) + ("." if late else "")
-        native().mpi_watch_verdict(list(ranks), call, gone, text)
+        native.mpi_watch_verdict(list(ranks), call, gone, text)
 
     def close(self) -> None:
         self.stop.set()
@@ -222,7 +222,7 @@ class _Watch:
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
         if self.port:
-            native().watch_stop()
+            native.watch_stop()
             self.port = 0
 
 
