@@ -35,6 +35,7 @@ DOCUMENTED = [
     spmd.pipeline.value_and_grad,
     spmd.tensor_parallel.linen,
     spmd.moe.linen,
+    spmd.context_parallel,
 ]  # fmt: skip
 
 

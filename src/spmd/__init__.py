@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from .parallel import Program as Program
     from .parallel import broadcast_params as broadcast_params
     from .parallel import check as check
+    from .parallel import context_parallel as context_parallel
     from .parallel import data_parallel as data_parallel
     from .parallel import grad as grad
     from .parallel import join as join
@@ -98,7 +99,7 @@ _PARALLEL = (
 
 _SHARDED = ("PartitionSpec", "ShardedArray", "gather", "shard")
 _CHECKPOINT = ("load", "save")
-_MODEL_PARALLEL = ("moe", "pipeline", "tensor_parallel")
+_MODEL_PARALLEL = ("context_parallel", "moe", "pipeline", "tensor_parallel")
 
 
 def __getattr__(name: str) -> Any:
