@@ -15,10 +15,12 @@ one, so that every rank has the same causal work. ``attention(..., causal=True)`
 layout (it masks by the chunks' global positions), and ``join_sequence(..., causal=True)``
 undoes it.
 
-Gradients: JAX differentiates through the ring (the cotangent of each exchange travels back
-the other way), so the backward pass keeps the blocks the forward pass saw: O(S) key and value
-memory per rank in the backward pass. A backward pass that recomputes them block by block (a
-custom VJP, O(S / cp)) is not written yet.
+Gradients: a custom VJP. The forward pass keeps only this rank's q, k, v, mask, output and each
+query's log-sum-exp; the backward pass sends the key and value blocks around the ring again,
+recomputes each block's softmax from the log-sum-exp (as flash attention's backward pass
+does), and the blocks' key and value gradients travel with them and go home at the end. So a
+rank holds O(S / cp) of keys and values, differentiated too. Each rank's gradients are those of
+the objective summed over the ranks (the collectives' convention).
 
 Example (a world of one: the whole sequence on one rank, plain attention)::
 
@@ -142,40 +144,105 @@ def attention(
             "heads, head_dim) for all three (v's head_dim may differ)",
             op=op,
         )
-    b, s, h, d = q.shape
+    b, s, _, d = q.shape
     if causal:
         _check_length(s, 2, f"this rank's part of the sequence (q of shape {q.shape})", op)
     keep = jnp.ones((b, s), bool) if mask is None else jnp.asarray(mask, bool)
     if keep.shape != (b, s):
         raise SpmdError(f"mask has shape {keep.shape}; expected (batch, seq_local) = {(b, s)}",
                         op=op)  # fmt: skip
-    p, r = comm.size, comm.rank
-    mine = _positions(s, r, p, causal)
-    scale = 1.0 / math.sqrt(d)
-    qf = q.astype(jnp.float32) * scale
-    out = jnp.zeros((b, h, s, v.shape[-1]), jnp.float32)
-    top = jnp.full((b, h, s), -jnp.inf, jnp.float32)
-    total = jnp.zeros((b, h, s), jnp.float32)
-    block = (k, v, keep)
-    for step in range(p):
-        owner = (r - step) % p  # whose keys this rank holds at this step
-        kb, vb, keepb = block
-        scores = jnp.einsum("bqhd,bkhd->bhqk", qf, kb.astype(jnp.float32))
-        allowed = keepb[:, None, None, :]
-        if causal:
-            theirs = _positions(s, owner, p, True)
-            allowed = allowed & jnp.asarray(theirs[None, :] <= mine[:, None])[None, None]
-        scores = jnp.where(allowed, scores, -jnp.inf)
-        new_top = jnp.maximum(top, scores.max(-1))
-        safe = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
-        weights = jnp.where(allowed, jnp.exp(scores - safe[..., None]), 0.0)
-        fade = jnp.where(jnp.isfinite(top), jnp.exp(top - safe), 0.0)
-        total = total * fade + weights.sum(-1)
-        out = out * fade[..., None] + jnp.einsum("bhqk,bkhd->bhqd", weights,
-                                                 vb.astype(jnp.float32))  # fmt: skip
-        top = new_top
-        if step + 1 < p:  # pass the block on: to the next rank, from the previous one
-            block = sendrecv(block, src=(r - 1) % p, dst=(r + 1) % p, group=comm,
-                             note="context_parallel")  # fmt: skip
-    out = out / jnp.where(total > 0, total, 1.0)[..., None]
-    return out.transpose(0, 2, 1, 3).astype(q.dtype)
+    ring = _Ring(comm, s, causal, 1.0 / math.sqrt(d))
+
+    @jax.custom_vjp
+    def run(q: Any, k: Any, v: Any, keep: Any) -> Any:
+        return ring.forward(q, k, v, keep)[0]
+
+    def forward(q: Any, k: Any, v: Any, keep: Any) -> tuple[Any, Any]:
+        out, lse = ring.forward(q, k, v, keep)
+        return out, (q, k, v, keep, out, lse)
+
+    run.defvjp(forward, ring.backward)
+    return run(q, k, v, keep)
+
+
+class _Ring:
+    """The ring's passes over one group: the forward pass (outputs and each query's log-sum-exp
+    of its scores) and a backward pass that recomputes each block's scores from those rather
+    than keeping them, as flash attention's does: a rank holds two blocks of keys and values at
+    a time, and their gradients travel around the ring with them back to their owner."""
+
+    def __init__(self, comm: Any, length: int, causal: bool, scale: float) -> None:
+        self.comm, self.causal, self.scale = comm, causal, scale
+        self.p, self.r = comm.size, comm.rank
+        self.mine = _positions(length, self.r, self.p, causal)
+        self.length = length
+
+    def _shift(self, block: Any) -> Any:
+        """``block`` to the next rank; the previous rank's in return."""
+        return sendrecv(block, src=(self.r - 1) % self.p, dst=(self.r + 1) % self.p,
+                        group=self.comm, note="context_parallel")  # fmt: skip
+
+    def _allowed(self, keep: Any, step: int) -> Any:
+        """(batch, 1, q, k) booleans: which of the block's keys each query may attend."""
+        allowed = keep[:, None, None, :]
+        if self.causal:
+            owner = (self.r - step) % self.p  # whose keys this rank holds at this step
+            theirs = _positions(self.length, owner, self.p, True)
+            allowed = allowed & jnp.asarray(theirs[None, :] <= self.mine[:, None])[None, None]
+        return allowed
+
+    def forward(self, q: Any, k: Any, v: Any, keep: Any) -> tuple[Any, Any]:
+        b, s, h, _ = q.shape
+        qf = q.astype(jnp.float32) * self.scale
+        out = jnp.zeros((b, h, s, v.shape[-1]), jnp.float32)
+        top = jnp.full((b, h, s), -jnp.inf, jnp.float32)
+        total = jnp.zeros((b, h, s), jnp.float32)
+        block = (k, v, keep)
+        for step in range(self.p):
+            kb, vb, keepb = block
+            allowed = self._allowed(keepb, step)
+            scores = jnp.where(allowed, jnp.einsum("bqhd,bkhd->bhqk", qf, kb.astype(jnp.float32)),
+                               -jnp.inf)  # fmt: skip
+            new_top = jnp.maximum(top, scores.max(-1))
+            safe = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
+            weights = jnp.where(allowed, jnp.exp(scores - safe[..., None]), 0.0)
+            fade = jnp.where(jnp.isfinite(top), jnp.exp(top - safe), 0.0)
+            total = total * fade + weights.sum(-1)
+            out = out * fade[..., None] + jnp.einsum("bhqk,bkhd->bhqd", weights,
+                                                     vb.astype(jnp.float32))  # fmt: skip
+            top = new_top
+            if step + 1 < self.p:
+                block = self._shift(block)
+        # Each query's log-sum-exp (-inf for a query with no key to attend, whose output is 0).
+        lse = jnp.where(total > 0, top + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+        out = out / jnp.where(total > 0, total, 1.0)[..., None]
+        return out.transpose(0, 2, 1, 3).astype(q.dtype), lse
+
+    def backward(self, res: Any, g: Any) -> tuple[Any, Any, Any, Any]:
+        q, k, v, keep, out, lse = res
+        qf = q.astype(jnp.float32) * self.scale
+        go = g.astype(jnp.float32).transpose(0, 2, 1, 3)  # (b, h, q, dv)
+        # sum_j P_ij dP_ij for each query: the softmax's correction term.
+        delta = jnp.sum(go * out.astype(jnp.float32).transpose(0, 2, 1, 3), -1)
+        safe_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        dq = jnp.zeros(q.shape, jnp.float32)
+        block = (k, v, keep, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+        for step in range(self.p):
+            kb, vb, keepb, dk, dv = block
+            allowed = self._allowed(keepb, step) & jnp.isfinite(lse)[..., None]
+            kf, vf = kb.astype(jnp.float32), vb.astype(jnp.float32)
+            scores = jnp.einsum("bqhd,bkhd->bhqk", qf, kf)
+            probs = jnp.where(allowed, jnp.exp(scores - safe_lse[..., None]), 0.0)
+            dv = dv + jnp.einsum("bhqk,bhqd->bkhd", probs, go)
+            dscores = probs * (jnp.einsum("bhqd,bkhd->bhqk", go, vf) - delta[..., None])
+            dq = dq + jnp.einsum("bhqk,bkhd->bqhd", dscores, kf) * self.scale
+            dk = dk + jnp.einsum("bhqk,bqhd->bkhd", dscores, qf)
+            block = (kb, vb, keepb, dk, dv)
+            if step + 1 < self.p:
+                block = self._shift(block)
+        # The block this rank holds last is the next rank's: its gradients go home.
+        dk, dv = block[3], block[4]
+        if self.p > 1:
+            dk, dv = self._shift((dk, dv))
+        no_grad = np.zeros(keep.shape, jax.dtypes.float0)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), no_grad
