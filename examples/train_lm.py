@@ -1,21 +1,26 @@
-"""3D parallel training of a small language model: pipeline, tensor and data parallel on one mesh.
+"""3D parallel training of a small language model: pipeline, tensor, context and data parallel
+on one mesh.
 
     spmd-run -n 8 python examples/train_lm.py --mesh pp=2,dp=2,tp=2
     spmd-run -n 4 python examples/train_lm.py --mesh pp=2,tp=2 --schedule gpipe
     spmd-run -n 2 python examples/train_lm.py --mesh dp=2 --zero 2
+    spmd-run -n 2 python examples/train_lm.py --mesh cp=2
     python examples/train_lm.py                  # one process: the same model, the same batches
 
 A decoder-only transformer reads bytes (a vocabulary of 256) of the Python standard library's
 own source, found next to the running interpreter, and learns to continue it. The mesh splits
-the work three ways:
+the work four ways:
 
 - ``pp``: the transformer blocks, stacked on a leading axis, are split into consecutive stages
   (``spmd.pipeline_value_and_grad``, GPipe's or 1F1B's schedule over ``--microbatches``); the
   first stage also embeds the bytes, the last also applies the head and the loss;
 - ``tp``: inside a block, attention heads and MLP columns are split (Megatron-LM's layers from
   ``spmd.tensor_parallel``), and so are the embedding and the head over the vocabulary;
+- ``cp``: each rank takes its part of every sequence (``spmd.context_parallel``'s
+  load-balanced causal split), and attention runs as ring attention over the cp ranks;
 - ``dp``: each replica of the pipeline takes its rows of the global batch, and
-  ``@spmd.data_parallel`` (or ``@spmd.zero_shard`` with ``--zero 1|2``) averages the gradients.
+  ``@spmd.data_parallel`` (or ``@spmd.zero_shard`` with ``--zero 1|2``) averages the gradients
+  over dp and cp (the ranks that see different tokens).
 
 Every rank builds the full parameters from one seed and keeps its blocks (ShardedArrays), draws
 the same global batch and takes its rows, so a run on any mesh follows the one-process run step
@@ -117,7 +122,19 @@ def norm(x: jax.Array, g: jax.Array) -> jax.Array:
     return (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5) * g
 
 
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int) -> jax.Array:
+    """Causal attention of this rank's part of the sequence over all of it (the cp ranks')."""
+
+    def split(t: jax.Array) -> jax.Array:  # (B, S, h * hd) -> (B, S, h, hd)
+        return t.reshape(*t.shape[:2], heads, -1)
+
+    o = spmd.context_parallel.attention(split(q), split(k), split(v), causal=True)
+    return o.reshape(*o.shape[:2], -1)
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int) -> jax.Array:
+    """Causal attention over the whole sequence in one process (for sampling)."""
+
     def split(t: jax.Array) -> jax.Array:  # (B, S, h * hd) -> (B, h, S, hd)
         return t.reshape(*t.shape[:2], heads, -1).transpose(0, 2, 1, 3)
 
@@ -132,7 +149,7 @@ def block(b: Any, h: jax.Array, heads: int) -> jax.Array:
     """One transformer block on this rank's tensor-parallel blocks ``b`` (plain arrays)."""
     x = norm(h, b["ln1"])
     q, k, v = (tp.column_linear(x, b[w]) for w in ("wq", "wk", "wv"))
-    h = h + tp.row_linear(attention(q, k, v, heads), b["wo"])
+    h = h + tp.row_linear(ring_attention(q, k, v, heads), b["wo"])
     x = norm(h, b["ln2"])
     return h + tp.row_linear(jax.nn.gelu(tp.column_linear(x, b["w1"], b["b1"])), b["w2"], b["b2"])
 
@@ -144,7 +161,11 @@ def make_stage(heads: int, first: bool, last: bool) -> Any:
 
     def stage(p: Any, x: jax.Array) -> jax.Array:
         p = tp.local(p)  # this rank's blocks, as plain arrays
-        h = tp.vocab_embed(x, p["embed"]) + p["pos"][: x.shape[1]] if first else x
+        if first:  # the positions of this rank's tokens in the whole sequence (cp)
+            where = spmd.context_parallel.positions(x.shape[1], causal=True)
+            h = tp.vocab_embed(x, p["embed"]) + p["pos"][where]
+        else:
+            h = x
         h, _ = jax.lax.scan(lambda h, b: (block(b, h, local_heads), None), h, p["blocks"])
         return tp.column_linear(norm(h, p["lnf"]), p["head"]) if last else h
 
@@ -184,11 +205,11 @@ def sample(p: Any, prompt: bytes, n: int, seq: int, heads: int, temperature: flo
 
 
 def parse_mesh(text: str, ap: argparse.ArgumentParser) -> dict[str, int]:
-    axes = {"pp": 1, "dp": 1, "tp": 1}
+    axes = {"pp": 1, "dp": 1, "cp": 1, "tp": 1}
     for part in filter(None, text.split(",")):
         name, _, size = part.partition("=")
         if name not in axes or not size.isdigit():
-            ap.error(f"--mesh: {part!r}; use pp=N, dp=N and tp=N")
+            ap.error(f"--mesh: {part!r}; use pp=N, dp=N, cp=N and tp=N")
         axes[name] = int(size)
     return axes
 
@@ -201,7 +222,7 @@ def progress(i: int, total: int, loss: float, tokens_per_s: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mesh", default="", help="axis sizes, e.g. pp=2,dp=2,tp=2 (default: 1)")
+    ap.add_argument("--mesh", default="", help="axis sizes, e.g. pp=2,dp=2,cp=2,tp=2 (default 1)")
     ap.add_argument("--schedule", choices=spmd.pipeline.SCHEDULES, default="1f1b")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--zero", type=int, choices=(0, 1, 2), default=0, help="ZeRO stage over dp")
@@ -223,9 +244,10 @@ def main() -> None:
     axes = parse_mesh(args.mesh, ap)
     mesh = spmd.Mesh(**axes)
     comm = spmd.get_communicator()
-    if args.layers % axes["pp"] or args.heads % axes["tp"] or args.batch % axes["dp"]:
+    if (args.layers % axes["pp"] or args.heads % axes["tp"] or args.batch % axes["dp"]
+            or args.seq % (2 * axes["cp"])):  # fmt: skip
         ap.error(f"--mesh {args.mesh}: pp must divide --layers {args.layers}, tp --heads "
-                 f"{args.heads}, dp --batch {args.batch}")  # fmt: skip
+                 f"{args.heads}, dp --batch {args.batch}, 2 * cp --seq {args.seq}")  # fmt: skip
     text = corpus(args.corpus_bytes)
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     say(f"{comm.size} ranks, mesh {dict(mesh.shape)}, {len(text):,} bytes of the standard library"
@@ -246,7 +268,8 @@ def main() -> None:
         def update(p: Any, state: Any, ids: jax.Array, targets: jax.Array) -> Any:
             loss, g = pipe(p, ids, targets)
             updates, state = tx.update(g, state, p)
-            return optax.apply_updates(p, updates), state, spmd.allreduce(loss, "avg", group="dp")
+            loss = spmd.allreduce(loss, "avg", group=("dp", "cp"))
+            return optax.apply_updates(p, updates), state, loss
 
         full = init_params(jax.random.key(0), args.layers, args.dim, 4 * args.dim, args.seq)
         params = tp.shard_params(full, SPECS)
@@ -258,20 +281,22 @@ def main() -> None:
             start = int(spmd.checkpoint.metadata(args.resume)["step"])
             say(f"resumed from {args.resume} at step {start}")
         if args.zero:
-            step = spmd.zero_shard(update, stage=args.zero, group="dp")
+            step = spmd.zero_shard(update, stage=args.zero, group=("dp", "cp"))
             blocks, zstate = step.shard(tp.local(params), tx.init(tp.local(params)))
         else:
-            step = spmd.data_parallel(update, group="dp")
+            step = spmd.data_parallel(update, group=("dp", "cp"))
 
         losses: list[float] = []
         t0, tokens = time.perf_counter(), 0
         for i in range(start + 1, args.steps + 1):
             ids, targets = batch(text, i, args.batch, args.seq)
             mine = slice(c["dp"] * rows, (c["dp"] + 1) * rows)
+            ids, targets = spmd.context_parallel.split_sequence((ids[mine], targets[mine]),
+                                                                causal=True)  # fmt: skip
             if args.zero:
-                blocks, zstate, loss = step(blocks, zstate, ids[mine], targets[mine])
+                blocks, zstate, loss = step(blocks, zstate, ids, targets)
             else:
-                params, state, loss = step(params, state, ids[mine], targets[mine])
+                params, state, loss = step(params, state, ids, targets)
             losses.append(float(loss))
             if i == start + 1:  # the first step compiles: count from the second
                 t0 = time.perf_counter()

@@ -19,7 +19,8 @@ def _steps(out: str) -> dict[int, float]:
 def test_train_lm_3d_follows_one_process_and_resumes_on_other_layouts(tmp_path):
     """Mesh(pp=2, dp=2, tp=2) on 8 ranks follows the one-process run; its checkpoint resumes on
     4 ranks with pp=1 and in one process, which continue as the one-process run does; ZeRO-2
-    with GPipe on Mesh(pp=2, dp=2) follows it too."""
+    with GPipe on Mesh(pp=2, cp=2) (ring attention over cp, ZeRO over dp and cp) follows it
+    too."""
     pytest.importorskip("matplotlib")
     check = ("--check", "--sample", "0")
     one = _steps(_run(1, "train_lm.py", "--steps", "5", *check, cwd=tmp_path))
@@ -37,7 +38,7 @@ def test_train_lm_3d_follows_one_process_and_resumes_on_other_layouts(tmp_path):
                               "--resume", "ck", *check, cwd=tmp_path))  # fmt: skip
         assert sorted(resumed) == [4, 5], (mesh, resumed)
         np.testing.assert_allclose([resumed[4], resumed[5]], [one[4], one[5]], rtol=1e-5)
-    zero = _steps(_run(4, "train_lm.py", "--mesh", "pp=2,dp=2", "--zero", "2", "--schedule",
+    zero = _steps(_run(4, "train_lm.py", "--mesh", "pp=2,cp=2", "--zero", "2", "--schedule",
                        "gpipe", "--steps", "3", *check, cwd=tmp_path))  # fmt: skip
     np.testing.assert_allclose([zero[i] for i in (1, 2, 3)], [one[i] for i in (1, 2, 3)],
                                rtol=1e-5)  # fmt: skip
