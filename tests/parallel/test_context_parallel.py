@@ -87,3 +87,39 @@ def test_the_causal_split_gives_each_rank_an_early_and_a_late_chunk(comm):
         with pytest.raises(spmd.SpmdError, match=r"expected \(batch, seq_local\) = \(1, 4\)"):
             q = jnp.ones((1, 4, 1, 2))
             spmd.context_parallel.attention(q, q, q, mask=jnp.ones((1, 3), bool))
+
+
+@multirank(nprocs=(4,))
+def test_ring_attention_inside_dp_and_tp(comm):
+    """Mesh(dp=2, cp=2): each dp replica attends its own examples over its cp pair; Mesh(cp=2,
+    tp=2): each tp rank its heads (the tensor-parallel layout). Outputs and gradients are dense
+    attention's, for those examples and heads, at this rank's part of the sequence."""
+    q, k, v, c, mask = _inputs()
+    for axes, mine_of in (
+        ({"dp": 2, "cp": 2}, lambda t, m: t[m.index("dp") : m.index("dp") + 1]),  # examples
+        ({"cp": 2, "tp": 2}, lambda t, m: t[:, :, m.index("tp") : m.index("tp") + 1]),  # heads
+    ):
+        with spmd.Mesh(**axes) as m:
+            part = [mine_of(t, m) for t in (q, k, v, c)]
+            keep = mask[m.index("dp") : m.index("dp") + 1] if "dp" in axes else mask
+            want = dense(*part[:3], True, keep)
+
+            def dense_objective(q, k, v, keep=keep, c=part[3]):
+                return jnp.sum(dense(q, k, v, True, keep) * c)
+
+            want_grads = jax.grad(dense_objective, argnums=(0, 1, 2))(*part[:3])
+            cut = spmd.context_parallel.split_sequence((*part, keep), causal=True)
+
+            def objective(q, k, v, cut=cut):
+                out = spmd.context_parallel.attention(q, k, v, causal=True, mask=cut[4])
+                return jnp.sum(out * cut[3])
+
+            out = spmd.context_parallel.attention(*cut[:3], causal=True, mask=cut[4])
+            np.testing.assert_allclose(out, spmd.context_parallel.split_sequence(
+                want, causal=True), rtol=1e-5, atol=1e-6, err_msg=str(axes))  # fmt: skip
+            grads = jax.grad(objective, argnums=(0, 1, 2))(*cut[:3])
+            for name, g, w in zip("qkv", grads, want_grads, strict=True):
+                np.testing.assert_allclose(
+                    g, spmd.context_parallel.split_sequence(w, causal=True), rtol=1e-5,
+                    atol=1e-5, err_msg=f"d{name}, {axes}",
+                )  # fmt: skip
