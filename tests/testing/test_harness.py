@@ -28,6 +28,19 @@ def test_results_by_rank_and_pool_reuse(launcher):
     assert not {p for _, p, _ in fresh} & {p for _, p, _ in first}
 
 
+def test_pools_over_the_memory_budget_are_replaced(monkeypatch):
+    """Pooled ranks keep what they compiled; once the pools of this process hold more than
+    SPMD_TEST_POOLS_RSS_MB together, the least recently used are closed and the next check
+    starts its ranks again (a rank of JAX and spmd holds more than 1 MiB)."""
+    monkeypatch.setenv("SPMD_TEST_POOLS_RSS_MB", "0")  # no bound: the same processes
+    first = run(rank_and_pid, 2, args=(1,))
+    assert [p for _, p, _ in run(rank_and_pid, 2, args=(1,))] == [p for _, p, _ in first]
+    monkeypatch.setenv("SPMD_TEST_POOLS_RSS_MB", "1")
+    again = run(rank_and_pid, 2, args=(1,))
+    assert not {p for _, p, _ in again} & {p for _, p, _ in first}
+    assert [(r, v) for r, _, v in again] == [(0, 2), (1, 2)]
+
+
 def fails_on_odd_ranks():
     rank = spmd.init().rank
     print(f"output of rank {rank}")

@@ -42,6 +42,19 @@ _MAX_POOLS = 5
 _task_ids = itertools.count()
 
 
+def _pools_rss_budget() -> float:
+    """Bytes the pooled ranks of this process may hold together before the least recently used
+    pools are closed (``SPMD_TEST_POOLS_RSS_MB``; 0: no bound). A pooled rank keeps every program
+    it compiled: in the suite, three workers' pools grew to 2-2.5 GB a rank and the machine ran
+    out of memory."""
+    text = os.environ.get("SPMD_TEST_POOLS_RSS_MB", "4096")
+    try:
+        mb = float(text)
+    except ValueError:
+        raise SpmdError(f"SPMD_TEST_POOLS_RSS_MB={text!r}; expected a number of MiB") from None
+    return mb * 2**20 if mb > 0 else float("inf")
+
+
 class MultiRankError(AssertionError):
     """One or more ranks failed, hung or died. The message holds each rank's traceback, its
     captured output, and the stacks of ranks that did not finish."""
@@ -337,6 +350,19 @@ class _Pool:
         """Started (every rank connected), and no rank has ended."""
         return len(self.conns) == self.nprocs and all(p.poll() is None for p in self.procs)
 
+    def rss(self) -> int:
+        """The bytes its ranks' processes hold in memory now (Linux; 0 elsewhere)."""
+        total = 0
+        for pid in self.pids.values():
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    total += next(
+                        (int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0
+                    )
+            except OSError:
+                pass
+        return total
+
     def kill(self) -> None:
         self.broken = True
         for proc in self.procs:
@@ -413,6 +439,7 @@ class RankPool(_Pool):
 def _pool(nprocs: int, launcher: Launcher, env: Mapping[str, str]) -> _Pool:
     global _atexit_registered
     key = (launcher, nprocs, tuple(sorted(env.items())))
+    _bound_memory()
     pool = _pools.get(key)
     if pool is not None and not pool.broken and pool.alive():
         _pools.move_to_end(key)
@@ -431,6 +458,18 @@ def _pool(nprocs: int, launcher: Launcher, env: Mapping[str, str]) -> _Pool:
     pool = _pools[key] = _Pool(nprocs, launcher, env, fresh=False)
     pool.start()
     return pool
+
+
+def _bound_memory() -> None:
+    """Close the least recently used pools while the pools together hold more than the budget
+    (:func:`_pools_rss_budget`); the next check that needs one starts it again."""
+    budget = _pools_rss_budget()
+    sizes = {key: pool.rss() for key, pool in _pools.items()}
+    total = sum(sizes.values())
+    while _pools and total > budget:
+        oldest = next(iter(_pools))
+        _pools.pop(oldest).close()
+        total -= sizes[oldest]
 
 
 _MPI_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MV2_", "HYDI_", "HYDRA_", "MPI_LOCAL")
