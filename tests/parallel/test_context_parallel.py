@@ -36,6 +36,26 @@ def dense(q, k, v, causal, mask):
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
+def _matches_dense(mine, want, want_grads, causal, what):
+    """Ring attention on this rank's part ``mine`` (q, k, v, cotangent, mask) gives dense
+    attention's outputs ``want`` and gradients ``want_grads`` at that part. The collectives'
+    convention: each rank's gradient is that of the objective summed over the ranks, i.e. the
+    dense objective's, at this rank's part of the sequence. Returns the outputs."""
+    cp = spmd.context_parallel
+
+    def objective(q, k, v):
+        return jnp.sum(cp.attention(q, k, v, causal=causal, mask=mine[4]) * mine[3])
+
+    out = cp.attention(*mine[:3], causal=causal, mask=mine[4])
+    np.testing.assert_allclose(out, cp.split_sequence(want, causal=causal), rtol=1e-5,
+                               atol=1e-6, err_msg=f"outputs, {what}")  # fmt: skip
+    grads = jax.grad(objective, argnums=(0, 1, 2))(*mine[:3])
+    for name, g, w in zip("qkv", grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, cp.split_sequence(w, causal=causal), rtol=1e-5,
+                                   atol=1e-5, err_msg=f"d{name}, {what}")  # fmt: skip
+    return out
+
+
 @multirank(nprocs=(2, 4))
 def test_ring_attention_gives_dense_attention_s_outputs_and_gradients(comm):
     q, k, v, c, mask = _inputs()
@@ -52,26 +72,13 @@ def test_ring_attention_gives_dense_attention_s_outputs_and_gradients(comm):
             want_grads = jax.grad(dense_objective, argnums=(0, 1, 2))(q, k, v)
             mine = spmd.context_parallel.split_sequence((q, k, v, c, mask), causal=causal)
 
-            def objective(q, k, v, m=mine, causal=causal):
-                out = spmd.context_parallel.attention(q, k, v, causal=causal, mask=m[4])
-                return jnp.sum(out * m[3])  # this rank's share of the dense objective
-
-            out = spmd.context_parallel.attention(*mine[:3], causal=causal, mask=mine[4])
-            what = f"causal={causal} on {comm.size} ranks"
-            np.testing.assert_allclose(
-                out, spmd.context_parallel.split_sequence(want, causal=causal), rtol=1e-5,
-                atol=1e-6, err_msg=f"outputs, {what}",
-            )  # fmt: skip
-            # The collectives' convention: each rank's gradient is that of the objective summed
-            # over the ranks, i.e. the dense objective's, at this rank's part of the sequence.
-            grads = jax.grad(objective, argnums=(0, 1, 2))(*mine[:3])
-            for name, g, w in zip("qkv", grads, want_grads, strict=True):
-                np.testing.assert_allclose(
-                    g, spmd.context_parallel.split_sequence(w, causal=causal), rtol=1e-5,
-                    atol=1e-5, err_msg=f"d{name}, {what}",
-                )  # fmt: skip
+            out = _matches_dense(
+                mine, want, want_grads, causal, f"causal={causal} on {comm.size} ranks"
+            )
             joined = spmd.context_parallel.join_sequence(out, causal=causal)
-            np.testing.assert_allclose(joined, want, rtol=1e-5, atol=1e-6, err_msg=what)
+            np.testing.assert_allclose(
+                joined, want, rtol=1e-5, atol=1e-6, err_msg=f"joined, causal={causal}"
+            )
 
 
 @multirank(nprocs=(2,))
@@ -110,16 +117,4 @@ def test_ring_attention_inside_dp_and_tp(comm):
             want_grads = jax.grad(dense_objective, argnums=(0, 1, 2))(*part[:3])
             cut = spmd.context_parallel.split_sequence((*part, keep), causal=True)
 
-            def objective(q, k, v, cut=cut):
-                out = spmd.context_parallel.attention(q, k, v, causal=True, mask=cut[4])
-                return jnp.sum(out * cut[3])
-
-            out = spmd.context_parallel.attention(*cut[:3], causal=True, mask=cut[4])
-            np.testing.assert_allclose(out, spmd.context_parallel.split_sequence(
-                want, causal=True), rtol=1e-5, atol=1e-6, err_msg=str(axes))  # fmt: skip
-            grads = jax.grad(objective, argnums=(0, 1, 2))(*cut[:3])
-            for name, g, w in zip("qkv", grads, want_grads, strict=True):
-                np.testing.assert_allclose(
-                    g, spmd.context_parallel.split_sequence(w, causal=True), rtol=1e-5,
-                    atol=1e-5, err_msg=f"d{name}, {axes}",
-                )  # fmt: skip
+            _matches_dense(cut, want, want_grads, True, str(axes))
