@@ -1,5 +1,6 @@
 #include "groups.h"
 
+#include <cstdio>
 #include <cstring>
 #include <exception>
 
@@ -242,6 +243,12 @@ void GroupDestroy(int64_t id) {
   std::shared_ptr<Group> g = RegistryOf<Group>().Remove(id);
   if (g == nullptr) return;
   std::lock_guard<std::mutex> lock(g->mu);  // wait for a collective still running
+  // Sends that have not met their receivers yet: they complete before MPI frees the group.
+  if (g->has_mpi) {
+    if (Status s = g->mpi.FlushSends(); !s.ok()) {
+      std::fprintf(stderr, "spmd: releasing the group: %s\n", s.message().c_str());
+    }
+  }
 }
 
 }  // namespace spmd

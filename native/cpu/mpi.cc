@@ -761,13 +761,36 @@ int StartRecv(void* buf, size_t bytes, int peer, int tag, H comm, std::vector<H>
 }
 }  // namespace
 
+Status MpiComm::RetireSends(size_t keep) const {
+  while (!pending_.empty()) {
+    PendingSend& oldest = pending_.front();
+    if (pending_.size() > keep) {
+      SPMD_RETURN_IF_ERROR(Wait(oldest.requests.data(), static_cast<int>(oldest.requests.size()),
+                                "send"));
+    } else {
+      // (MPI_Test of a request already completed, now MPI_REQUEST_NULL, says it is done.)
+      for (H& r : oldest.requests) {
+        int done = 0;
+        alignas(16) char status[256];
+        SPMD_RETURN_IF_ERROR(Check(fns.Test(&r, &done, status), "send"));
+        if (!done) return Status::Ok();  // the oldest is still under way
+      }
+    }
+    pending_.pop_front();
+  }
+  return Status::Ok();
+}
+
+Status MpiComm::FlushSends() const { return RetireSends(0); }
+
 Status MpiComm::SendRecv(const void* send, const MessageShape& send_shape, int dst, void* recv,
                          const MessageShape& recv_shape, int src) const {
   SPMD_RETURN_IF_ERROR(Usable());
   current_ = nullptr;  // not a collective: no stall report of the group's calls
+  SPMD_RETURN_IF_ERROR(RetireSends(kSendsAhead));
   // The shape goes first, on its own tag; the data follows once the receiver has checked it.
   constexpr int kTag = 0x5d1, kShapeTag = 0x5d2;
-  std::vector<H> sends, shape_request, requests;
+  std::vector<H> shape_request, requests;
   MessageShape got_shape;
   if (src >= 0) {
     SPMD_RETURN_IF_ERROR(Check(
@@ -775,10 +798,14 @@ Status MpiComm::SendRecv(const void* send, const MessageShape& send_shape, int d
         "recv"));
   }
   if (dst >= 0) {
+    PendingSend& out = pending_.emplace_back();
+    out.shape = send_shape;
+    const char* from = static_cast<const char*>(send);
+    out.data.assign(from, from + send_shape.bytes);
+    SPMD_RETURN_IF_ERROR(Check(
+        StartSend(&out.shape, sizeof(MessageShape), dst, kShapeTag, comm, &out.requests), "send"));
     SPMD_RETURN_IF_ERROR(
-        Check(StartSend(&send_shape, sizeof(MessageShape), dst, kShapeTag, comm, &sends), "send"));
-    SPMD_RETURN_IF_ERROR(
-        Check(StartSend(send, send_shape.bytes, dst, kTag, comm, &sends), "send"));
+        Check(StartSend(out.data.data(), send_shape.bytes, dst, kTag, comm, &out.requests), "send"));
   }
   std::string bad;
   std::vector<char> scratch;
@@ -800,10 +827,7 @@ Status MpiComm::SendRecv(const void* send, const MessageShape& send_shape, int d
         Check(StartRecv(into, got_shape.bytes, src, kTag, comm, &requests), "recv"));
     SPMD_RETURN_IF_ERROR(Wait(requests.data(), static_cast<int>(requests.size()), "recv"));
   }
-  if (!sends.empty()) {
-    SPMD_RETURN_IF_ERROR(Wait(sends.data(), static_cast<int>(sends.size()),
-                              dst >= 0 && src >= 0 ? "sendrecv" : "send"));
-  }
+  SPMD_RETURN_IF_ERROR(RetireSends(kSendsAhead));
   return bad.empty() ? Status::Ok() : Status::Error(bad);
 }
 

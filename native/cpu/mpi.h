@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <deque>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -115,8 +116,16 @@ struct MpiComm {
   // (expecting `recv_shape`) from group rank src; dst or src < 0: no such half. A message whose
   // shape differs from the one expected is received into scratch and is an error naming the
   // sender, its shape and the one expected.
+  // The send does not wait for its receiver: the message is copied, and its MPI send completes
+  // while this rank goes on (it is checked at each later call on the communicator). A pipeline
+  // stage then runs ahead of its neighbour instead of meeting it at every message, and two
+  // ranks that send to each other before they receive do not wait on each other. At most
+  // kSendsAhead sends wait for their receivers at once; one more waits for the oldest.
   Status SendRecv(const void* send, const MessageShape& send_shape, int dst, void* recv,
                   const MessageShape& recv_shape, int src) const;
+  static constexpr size_t kSendsAhead = 64;
+  // Waits for every send still waiting for its receiver (the group is being released).
+  Status FlushSends() const;
   Status Barrier() const;
   // Signature check before each collective (an allgather of a hash; the descriptions follow
   // only when the hashes differ): a clear error on every rank instead of mixed data.
@@ -162,6 +171,16 @@ struct MpiComm {
   std::string Behind(bool ask) const;
   // The watch's verdict that a peer left before collective #calls_ ("" if none).
   std::string WatchGone() const;
+  // The sends still waiting for their receivers, oldest first: the message's copy and shape,
+  // and its MPI requests. RetireSends drops those done, and waits for the oldest while more
+  // than `keep` remain.
+  struct PendingSend {
+    std::vector<char> data;
+    MessageShape shape;
+    std::vector<MpiHandle> requests;
+  };
+  mutable std::deque<PendingSend> pending_;
+  Status RetireSends(size_t keep) const;
   // The collective under way (CheckSame to its end; null in point-to-point calls), for the
   // stall report and the timeout, and how many have started.
   mutable const Signature* current_ = nullptr;

@@ -169,6 +169,34 @@ def test_send_recv_pairs(comm):
             assert int(got["b"]) == r - 1
 
 
+@multirank(nprocs=(2, 4), env={"SPMD_TIMEOUT": "20"})
+def test_a_send_does_not_wait_for_its_receiver(comm):
+    """Every rank sends 16 MiB (far past MPI's eager limit) to its right neighbour, then three
+    small messages, and only then receives from its left: with sends that waited for their
+    receivers, every rank would wait in its first send until SPMD_TIMEOUT. The messages arrive
+    whole and in order; each rank's buffer is reused at once (the send copied it)."""
+    r, n = comm.rank, comm.size
+    big = np.arange(4 << 20, dtype=np.float32) + r
+    for mode in ("eager", "jit"):
+        send = spmd.send if mode == "eager" else jax.jit(spmd.send, static_argnums=1)
+
+        def recv(like, src, mode=mode):
+            return (
+                spmd.recv(like, src) if mode == "eager" else jax.jit(lambda: spmd.recv(like, src))()
+            )
+
+        x = jnp.asarray(big)
+        send(x, (r + 1) % n)
+        for k in range(3):
+            send(jnp.full(5, 10.0 * k + r), (r + 1) % n)
+        del x
+        left = (r - 1) % n
+        got = np.asarray(recv(jax.ShapeDtypeStruct(big.shape, big.dtype), left))
+        np.testing.assert_array_equal(got, np.arange(4 << 20, dtype=np.float32) + left)
+        for k in range(3):
+            np.testing.assert_array_equal(recv(jnp.zeros(5), left), np.full(5, 10.0 * k + left))
+
+
 @multirank(nprocs=(3,), fresh=True)
 def test_point_to_point_on_the_world_needs_no_call_from_other_ranks(comm):
     """In a fresh process, before any collective: rank 0 sends to rank 1 while rank 2 makes no

@@ -57,9 +57,11 @@ def send(
     x: Any, dst: int, *, rank_list: Any = None, group: Any = None, note: str | None = None
 ) -> None:
     """Send ``x`` (array or pytree) to the rank at position ``dst`` of the group, which must
-    call :func:`recv` with ``src`` = this rank. Returns once ``x`` was handed over. ``note``: a
-    label that ``spmd.trace`` prints with the op (a pipeline's microbatch, say); it changes
-    nothing else.
+    call :func:`recv` with ``src`` = this rank. Returns once ``x`` is copied out, without
+    waiting for the receiver (up to 64 sends per group wait for their receivers at once; one
+    more waits for the oldest), so two ranks may each send to the other before they receive.
+    ``note``: a label that ``spmd.trace`` prints with the op (a pipeline's microbatch, say); it
+    changes nothing else.
 
     Example (does something on two ranks or more, ``spmd-run -n 2``)::
 
