@@ -1,5 +1,5 @@
-"""Pipeline parallelism: the measured bubble of GPipe and 1F1B against the theoretical
-(p - 1) / (m + p - 1), and the memory each stage's compiled step needs, per schedule and number
+"""Pipeline parallelism: the measured bubble of GPipe, 1F1B and ZB-H1 against their theoretical
+values (``theory``), and the memory each stage's compiled step needs, per schedule and number
 of microbatches m, in the same run.
 
     spmd-run -n 2 python benchmarks/pipeline.py [--rounds 3] [--micro 1 2 4 8 16]
@@ -13,8 +13,9 @@ rows, split evenly over the job's p ranks (``Mesh(pp=p)``), loss = mean squared 
 every rank at once, the same stage's forward and backward passes over the m microbatches with no
 messages (a ``lax.scan`` of ``jax.vjp``; C: the slowest stage's median). Measured bubble =
 1 - C / T: the share of the step the slowest stage does not compute, which includes the time
-spent moving activations, not only the idle time of the schedule. Theoretical:
-(p - 1) / (m + p - 1), which assumes stages of equal time and free messages.
+spent moving activations, not only the idle time of the schedule. Theoretical (``theory``):
+(p - 1) / (m + p - 1) for GPipe and 1F1B, less for ZB-H1; each assumes stages of equal time
+and free messages.
 
 **The schedule alone.** Also per (schedule, m), on every rank at once: the same pipelined step
 on a group of one holding this stage's layers (S: the slowest stage's median). It runs the
@@ -24,7 +25,7 @@ expected step is S (m + p - 1) / m, and what the step takes beyond that is the m
 waits for them.
 
 **Memory.** Per stage, XLA's ``memory_analysis()`` of the compiled step: temporary buffers (the
-stash of residuals and the work space); 1F1B keeps p - s microbatches, GPipe m.
+stash of residuals and the work space); 1F1B keeps p - s microbatches, GPipe m, ZB-H1 p.
 
 The ranks share the machine's cores (``spmd-run`` pins each to its share): with fewer cores than
 ranks the stages take turns on a core and the bubble is not the schedule's. The results record
@@ -33,10 +34,10 @@ the cores.
 Writes ``benchmarks/results/pipeline-cpu<cores>-n<ranks>.{json,md}``.
 
 **The language model** (``--lm``, run outside a job): ``examples/train_lm.py`` on each layout of
-``--layouts`` (default: one process, and every 2-rank mesh), ``--lm-steps`` steps each; the
-tokens/s the example reports at the end (global tokens over the steps after the first, which
-compiles), the median over ``--rounds`` runs. Writes
-``benchmarks/results/pipeline-lm-cpu<cores>.{json,md}``.
+``--layouts`` (default: one process, and every 2-rank mesh; ``pp=2:zero_bubble`` names the
+pipeline's schedule), ``--lm-steps`` steps each; the tokens/s the example reports at the end
+(global tokens over the steps after the first, which compiles), the median over ``--rounds``
+runs. Writes ``benchmarks/results/<--lm-tag, default pipeline-lm>-cpu<cores>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -57,7 +58,16 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 1 << 20
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
+LAYOUTS = ["", "pp=2", "dp=2", "tp=2"]
+
+
+def theory(sch: str, p: int, m: int) -> float:
+    """The schedule's bubble, stages of equal time and free messages: GPipe's and 1F1B's
+    (p - 1) / (m + p - 1); ZB-H1's (p - 1)(F + B - W) / (m(F + B + W) + (p - 1)(F + B - W)) with
+    forward, input-gradient and weight-gradient passes of equal time (a tanh layer's three
+    products): (p - 1) / (3m + p - 1)."""
+    return (p - 1) / (3 * m + p - 1) if sch == "zero_bubble" else (p - 1) / (m + p - 1)
 
 
 def _model(args: argparse.Namespace) -> tuple[list[Any], Any, Any]:
@@ -177,11 +187,10 @@ def run_job(args: argparse.Namespace) -> int:
                         call = functools.partial(steps[name], mine, x, t)
                     rounds[name].append(_time(pp, call, args.steps, args.warmup))
             med = {k: statistics.median(v) for k, v in rounds.items()}
-            theory = (p - 1) / (m + p - 1)
             row = {
                 "m": m,
                 "microbatch_rows": args.batch // m,
-                "theoretical_bubble": round(theory, 4),
+                "theoretical_bubble": {sch: round(theory(sch, p, m), 4) for sch in SCHEDULES},
                 "step_ms": {k: round(v * 1e3, 3) for k, v in med.items()},
                 "measured_bubble": {
                     sch: round(1 - med["compute alone"] / med[sch], 4) for sch in SCHEDULES
@@ -191,7 +200,8 @@ def run_job(args: argparse.Namespace) -> int:
                     for sch in SCHEDULES
                 },
                 "expected_step_ms": {
-                    sch: round(med[f"{sch} alone"] * (m + p - 1) / m * 1e3, 3) for sch in SCHEDULES
+                    sch: round(med[f"{sch} alone"] / (1 - theory(sch, p, m)) * 1e3, 3)
+                    for sch in SCHEDULES
                 },
                 "temp_MiB_per_stage": {
                     sch: [round(tt[sch] / MIB, 3) for tt in temps] for sch in SCHEDULES
@@ -201,9 +211,10 @@ def run_job(args: argparse.Namespace) -> int:
             }
             rows.append(row)
             st, b = row["step_ms"], row["measured_bubble"]
-            say(f"m={m:2d}: compute {st['compute alone']:8.2f} ms, gpipe {st['gpipe']:8.2f} ms "
-                f"(bubble {b['gpipe']:.3f}), 1f1b {st['1f1b']:8.2f} ms (bubble {b['1f1b']:.3f}), "
-                f"theory {theory:.3f}", flush=True)  # fmt: skip
+            say(f"m={m:2d}: compute {st['compute alone']:8.2f} ms, "
+                + ", ".join(f"{sch} {st[sch]:8.2f} ms (bubble {b[sch]:.3f}, theory "
+                            f"{row['theoretical_bubble'][sch]:.3f})" for sch in SCHEDULES),
+                flush=True)  # fmt: skip
     if comm.rank != 0:
         return 0
     info = {
@@ -230,42 +241,51 @@ def run_job(args: argparse.Namespace) -> int:
         md += ["", f"**{p} ranks on {info.get('job_cores') or info.get('cores')} cores: the "
                "stages take turns on the cores, so the bubble column does not measure the "
                "schedule; the memory column does not depend on it.**"]  # fmt: skip
+    cols = " | ".join
     md += ["", "## Bubble", "",
            "Step: per timed step the slowest rank's time; the median over steps, then over "
            "rounds. compute alone: every stage's forward and backward passes over the m "
            "microbatches without messages, the slowest stage. Measured bubble = 1 - compute "
-           "alone / step (it includes moving the activations); theoretical = (p - 1) / "
-           "(m + p - 1).", "",
-           "| m | compute alone (ms) | gpipe (ms) | 1f1b (ms) | bubble gpipe | bubble 1f1b | "
-           "theoretical |", "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+           "alone / step (it includes moving the activations); theoretical: GPipe's and 1F1B's "
+           "(p - 1) / (m + p - 1), ZB-H1's (p - 1) / (3m + p - 1) (forward, input-gradient and "
+           "weight-gradient passes of equal time). measured / theory: 1F1B's; ZB-H1 / 1F1B: the "
+           "measured bubbles' ratio.", "",
+           f"| m | compute alone (ms) | {cols(f'{k} (ms)' for k in SCHEDULES)} | "
+           f"{cols(f'bubble {k} (theory)' for k in SCHEDULES)} | 1f1b measured / theory | "
+           "zero_bubble / 1f1b |", "|---:|" + "---:|" * (2 * len(SCHEDULES) + 3)]  # fmt: skip
     for r in rows:
-        st, b = r["step_ms"], r["measured_bubble"]
-        md.append(f"| {r['m']} | {st['compute alone']:.2f} | {st['gpipe']:.2f} | "
-                  f"{st['1f1b']:.2f} | {b['gpipe']:.3f} | {b['1f1b']:.3f} | "
-                  f"{r['theoretical_bubble']:.3f} |")  # fmt: skip
+        st, b, th = r["step_ms"], r["measured_bubble"], r["theoretical_bubble"]
+        steps = cols(f"{st[k]:.2f}" for k in SCHEDULES)
+        md.append(f"| {r['m']} | {st['compute alone']:.2f} | {steps} | "
+                  f"{cols(f'{b[k]:.3f} ({th[k]:.3f})' for k in SCHEDULES)} | "
+                  f"{b['1f1b'] / th['1f1b']:.2f} | {b['zero_bubble'] / b['1f1b']:.2f} |"
+                  )  # fmt: skip
     md += ["", "## The schedule alone", "",
            "alone: the same pipelined step on a group of one holding the stage's layers, every "
            "rank at once (the slowest stage): the schedule's own work without messages. "
-           "overhead = alone / compute alone - 1; expected step = alone x (m + p - 1) / m; "
-           "the rest of the step is the messages and the waits for them.", "",
-           "| m | gpipe alone (ms) | 1f1b alone (ms) | overhead gpipe | overhead 1f1b | "
-           "expected / measured gpipe | expected / measured 1f1b |",
-           "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+           "overhead = alone / compute alone - 1; expected step = alone / (1 - theoretical "
+           "bubble); the rest of the step is the messages and the waits for them.", "",
+           f"| m | {cols(f'{k} alone (ms)' for k in SCHEDULES)} | "
+           f"{cols(f'overhead {k}' for k in SCHEDULES)} | "
+           f"{cols(f'expected / measured {k}' for k in SCHEDULES)} |",
+           "|---:|" + "---:|" * (3 * len(SCHEDULES))]  # fmt: skip
     for r in rows:
         st, o, e = r["step_ms"], r["schedule_overhead"], r["expected_step_ms"]
-        md.append(f"| {r['m']} | {st['gpipe alone']:.2f} | {st['1f1b alone']:.2f} | "
-                  f"{o['gpipe']:+.3f} | {o['1f1b']:+.3f} | "
-                  + " | ".join(f"{e[k]:.2f} / {st[k]:.2f}" for k in SCHEDULES) + " |")  # fmt: skip
+        alone = cols(f"{st[k + ' alone']:.2f}" for k in SCHEDULES)
+        md.append(f"| {r['m']} | {alone} | "
+                  f"{cols(f'{o[k]:+.3f}' for k in SCHEDULES)} | "
+                  f"{cols(f'{e[k]:.2f} / {st[k]:.2f}' for k in SCHEDULES)} |")  # fmt: skip
     md += ["", "## Memory per stage", "",
            "Temporary buffers of the compiled step (XLA's memory_analysis), MiB, stage 0 first. "
-           "1F1B keeps p - s microbatches of residuals on stage s, GPipe m.", "",
-           "| m | activation per microbatch (MiB) | gpipe | 1f1b |",
-           "|---:|---:|---|---|"]  # fmt: skip
+           "1F1B keeps p - s microbatches of residuals on stage s, GPipe m, ZB-H1 p (and the "
+           "gradients at the parameters' uses that its weight-gradient pass reads).", "",
+           f"| m | activation per microbatch (MiB) | {cols(SCHEDULES)} |",
+           "|---:|---:|" + "---|" * len(SCHEDULES)]  # fmt: skip
     for r in rows:
         tm = r["temp_MiB_per_stage"]
         md.append(f"| {r['m']} | {r['activation_MiB_per_microbatch']:.3f} | "
-                  f"{', '.join(f'{v:.2f}' for v in tm['gpipe'])} | "
-                  f"{', '.join(f'{v:.2f}' for v in tm['1f1b'])} |")  # fmt: skip
+                  + cols(", ".join(f"{v:.2f}" for v in tm[k]) for k in SCHEDULES)
+                  + " |")  # fmt: skip
     (out / f"{tag}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md[md.index("## Bubble") :]))
     return 0
@@ -277,35 +297,39 @@ def run_lm(args: argparse.Namespace) -> int:
 
     script = Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"
     rows = []
-    for layout in args.layouts:
+    for entry in args.layouts:
+        layout, _, schedule = entry.partition(":")  # "pp=2:zero_bubble": the pipeline's schedule
         sizes = [int(part.split("=")[1]) for part in filter(None, layout.split(","))]
         n = math.prod(sizes)
         rates = []
         for _ in range(args.rounds):
             cmd = [sys.executable, "-m", "spmd.cli.run", "-n", str(n), sys.executable,
                    str(script), "--mesh", layout, "--steps", str(args.lm_steps),
-                   "--sample", "0"]  # fmt: skip
+                   "--sample", "0", *(["--schedule", schedule] if schedule else [])]  # fmt: skip
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
             if out.returncode != 0:
                 raise SystemExit(f"{layout}: {out.stderr.strip().splitlines()[-1:]}")
             last = re.findall(r"([\d,]+) tokens/s", out.stdout)[-1]
             rates.append(float(last.replace(",", "")))
-        rows.append({"mesh": layout or "one process", "ranks": n,
+        rows.append({"mesh": entry or "one process", "ranks": n,
                      "tokens_per_s": statistics.median(rates), "runs": rates})  # fmt: skip
-        print(f"{layout or 'one process':>16}: {rows[-1]['tokens_per_s']:,.0f} tokens/s",
+        print(f"{entry or 'one process':>16}: {rows[-1]['tokens_per_s']:,.0f} tokens/s",
               flush=True)  # fmt: skip
     info = {**host_info(), "steps": args.lm_steps, "rounds": args.rounds,
             "model": "examples/train_lm.py defaults (4 layers, d=64, 4 heads, seq 64, batch 32)",
             "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")}  # fmt: skip
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tag = f"pipeline-lm-{cores_tag()}"
+    tag = f"{args.lm_tag}-{cores_tag()}"
     (out_dir / f"{tag}.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2))
     one = rows[0]["tokens_per_s"]
     md = [
         "# examples/train_lm.py: tokens/s per mesh",
         "",
-        "Produced by `python benchmarks/pipeline.py --lm`.",
+        "Produced by `python benchmarks/pipeline.py --lm"
+        + (f" --layouts {' '.join(args.layouts)}" if args.layouts != LAYOUTS else "")
+        + (f" --lm-tag {args.lm_tag}" if args.lm_tag != "pipeline-lm" else "")
+        + "`.",
         "",
         "| machine | |",
         "|---|---|",
@@ -335,7 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--lm", action="store_true", help="tokens/s of examples/train_lm.py")
-    ap.add_argument("--layouts", nargs="+", default=["", "pp=2", "dp=2", "tp=2"])
+    ap.add_argument(
+        "--layouts",
+        nargs="+",
+        default=LAYOUTS,
+        help="meshes of examples/train_lm.py; mesh:schedule picks the pipeline's",
+    )
+    ap.add_argument("--lm-tag", default="pipeline-lm", help="the results' file name")
     ap.add_argument("--lm-steps", type=int, default=60)
     args = ap.parse_args(argv)
     if args.lm:

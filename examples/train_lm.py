@@ -12,7 +12,8 @@ own source, found next to the running interpreter, and learns to continue it. Th
 the work four ways:
 
 - ``pp``: the transformer blocks, stacked on a leading axis, are split into consecutive stages
-  (``spmd.pipeline_value_and_grad``, GPipe's or 1F1B's schedule over ``--microbatches``); the
+  (``spmd.pipeline_value_and_grad``, ``--schedule`` gpipe, 1f1b or zero_bubble over
+  ``--microbatches``); the
   first stage also embeds the bytes, the last also applies the head and the loss;
 - ``tp``: inside a block, attention heads and MLP columns are split (Megatron-LM's layers from
   ``spmd.tensor_parallel``), and so are the embedding and the head over the vocabulary;
@@ -154,9 +155,11 @@ def block(b: Any, h: jax.Array, heads: int) -> jax.Array:
     return h + tp.row_linear(jax.nn.gelu(tp.column_linear(x, b["w1"], b["b1"])), b["w2"], b["b2"])
 
 
-def make_stage(heads: int, first: bool, last: bool) -> Any:
+def make_stage(heads: int, first: bool, last: bool, unrolled: bool = False) -> Any:
     """This rank's pipeline stage: (its parameters, what the previous stage sent) -> what it
-    sends on (the first stage takes the bytes, the last returns its block of the logits)."""
+    sends on (the first stage takes the bytes, the last returns its block of the logits).
+    ``unrolled``: the blocks one after the other instead of a ``lax.scan`` (for the zero-bubble
+    schedule, which splits the backward pass equation by equation: a scan's is one)."""
     local_heads = heads // spmd.current_mesh().shape["tp"]
 
     def stage(p: Any, x: jax.Array) -> jax.Array:
@@ -166,7 +169,11 @@ def make_stage(heads: int, first: bool, last: bool) -> Any:
             h = tp.vocab_embed(x, p["embed"]) + p["pos"][where]
         else:
             h = x
-        h, _ = jax.lax.scan(lambda h, b: (block(b, h, local_heads), None), h, p["blocks"])
+        if unrolled:
+            for i in range(jax.tree_util.tree_leaves(p["blocks"])[0].shape[0]):
+                h = block(jax.tree_util.tree_map(lambda a, i=i: a[i], p["blocks"]), h, local_heads)
+        else:
+            h, _ = jax.lax.scan(lambda h, b: (block(b, h, local_heads), None), h, p["blocks"])
         return tp.column_linear(norm(h, p["lnf"]), p["head"]) if last else h
 
     return stage
@@ -260,7 +267,7 @@ def main() -> None:
         first, last = c["pp"] == 0, c["pp"] == axes["pp"] - 1
         rows = args.batch // axes["dp"]
         pipe = spmd.pipeline_value_and_grad(
-            make_stage(args.heads, first, last), lm_loss,
+            make_stage(args.heads, first, last, args.schedule == "zero_bubble"), lm_loss,
             microbatches=args.microbatches, schedule=args.schedule,
             shared={k: k in SHARED for k in SPECS},
         )  # fmt: skip

@@ -418,8 +418,29 @@ ffi::Error SendRecvFfi(int64_t group, std::string_view meaning, int64_t src, int
   return call.FromStatus(s);
 }
 
+// -- a point in the chain ------------------------------------------------------------------------
+
+// spmd_after (ops/_ordering.after): its operands, copied to its results. It communicates
+// nothing: as a link of the chain it runs after the calls before it, so that what reads its
+// results waits for them.
+ffi::Error AfterFfi(ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  for (size_t i = 1; i < args.size() && i < rets.size(); ++i) {
+    auto in = args.get<ffi::AnyBuffer>(i);
+    if (!in.has_value()) return in.error();
+    auto out = rets.get<ffi::AnyBuffer>(i);
+    if (!out.has_value()) return out.error();
+    if ((*out)->untyped_data() != in->untyped_data()) {
+      std::memcpy((*out)->untyped_data(), in->untyped_data(), in->size_bytes());
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
+// spmd_after: no attributes; the operands after the order value come back as the results.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAfter_, AfterFfi,
+                              ffi::Ffi::Bind().RemainingArgs().RemainingRets());
 // spmd_allreduce: attrs group (i64), op (i32), wire (i32: 0 exact, else a Wire code),
 // div (i64: compressed values are multiplied by 1.0f / div before rounding).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllreduce_, AllreduceFfi,
@@ -515,6 +536,7 @@ const HandlerEntry* CpuHandlers() {
       {"spmd_sendrecv", reinterpret_cast<void*>(kSendRecv_)},
       {"spmd_barrier", reinterpret_cast<void*>(kBarrier_)},
       {"spmd_moe_exchange", reinterpret_cast<void*>(kMoeExchange_)},
+      {"spmd_after", reinterpret_cast<void*>(kAfter_)},
       {nullptr, nullptr},
   };
   return entries;

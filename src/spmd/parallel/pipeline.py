@@ -15,11 +15,21 @@ activations forward and their gradients backward:
   worth. A stage that sends an activation forward and waits for a gradient from the same
   neighbour does both in one ``sendrecv``, so neither rank waits on the other.
 
-Both give the same loss and gradients (those of one process running the whole model on the
-whole batch, up to float rounding), and in theory the same bubble, ``(p - 1) / (m + p - 1)`` of
-the step. The repeated part of each schedule is a ``lax.scan``, so the compiled program stays
-the same size for any m, and XLA cannot run forward passes ahead of the schedule (it orders
-the computations of an unrolled program by their data alone).
+- ``"zero_bubble"`` (ZB-H1 of Qi et al., "Zero Bubble Pipeline Parallelism"): 1F1B's order,
+  with each backward pass split in two (module ``_backward_split``): B, the gradient of what
+  the stage received, which the previous stage waits for, and W, the gradient of the stage's
+  parameters, which nothing waits for; stage s runs each W s microbatches late, where 1F1B's
+  stage would wait at the end. It keeps at most p microbatches on every stage (1F1B's first
+  stage's peak), and its messages are plain sends and receives in the order the data needs.
+
+All give the same loss and gradients (those of one process running the whole model on the
+whole batch, up to float rounding). In theory GPipe and 1F1B leave ``(p - 1) / (m + p - 1)`` of
+the step idle, and ZB-H1 ``(p - 1)(F + B - W)`` of ``m(F + B + W) + (p - 1)(F + B - W)`` (F, B,
+W: the time of a forward pass and of the two halves of a backward pass), ``(p - 1) /
+(3m + p - 1)`` where the three take equal time. The repeated part of each schedule is a
+``lax.scan``, so the compiled program stays the same size for any m, and XLA cannot run
+forward passes ahead of the schedule (it orders the computations of an unrolled program by
+their data alone).
 
 Before any of that, when the program is built, the stages agree on shapes: stage 0 works out
 the shape of what it sends from its inputs' microbatch (``jax.eval_shape``), tells stage 1,
@@ -41,12 +51,14 @@ import numpy as np
 from .._errors import SpmdError
 from ..mesh import resolve_group
 from ..ops import allreduce, broadcast, recv, send, sendrecv
+from ..ops._after import after
 from ..runtime import Communicator
+from ._backward_split import BackwardSplit
 from ._grad import active, mark_tree
 
 __all__ = ["SCHEDULES", "split", "stage_layers", "value_and_grad"]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
 _OP = "pipeline_value_and_grad"
 
 
@@ -150,8 +162,8 @@ def value_and_grad(
       that does not span the pipeline axis (``group="dp"`` on a mesh with ``pp``), as each
       stage's ranks hold different parameters.
 
-    ``schedule``: ``"1f1b"`` (default) or ``"gpipe"`` (module doc). A group of one runs the
-    microbatches one after the other in this process.
+    ``schedule``: ``"1f1b"`` (default), ``"gpipe"`` or ``"zero_bubble"`` (module doc). A group
+    of one runs the microbatches one after the other in this process.
 
     ``shared``: parameters that every stage holds but only some use (an embedding on the first
     stage, a head on the last, or weights tied between them), as a pytree of bools with the
@@ -332,17 +344,16 @@ class _Run:
             params = mark_tree(params, "param", call)
         self.params = params
         m, p, s = self.m, self.p, self.s
-        self.slots = m if self.schedule == "gpipe" else min(p - s, m)
+        self.slots = {"gpipe": m, "1f1b": min(p - s, m), "zero_bubble": min(p, m)}[self.schedule]
         loss_like = self.sends[-1]
         self.state = (
             self._empty_stash(),
             jax.tree_util.tree_map(jnp.zeros_like, params),
             jnp.zeros(loss_like.shape, loss_like.dtype),
         )
-        if self.schedule == "gpipe":
-            self._gpipe()
-        else:
-            self._one_f_one_b()
+        {"gpipe": self._gpipe, "1f1b": self._one_f_one_b, "zero_bubble": self._zero_bubble}[
+            self.schedule
+        ]()
         _, grads, loss = self.state
         loss = loss / m
         if p > 1:
@@ -397,18 +408,44 @@ class _Run:
 
     def _empty_stash(self) -> list[Any]:
         """Zeros for K microbatches' residuals (their shapes from a trace of one forward pass
-        that is thrown away)."""
+        that is thrown away); for "zero_bubble", also for what the input-gradient half of the
+        backward pass hands the weight-gradient half (:meth:`_split_backward`)."""
         shapes: list[Any] = []
+        found: list[Any] = []
 
         def probe(params: Any, x: Any) -> Any:
-            out, leaves, _, where = self._vjp(params, 0, x)
+            out, leaves, tree, where = self._vjp(params, 0, x)
             shapes.extend(jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v))
                           for v, w in zip(leaves, where, strict=True) if w is None)  # fmt: skip
+            found.append((tree, where, [jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v))
+                                        for v in leaves]))  # fmt: skip
             return out
 
         like = None if self.first else self.sends[self.s - 1]
         jax.make_jaxpr(probe)(self.params, like)
+        self.residuals = len(shapes)
+        if self.schedule == "zero_bubble":
+            shapes.extend(self._split_backward(*found[0]))
         return [jnp.zeros((self.slots, *v.shape), v.dtype) for v in shapes]
+
+    def _split_backward(self, tree: Any, where: list[int | None], leaves: list[Any]) -> list[Any]:
+        """Splits the backward pass into B (the input's gradient) and W (the parameters'),
+        sharing the stash; returns the shapes W needs kept from B (module
+        ``_backward_split``): the frontier, and the gradient received where W reads it."""
+        g_like = jax.ShapeDtypeStruct((), self.sends[-1].dtype) if self.last else self.sends[self.s]
+        g_leaves, g_tree = jax.tree_util.tree_flatten(g_like)
+        n, n_params = len(leaves), len(jax.tree_util.tree_leaves(self.params))
+        n_dx = 0 if self.first else len(jax.tree_util.tree_leaves(self.sends[self.s - 1]))
+
+        def backward(*flat: Any) -> list[Any]:
+            g = jax.tree_util.tree_unflatten(g_tree, flat[n:])
+            return jax.tree_util.tree_leaves(jax.tree_util.tree_unflatten(tree, flat[:n])(g))
+
+        split = BackwardSplit(backward, [*leaves, *g_leaves], range(n_params, n_params + n_dx))
+        self.split, self.g_tree = split, g_tree
+        self.w_reads_g = [k - n for k in split.w_inputs if k >= n]
+        self.frontier = len(split.frontier_like)
+        return [*split.frontier_like, *(g_leaves[k] for k in self.w_reads_g)]
 
     def _forward(self, i: Any, x: Any) -> Any:
         """Microbatch i's forward pass on this stage: what it sends on. Stashes what the
@@ -417,7 +454,8 @@ class _Run:
         out, leaves, self.tree, self.where = self._vjp(self.params, i, x)
         res = [v for v, w in zip(leaves, self.where, strict=True) if w is None]
         slot = i % self.slots
-        stash = [a.at[slot].set(v) for a, v in zip(stash, res, strict=True)]
+        at = self.residuals
+        stash = [*(a.at[slot].set(v) for a, v in zip(stash[:at], res, strict=True)), *stash[at:]]
         if self.last:
             loss = loss + out
         self.state = (stash, grads, loss)
@@ -430,13 +468,50 @@ class _Run:
         if self.last:
             g = jnp.asarray(1.0 / self.m, loss.dtype)
         slot = i % self.slots
-        res = iter([a[slot] for a in stash])
-        mine = jax.tree_util.tree_leaves(self.params)
-        leaves = [next(res) if w is None else mine[w] for w in self.where]
-        back = jax.tree_util.tree_unflatten(self.tree, leaves)(g)
+        back = jax.tree_util.tree_unflatten(self.tree, self._inputs(stash, slot))(g)
         grads = jax.tree_util.tree_map(jnp.add, grads, back[0])
         self.state = (stash, grads, loss)
         return None if self.first else back[1]
+
+    def _inputs(self, stash: list[Any], slot: Any) -> list[Any]:
+        """The backward function's leaves: residuals from the stash slot, parameters."""
+        res = iter([a[slot] for a in stash[: self.residuals]])
+        mine = jax.tree_util.tree_leaves(self.params)
+        return [next(res) if w is None else mine[w] for w in self.where]
+
+    def _backward_input(self, i: Any, g: Any) -> Any:
+        """The zero-bubble schedule's B: microbatch i's input gradient (as
+        :meth:`_backward`'s), keeping what its W (:meth:`_backward_weights`) needs in the
+        stash."""
+        stash, grads, loss = self.state
+        if self.last:
+            g = jnp.asarray(1.0 / self.m, loss.dtype)
+        slot = i % self.slots
+        g_leaves = jax.tree_util.tree_leaves(g)
+        dx, frontier = self.split.b(*self._inputs(stash, slot), *g_leaves)
+        keep = [*frontier, *(g_leaves[k] for k in self.w_reads_g)]
+        at = self.residuals
+        stash = [*stash[:at], *(a.at[slot].set(v) for a, v in zip(stash[at:], keep, strict=True))]
+        self.state = (stash, grads, loss)
+        if self.first:
+            return None
+        return jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(self.sends[self.s - 1]), dx
+        )
+
+    def _backward_weights(self, i: Any) -> None:
+        """The zero-bubble schedule's W: microbatch i's parameter gradients, added to the others."""
+        stash, grads, loss = self.state
+        slot = i % self.slots
+        # After this stage's sends so far: XLA would otherwise run W's products before the
+        # send of the gradient the previous stage waits for (benchmarks/pipeline.py).
+        kept = after(*(a[slot] for a in stash[self.residuals :]))
+        g_leaves: list[Any] = [None] * self.g_tree.num_leaves
+        for k, v in zip(self.w_reads_g, kept[self.frontier :], strict=True):
+            g_leaves[k] = v
+        dp = self.split.w([*self._inputs(stash, slot), *g_leaves], kept[: self.frontier])
+        back = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(grads), dp)
+        self.state = (stash, jax.tree_util.tree_map(jnp.add, grads, back), loss)
 
     def _loop(self, body: Callable[[Any, Any], Any], x: Any, n: int, reverse: bool = False) -> Any:
         """``x = body(x, j)`` for j in range(n) as one lax.scan, carrying the state too."""
@@ -522,6 +597,56 @@ class _Run:
                 self._send_backward(self._backward(j, g), j)
         for j in range(m - warm, m):  # cool-down
             self._send_backward(self._backward(j, self._recv_backward(j)), j)
+
+    def _zero_bubble(self) -> None:
+        """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"): 1F1B's order of forward
+        passes and input gradients (B), with each weight gradient (W) run later: stage s keeps
+        s of them waiting, and runs them where 1F1B's stage would wait for a gradient at the
+        end. Every stage then keeps at most p microbatches (1F1B's first stage's peak), and the
+        bubble is (p - 1)(F + B - W) instead of (p - 1)(F + B + W).
+
+        Messages: where a forward pass is followed by a backward pass, the activation goes
+        down and the gradient comes back in one ``sendrecv`` (as in 1F1B); the gradient then
+        goes up with a plain send, and W runs before the next activation is received. A send
+        does not wait for its receiver on CPU; where one does (a rendezvous), this order still
+        cannot deadlock: a stage's sendrecv with the next stage never waits for that stage's
+        send to return."""
+        m, p, s = self.m, self.p, self.s
+        warm, defer = min(p - s - 1, m), s
+
+        def forward(i: Any, note: Any) -> None:
+            self._send_forward(self._forward(i, self._recv_forward(note)), note)
+
+        def backward(j: Any, note: Any, g: Any = None) -> None:
+            g = self._recv_backward(note) if g is None and not self.last else g
+            self._send_backward(self._backward_input(j, g), note)
+
+        def forward_backward(i: Any, j: Any, fnote: Any, bnote: Any) -> None:
+            y = self._forward(i, self._recv_forward(fnote))
+            backward(j, bnote, self._send_forward_recv_backward(y, fnote, bnote))
+
+        for i in range(warm):
+            forward(i, i)
+        steady = m - warm
+        head = min(defer, steady)  # rounds before the first W
+        for k in range(head):
+            forward_backward(warm + k, k, warm + k, k)
+
+        def rnd(x: Any, j: Any) -> Any:
+            k = head + j
+            forward_backward(warm + k, k, f"{warm + head}+j", f"{head}+j")
+            self._backward_weights(k - defer)
+            return x
+
+        self._loop(rnd, None, steady - head)
+        waiting = list(range(steady - head, steady))
+        for j in range(steady, m):  # cool-down: a W after each B, the rest at the end
+            backward(j, j)
+            waiting.append(j)
+            while len(waiting) > defer:
+                self._backward_weights(waiting.pop(0))
+        for j in waiting:
+            self._backward_weights(j)
 
 
 def _at(tree: Any, i: Any) -> Any:
