@@ -8,7 +8,7 @@ convention and the ordering guarantees are described in ``docs/collectives.md``.
 
 ``set_transport``/``get_transport`` choose and report how collectives move data (shared memory,
 MPI or both on CPU; the custom all-reduce or NCCL on GPU). ``ARRAY_LIKE``, ``SUPPORTED_DTYPES``,
-``chain_config``, ``holds_collective``, ``collective_calls`` (with ``ScheduledCall``),
+``chain_config``, ``holds_collective``, ``after``, ``collective_calls`` (with ``ScheduledCall``),
 ``all_to_allv_indexed``, ``tree_reduce`` and the MoE exchange (``moe_dispatch``, ``moe_combine``,
 ``moe_native``, ``weighted_sum``) serve the layers above
 (spmd.parallel, spmd.cli) and are not in ``__all__``.
@@ -16,6 +16,7 @@ MPI or both on CPU; the custom all-reduce or NCCL on GPU). ``ARRAY_LIKE``, ``SUP
 
 from typing import Any
 
+from ._after import after as after
 from ._all_to_all import all_to_all as all_to_all
 from ._all_to_allv import all_to_allv as all_to_allv
 from ._all_to_allv import all_to_allv_indexed as all_to_allv_indexed

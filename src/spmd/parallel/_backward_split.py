@@ -91,7 +91,8 @@ def _read(env: dict[Any, Any], v: Any) -> Any:
 def _out(env: dict[Any, Any], v: Any) -> Any:
     """An output's value, a literal (a zero gradient, say) at the output's shape."""
     if isinstance(v, jcore.Literal):
-        return jax.numpy.full(v.aval.shape, v.val, v.aval.dtype)
+        aval: Any = v.aval
+        return jax.numpy.full(aval.shape, v.val, aval.dtype)
     return env[v]
 
 

@@ -41,7 +41,7 @@ rank of the group.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -50,86 +50,16 @@ import numpy as np
 
 from .._errors import SpmdError
 from ..mesh import resolve_group
-from ..ops import allreduce, broadcast, recv, send, sendrecv
-from ..ops._after import after
+from ..ops import after, allreduce, broadcast, recv, send, sendrecv
 from ..runtime import Communicator
 from ._backward_split import BackwardSplit
 from ._grad import active, mark_tree
+from ._stages import split, stage_layers
 
 __all__ = ["SCHEDULES", "split", "stage_layers", "value_and_grad"]
 
 SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
 _OP = "pipeline_value_and_grad"
-
-
-# -- splitting a model into stages --------------------------------------------------------------
-
-
-def split(layers: Sequence[Any], stages: int, *, costs: Sequence[float] | None = None) -> list[Any]:
-    """``layers`` cut into ``stages`` consecutive, non-empty runs whose largest total cost is as
-    small as it can be (by default each layer costs 1; pass e.g. each layer's parameter count
-    or measured time).
-
-    Example::
-
-        >>> import spmd
-        >>> spmd.pipeline.split(["embed", "b0", "b1", "b2", "b3", "head"], 3)
-        [['embed', 'b0'], ['b1', 'b2'], ['b3', 'head']]
-        >>> spmd.pipeline.split(["a", "b", "c"], 2, costs=[3, 1, 1])
-        [['a'], ['b', 'c']]
-    """
-    layers = list(layers)
-    n = len(layers)
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise SpmdError(f"stages={stages!r}; expected an int, 1 or more", op="pipeline.split")
-    if n < stages:
-        raise SpmdError(
-            f"{n} layers do not fill {stages} stages; every stage needs a layer at least",
-            op="pipeline.split",
-        )
-    cost = [1.0] * n if costs is None else [float(c) for c in costs]
-    if len(cost) != n or any(not c >= 0 for c in cost):
-        raise SpmdError(
-            f"costs has {len(cost)} entries for {n} layers (or a negative one); give one cost "
-            "of 0 or more per layer",
-            op="pipeline.split",
-        )
-    before = np.concatenate([[0.0], np.cumsum(cost)])
-    # best[k][j]: the smallest largest cost of the first j layers in k stages; cut[k][j]: where
-    # the last of those stages starts.
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, stages + 1):
-        for j in range(k, n - (stages - k) + 1):
-            for i in range(k - 1, j):
-                worst = max(best[k - 1][i], before[j] - before[i])
-                if worst < best[k][j]:
-                    best[k][j], cut[k][j] = worst, i
-    bounds, j = [], n
-    for k in range(stages, 0, -1):
-        bounds.append((cut[k][j], j))
-        j = cut[k][j]
-    return [layers[a:b] for a, b in reversed(bounds)]
-
-
-def stage_layers(
-    layers: Sequence[Any], *, costs: Sequence[float] | None = None, group: Any = "pp"
-) -> list[Any]:
-    """This rank's stage of ``layers``: the run :func:`split` gives its position in the group
-    (one stage per rank).
-
-    Example (a world of one is one stage holding every layer)::
-
-        >>> import spmd
-        >>> with spmd.Mesh(pp=-1):
-        ...     spmd.pipeline.stage_layers(["a", "b", "c"])
-        ['a', 'b', 'c']
-    """
-    comm = resolve_group(None, group, op="pipeline.stage_layers")
-    stages: list[Any] = split(layers, comm.size, costs=costs)
-    return list(stages[comm.rank])
 
 
 # -- the pipelined step -------------------------------------------------------------------------
@@ -442,7 +372,7 @@ class _Run:
             return jax.tree_util.tree_leaves(jax.tree_util.tree_unflatten(tree, flat[:n])(g))
 
         split = BackwardSplit(backward, [*leaves, *g_leaves], range(n_params, n_params + n_dx))
-        self.split, self.g_tree = split, g_tree
+        self.split, self.g_like = split, g_leaves
         self.w_reads_g = [k - n for k in split.w_inputs if k >= n]
         self.frontier = len(split.frontier_like)
         return [*split.frontier_like, *(g_leaves[k] for k in self.w_reads_g)]
@@ -506,7 +436,7 @@ class _Run:
         # After this stage's sends so far: XLA would otherwise run W's products before the
         # send of the gradient the previous stage waits for (benchmarks/pipeline.py).
         kept = after(*(a[slot] for a in stash[self.residuals :]))
-        g_leaves: list[Any] = [None] * self.g_tree.num_leaves
+        g_leaves: list[Any] = [None] * len(self.g_like)
         for k, v in zip(self.w_reads_g, kept[self.frontier :], strict=True):
             g_leaves[k] = v
         dp = self.split.w([*self._inputs(stash, slot), *g_leaves], kept[: self.frontier])
@@ -599,18 +529,12 @@ class _Run:
             self._send_backward(self._backward(j, self._recv_backward(j)), j)
 
     def _zero_bubble(self) -> None:
-        """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"): 1F1B's order of forward
-        passes and input gradients (B), with each weight gradient (W) run later: stage s keeps
-        s of them waiting, and runs them where 1F1B's stage would wait for a gradient at the
-        end. Every stage then keeps at most p microbatches (1F1B's first stage's peak), and the
-        bubble is (p - 1)(F + B - W) instead of (p - 1)(F + B + W).
-
-        Messages: where a forward pass is followed by a backward pass, the activation goes
-        down and the gradient comes back in one ``sendrecv`` (as in 1F1B); the gradient then
-        goes up with a plain send, and W runs before the next activation is received. A send
-        does not wait for its receiver on CPU; where one does (a rendezvous), this order still
-        cannot deadlock: a stage's sendrecv with the next stage never waits for that stage's
-        send to return."""
+        """ZB-H1 (module doc). Where a forward pass is followed by a backward pass, the
+        activation goes down and the gradient comes back in one ``sendrecv``, as in 1F1B; the
+        gradient then goes up with a plain send, and W runs before the next activation is
+        received. A send does not wait for its receiver on CPU; where one does (a rendezvous),
+        this order still cannot deadlock: a stage's sendrecv with the next stage never waits for
+        that stage's send to return."""
         m, p, s = self.m, self.p, self.s
         warm, defer = min(p - s - 1, m), s
 

@@ -1,0 +1,81 @@
+"""Splitting a model's layers into pipeline stages (``spmd.pipeline.split`` and
+``stage_layers``): consecutive runs whose largest total cost is as small as it can be."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .._errors import SpmdError
+from ..mesh import resolve_group
+
+__all__ = ["split", "stage_layers"]
+
+
+def split(layers: Sequence[Any], stages: int, *, costs: Sequence[float] | None = None) -> list[Any]:
+    """``layers`` cut into ``stages`` consecutive, non-empty runs whose largest total cost is as
+    small as it can be (by default each layer costs 1; pass e.g. each layer's parameter count
+    or measured time).
+
+    Example::
+
+        >>> import spmd
+        >>> spmd.pipeline.split(["embed", "b0", "b1", "b2", "b3", "head"], 3)
+        [['embed', 'b0'], ['b1', 'b2'], ['b3', 'head']]
+        >>> spmd.pipeline.split(["a", "b", "c"], 2, costs=[3, 1, 1])
+        [['a'], ['b', 'c']]
+    """
+    layers = list(layers)
+    n = len(layers)
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise SpmdError(f"stages={stages!r}; expected an int, 1 or more", op="pipeline.split")
+    if n < stages:
+        raise SpmdError(
+            f"{n} layers do not fill {stages} stages; every stage needs a layer at least",
+            op="pipeline.split",
+        )
+    cost = [1.0] * n if costs is None else [float(c) for c in costs]
+    if len(cost) != n or any(not c >= 0 for c in cost):
+        raise SpmdError(
+            f"costs has {len(cost)} entries for {n} layers (or a negative one); give one cost "
+            "of 0 or more per layer",
+            op="pipeline.split",
+        )
+    before = np.concatenate([[0.0], np.cumsum(cost)])
+    # best[k][j]: the smallest largest cost of the first j layers in k stages; cut[k][j]: where
+    # the last of those stages starts.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for j in range(k, n - (stages - k) + 1):
+            for i in range(k - 1, j):
+                worst = max(best[k - 1][i], before[j] - before[i])
+                if worst < best[k][j]:
+                    best[k][j], cut[k][j] = worst, i
+    bounds, j = [], n
+    for k in range(stages, 0, -1):
+        bounds.append((cut[k][j], j))
+        j = cut[k][j]
+    return [layers[a:b] for a, b in reversed(bounds)]
+
+
+def stage_layers(
+    layers: Sequence[Any], *, costs: Sequence[float] | None = None, group: Any = "pp"
+) -> list[Any]:
+    """This rank's stage of ``layers``: the run :func:`split` gives its position in the group
+    (one stage per rank).
+
+    Example (a world of one is one stage holding every layer)::
+
+        >>> import spmd
+        >>> with spmd.Mesh(pp=-1):
+        ...     spmd.pipeline.stage_layers(["a", "b", "c"])
+        ['a', 'b', 'c']
+    """
+    comm = resolve_group(None, group, op="pipeline.stage_layers")
+    stages: list[Any] = split(layers, comm.size, costs=costs)
+    return list(stages[comm.rank])
