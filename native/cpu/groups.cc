@@ -55,11 +55,15 @@ Status Rebuild(Group& g) {
     g.mpi.peer_gone = [shm] { return shm->AnyGone(); };
     g.mpi.on_call = [shm](uint64_t n) { shm->PublishMpiCall(n); };
     g.mpi.behind = [shm](uint64_t mine, bool ask) { return shm->MpiBehind(mine, ask); };
+    g.mpi.failed = [shm](uint64_t n, const std::string& e) { shm->MpiFailed(n, e); };
+    g.mpi.peer_failed = [shm](uint64_t n) { return shm->MpiPeerFailed(n); };
     g.mpi.stall_s = shm->stall_s();
   } else {
     g.mpi.peer_gone = nullptr;
     g.mpi.on_call = nullptr;
     g.mpi.behind = nullptr;
+    g.mpi.failed = nullptr;
+    g.mpi.peer_failed = nullptr;
   }
   if (g.transport == nullptr) return Status::Ok();
   return MakeTransport(g, g.transport_kind, &g.transport);

@@ -327,8 +327,8 @@ bool MpiLoaded() { return loaded; }
 Status MpiComm::Usable() const {
   if (!broken) return Status::Ok();
   return Status::Error("the MPI group " + RankList(world_ranks) +
-                       " is unusable: an earlier collective on it timed out (MPI may still "
-                       "complete that call, so no later call is started)");
+                       " is unusable: an earlier collective on it failed (MPI may still "
+                       "complete that call, so no later call is started): " + broken_by);
 }
 
 namespace {
@@ -378,6 +378,13 @@ std::string MpiComm::Behind(bool ask) const {
   return late;
 }
 
+Status MpiComm::Broke(const Status& error) const {
+  broken = true;  // the call cannot complete, and MPI cannot cancel it
+  broken_by = error.message();
+  if (failed && current_ != nullptr) failed(calls_, error.message());
+  return error;
+}
+
 std::string MpiComm::WatchGone() const {
   if (watch == nullptr || !watch->has_gone.load(std::memory_order_acquire)) return "";
   std::lock_guard<std::mutex> lock(watch->mu);
@@ -418,14 +425,24 @@ Status MpiComm::Wait(H* requests, int n, const char* what) const {
       if (++spins % 1024 == 0) {
         sched_yield();
         if (spins % (1024 * 16) == 0) {
+          // A peer on the node that failed this collective (or an earlier one): it will not
+          // come, and its error says why.
+          if (current_ != nullptr && peer_failed) {
+            if (std::string first = peer_failed(calls_); !first.empty()) {
+              broken = true;
+              broken_by = first;
+              return Status::Error(first);
+            }
+          }
           std::string gone = peer_gone ? peer_gone() : std::string();
           if (gone.empty() && current_ != nullptr) gone = WatchGone();
           if (!gone.empty()) {
-            broken = true;  // the call cannot complete, and MPI cannot cancel it
             // A peer that found a deadlock this wait is part of raises and exits: its exit is
             // the deadlock's doing, and the board holds the verdict every rank should give.
             if (on_board) {
-              if (std::string dead = on_board->Poll(); !dead.empty()) return Status::Error(dead);
+              if (std::string dead = on_board->Poll(); !dead.empty()) {
+                return Broke(Status::Error(dead));
+              }
             }
             const std::string in = current_ != nullptr
                                        ? where()
@@ -434,12 +451,12 @@ Status MpiComm::Wait(H* requests, int n, const char* what) const {
             // A rank whose Python program ended made fewer calls; a process gone without
             // that (a signal, os._exit) says nothing about its calls.
             const bool exiting = gone.find("is exiting") != std::string::npos;
-            return Status::Error(
+            return Broke(Status::Error(
                 gone + " while this rank waited for it in " + in +
                 (exiting ? ": it made fewer collective calls than this rank. Every rank of a "
                            "group must make the same collective calls in the same order"
                          : ": its process ended without its Python program exiting (killed "
-                           "by a signal, or os._exit)"));
+                           "by a signal, or os._exit)")));
           }
         }
         if (!on_board) {  // a point-to-point wait's peers are not listed: not judged
@@ -450,8 +467,7 @@ Status MpiComm::Wait(H* requests, int n, const char* what) const {
                                                      RankList(world_ranks));
         }
         if (std::string dead = on_board->Poll(); !dead.empty()) {
-          broken = true;  // the call cannot complete, and MPI cannot cancel it
-          return Status::Error(dead);
+          return Broke(Status::Error(dead));
         }
         std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
         const bool in_collective = current_ != nullptr && (behind || watch != nullptr);
@@ -469,18 +485,18 @@ Status MpiComm::Wait(H* requests, int n, const char* what) const {
           }
         }
         if (waited.count() > timeout_s) {
-          broken = true;
           const std::string late = in_collective ? Behind(false) : std::string();
           if (!late.empty()) {
-            return Status::Error("timed out after " + std::to_string(static_cast<int>(timeout_s)) +
-                                 " s in " + where() + " waiting for " + late);
+            return Broke(Status::Error("timed out after " +
+                                       std::to_string(static_cast<int>(timeout_s)) + " s in " +
+                                       where() + " waiting for " + late));
           }
-          return Status::Error(std::string(what) + " over MPI on the group " +
+          return Broke(Status::Error(std::string(what) + " over MPI on the group " +
                                RankList(world_ranks) + " timed out after " +
                                std::to_string(static_cast<int>(timeout_s)) +
                                " s: at least one rank of the group never made the matching "
                                "call. Every rank of a group must make the same collective calls "
-                               "in the same order; raise SPMD_TIMEOUT if they are just slow");
+                               "in the same order; raise SPMD_TIMEOUT if they are just slow"));
         }
       }
     }
@@ -840,6 +856,13 @@ Status MpiComm::Barrier() const {
 
 Status MpiComm::CheckSame(const Signature& sig) const {
   SPMD_RETURN_IF_ERROR(Usable());
+  if (peer_failed) {  // a peer on the node has already failed this collective, or an earlier one
+    if (std::string first = peer_failed(calls_ + 1); !first.empty()) {
+      broken = true;
+      broken_by = first;
+      return Status::Error(first);
+    }
+  }
   current_ = &sig;  // valid until the op's end: every later wait is in a later op or a send/recv
   ++calls_;
   if (on_call) on_call(calls_);

@@ -136,6 +136,7 @@ struct MpiComm {
   // fails at once instead of matching the abandoned one), and the job should stop (spmd.init's
   // abort hook stops it on an uncaught error).
   mutable bool broken = false;
+  mutable std::string broken_by;  // the error that broke it
 
   // Where the group's ranks share a node: which peer has left ("rank N is exiting ..."; "" if
   // none), from the group's shared-memory segment (ShmGroup::AnyGone). A wait that outlasts a
@@ -149,6 +150,12 @@ struct MpiComm {
   // Python stack (one waiting rank asks).
   std::function<void(uint64_t)> on_call;
   std::function<std::string(uint64_t, bool)> behind;
+  // Also where the ranks share a node: `failed(n, error)` publishes that this rank failed its
+  // n-th collective (ShmGroup::MpiFailed), and `peer_failed(n)` names a peer's failure of
+  // collective n or an earlier one ("" if none): a collective that starts after a peer failed
+  // it, or waits for such a peer, fails at once naming that failure.
+  std::function<void(uint64_t, const std::string&)> failed;
+  std::function<std::string(uint64_t)> peer_failed;
   double stall_s = 30;
   // Shared with the peer watch; set where the communicator is attached.
   std::shared_ptr<MpiWatch> watch;
@@ -171,6 +178,9 @@ struct MpiComm {
   std::string Behind(bool ask) const;
   // The watch's verdict that a peer left before collective #calls_ ("" if none).
   std::string WatchGone() const;
+  // The group is broken by this rank's failure of the collective under way (`error`): peers
+  // on the node are told (`failed`). Returns `error`.
+  Status Broke(const Status& error) const;
   // The sends still waiting for their receivers, oldest first: the message's copy and shape,
   // and its MPI requests. RetireSends drops those done, and waits for the oldest while more
   // than `keep` remain.

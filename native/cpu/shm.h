@@ -179,6 +179,10 @@ class ShmGroup {
       std::atomic<uint64_t> hash;
       char text[248];
     } seq_texts[kSequenceTexts];
+
+    // The collective over MPI this rank failed (MpiFailed; 0: none), and why.
+    alignas(64) std::atomic<uint64_t> mpi_failed;
+    char mpi_failure[512];
   };
   // Call n's entry in rank r's ring, or false when the ring no longer (or not yet) holds it.
   bool SeqRead(int r, uint64_t n, uint64_t* chain, uint64_t* hash) const;
@@ -237,6 +241,11 @@ class ShmGroup {
   // this collective; ..."), or "" when all have. `ask`: the lowest rank that has started it
   // asks each one named for its Python stack (SIGUSR1), as ReportStall does.
   void PublishMpiCall(uint64_t n) { ctrl(rank_)->mpi_calls.store(n, std::memory_order_relaxed); }
+  // This rank failed its n-th collective over MPI with `error` (a timeout, a peer gone): a peer
+  // still waiting in that collective, or arriving at it later, fails at once naming it
+  // (MpiPeerFailed) instead of waiting for its own timeout or guessing why this rank left.
+  void MpiFailed(uint64_t n, const std::string& error);
+  std::string MpiPeerFailed(uint64_t n) const;
   std::string MpiBehind(uint64_t mine, bool ask) const;
   double stall_s() const { return stall_s_; }
 

@@ -271,6 +271,26 @@ void ShmGroup::ReportStall(int r, double waited_s) const {
   if (ask && pid > 0) kill(pid, SIGUSR1);
 }
 
+void ShmGroup::MpiFailed(uint64_t n, const std::string& error) {
+  Ctrl* c = ctrl(rank_);
+  std::strncpy(c->mpi_failure, error.c_str(), sizeof(c->mpi_failure) - 1);
+  c->mpi_failure[sizeof(c->mpi_failure) - 1] = 0;
+  c->mpi_failed.store(n, std::memory_order_release);  // after the text
+}
+
+std::string ShmGroup::MpiPeerFailed(uint64_t n) const {
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    const uint64_t failed = ctrl(r)->mpi_failed.load(std::memory_order_acquire);
+    if (failed == 0 || failed > n) continue;
+    return "collective #" + std::to_string(failed) + " over MPI of the group " +
+           RankList(world_ranks_) + " failed on rank " + std::to_string(world_ranks_[r]) +
+           (failed == n ? " before this rank could complete it" : ", and the group is unusable") +
+           ": " + std::string(ctrl(r)->mpi_failure);
+  }
+  return "";
+}
+
 std::string ShmGroup::MpiBehind(uint64_t mine, bool ask) const {
   std::string late;
   int asker = -1;

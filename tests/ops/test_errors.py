@@ -226,6 +226,30 @@ def test_an_mpi_timeout_makes_the_group_unusable(comm):
         time.sleep(3)  # never makes the call rank 0 gives up on
 
 
+@multirank(nprocs=(2,), env={"SPMD_TIMEOUT": "2", "SPMD_TRANSPORT": "mpi"}, fresh=True)
+def test_over_mpi_a_late_rank_fails_at_once_naming_the_first_failure(comm):
+    """Rank 0 gives up on a collective (timeout) and goes on running; rank 1 reaches that
+    collective 2 s later. It fails at once with rank 0's error (read from the node's segment),
+    not after its own timeout, nor with a guess that rank 0 made fewer calls; then both refuse
+    every later call, saying why."""
+    import time
+
+    spmd.barrier()
+    if comm.rank == 1:
+        time.sleep(4)
+    start = time.monotonic()
+    text = _raises(lambda: spmd.allreduce(jnp.ones(3)), "timed out after 2 s")
+    took = time.monotonic() - start
+    if comm.rank == 1:
+        assert "collective #2 over MPI of the group [0, 1] failed on rank 0 before this rank " \
+               "could complete it: timed out after 2 s" in text, text  # fmt: skip
+        assert took < 1.0, f"rank 1 took {took:.1f} s to fail"
+    later = _raises(lambda: spmd.allreduce(jnp.ones(3)), "unusable", "timed out after 2 s")
+    assert later.startswith(f"rank {comm.rank}: "), later
+    if comm.rank == 0:
+        time.sleep(4)  # alive, not exiting, while rank 1 arrives
+
+
 @multirank(nprocs=(2,), timeout=HEAVY)
 def test_more_than_2_to_the_31_elements(comm):
     n = 2**31 + 192
