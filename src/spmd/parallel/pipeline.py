@@ -20,7 +20,8 @@ activations forward and their gradients backward:
   the stage received, which the previous stage waits for, and W, the gradient of the stage's
   parameters, which nothing waits for; stage s runs each W s microbatches late, where 1F1B's
   stage would wait at the end. It keeps at most p microbatches on every stage (1F1B's first
-  stage's peak), and its messages are plain sends and receives in the order the data needs.
+  stage's peak). Its messages: as 1F1B's, but the gradient goes back with a plain send, and W
+  runs before the next activation is received.
 
 All give the same loss and gradients (those of one process running the whole model on the
 whole batch, up to float rounding). In theory GPipe and 1F1B leave ``(p - 1) / (m + p - 1)`` of
