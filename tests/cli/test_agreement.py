@@ -9,6 +9,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -175,12 +176,31 @@ def test_a_job_aborted_under_plain_mpiexec_leaves_no_topology_file():
         "spmd.allreduce(jnp.ones(2))\n"
     )
     job = f"{shlex.quote(mpiexec)} -n 2 {shlex.quote(sys.executable)} -c {shlex.quote(code)}"
-    shell = f"mount -t tmpfs -o mode=1777 spmd-test /tmp && {job}; echo rc=$?; ls -a /tmp"
+    # The environment and spmd itself stay visible where they live under /tmp (a clone and its
+    # virtual environment there): bound back into the private /tmp from a view of the real one.
+    import spmd
+
+    shown = sorted({p for p in (os.path.realpath(sys.prefix),
+                                os.path.dirname(os.path.dirname(os.path.realpath(spmd.__file__))))
+                    if p.startswith("/tmp/")})  # fmt: skip
+    keep = tempfile.mkdtemp(dir="/var/tmp") if shown else ""
+    steps = [f"mount --bind /tmp {keep}"] if shown else []
+    steps.append("mount -t tmpfs -o mode=1777 spmd-test /tmp")
+    for p in shown:
+        q = shlex.quote(p)
+        steps.append(f"mkdir -p {q} && mount --bind {shlex.quote(keep + p[4:])} {q}")
+    shell = " && ".join(steps) + f" && {job}; echo rc=$?; ls -a /tmp"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPMD_", "PMI"))}
-    out = subprocess.run(["unshare", "-m", "-p", "-f", "--mount-proc", "sh", "-c", shell],
-                         capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    try:
+        out = subprocess.run(["unshare", "-m", "-p", "-f", "--mount-proc", "sh", "-c", shell],
+                             capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    finally:
+        if keep:
+            os.rmdir(keep)
     assert "RuntimeError: rank 1 fails" in out.stderr, out.stderr
     lines = out.stdout.splitlines()
     rc = next(line for line in lines if line.startswith("rc="))
     assert rc != "rc=0", out.stdout
-    assert [n for n in lines[lines.index(rc) + 1 :] if n not in (".", "..")] == [], out.stdout
+    ours = {p.split("/")[2] for p in shown}  # the directories made to bind them into
+    left = [n for n in lines[lines.index(rc) + 1 :] if n not in (".", "..", *ours)]
+    assert left == [], out.stdout

@@ -17,8 +17,9 @@ import pytest
 from spmd._native_lib import native, native_cuda
 
 ROOT = Path(__file__).parents[2]
-# The MoE exchange is CPU only: on a GPU spmd.moe composes it from all_to_allv.
-CPU_ONLY = {"spmd_moe_exchange"}
+# The MoE exchange is CPU only: on a GPU spmd.moe composes it from all_to_allv. spmd_after (the
+# calls' order, spmd.ops.after) too: on a GPU it hands its values back as they are.
+CPU_ONLY = {"spmd_moe_exchange", "spmd_after"}
 EXPECTED = {
     "spmd_cuda_" + name.removeprefix("spmd_")
     for name in native().cpu_handlers()

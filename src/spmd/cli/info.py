@@ -98,7 +98,8 @@ def _collectives() -> list[str]:
 
     out = []
     try:
-        targets = ", ".join(sorted(native.cpu_handlers()))
+        # (spmd_after, a point in the calls' order that communicates nothing, is not one)
+        targets = ", ".join(sorted(n for n in native.cpu_handlers() if n != "spmd_after"))
         out.append(f"  collective handlers (cpu): {targets}")
     except Exception as e:
         out.append(f"  collective handlers (cpu): unavailable ({e})")
