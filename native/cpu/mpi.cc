@@ -378,10 +378,10 @@ std::string MpiComm::Behind(bool ask) const {
   return late;
 }
 
-Status MpiComm::Broke(const Status& error) const {
+Status MpiComm::Broke(const Status& error, bool own) const {
   broken = true;  // the call cannot complete, and MPI cannot cancel it
   broken_by = error.message();
-  if (failed && current_ != nullptr) failed(calls_, error.message());
+  if (own && failed && current_ != nullptr) failed(calls_, error.message());
   return error;
 }
 
@@ -429,9 +429,7 @@ Status MpiComm::Wait(H* requests, int n, const char* what) const {
           // come, and its error says why.
           if (current_ != nullptr && peer_failed) {
             if (std::string first = peer_failed(calls_); !first.empty()) {
-              broken = true;
-              broken_by = first;
-              return Status::Error(first);
+              return Broke(Status::Error(first), false);
             }
           }
           std::string gone = peer_gone ? peer_gone() : std::string();
@@ -792,6 +790,7 @@ Status MpiComm::RetireSends(size_t keep) const {
         if (!done) return Status::Ok();  // the oldest is still under way
       }
     }
+    if (spare_.size() < kSpareSends) spare_.push_back(std::move(oldest.data));
     pending_.pop_front();
   }
   return Status::Ok();
@@ -817,6 +816,10 @@ Status MpiComm::SendRecv(const void* send, const MessageShape& send_shape, int d
     PendingSend& out = pending_.emplace_back();
     out.shape = send_shape;
     const char* from = static_cast<const char*>(send);
+    if (!spare_.empty()) {  // a completed send's buffer, reused
+      out.data = std::move(spare_.back());
+      spare_.pop_back();
+    }
     out.data.assign(from, from + send_shape.bytes);
     SPMD_RETURN_IF_ERROR(Check(
         StartSend(&out.shape, sizeof(MessageShape), dst, kShapeTag, comm, &out.requests), "send"));
@@ -858,9 +861,7 @@ Status MpiComm::CheckSame(const Signature& sig) const {
   SPMD_RETURN_IF_ERROR(Usable());
   if (peer_failed) {  // a peer on the node has already failed this collective, or an earlier one
     if (std::string first = peer_failed(calls_ + 1); !first.empty()) {
-      broken = true;
-      broken_by = first;
-      return Status::Error(first);
+      return Broke(Status::Error(first), false);
     }
   }
   current_ = &sig;  // valid until the op's end: every later wait is in a later op or a send/recv

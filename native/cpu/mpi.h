@@ -178,9 +178,9 @@ struct MpiComm {
   std::string Behind(bool ask) const;
   // The watch's verdict that a peer left before collective #calls_ ("" if none).
   std::string WatchGone() const;
-  // The group is broken by this rank's failure of the collective under way (`error`): peers
-  // on the node are told (`failed`). Returns `error`.
-  Status Broke(const Status& error) const;
+  // The group is broken by `error`, this rank's failure of the collective under way (peers on
+  // the node are told: `failed`) or, `own` false, a peer's (already told). Returns `error`.
+  Status Broke(const Status& error, bool own = true) const;
   // The sends still waiting for their receivers, oldest first: the message's copy and shape,
   // and its MPI requests. RetireSends drops those done, and waits for the oldest while more
   // than `keep` remain.
@@ -190,6 +190,10 @@ struct MpiComm {
     std::vector<MpiHandle> requests;
   };
   mutable std::deque<PendingSend> pending_;
+  // Buffers of sends that completed, for the next sends' copies (no allocation per send in a
+  // steady pipeline): at most kSpareSends kept.
+  static constexpr size_t kSpareSends = 4;
+  mutable std::vector<std::vector<char>> spare_;
   Status RetireSends(size_t keep) const;
   // The collective under way (CheckSame to its end; null in point-to-point calls), for the
   // stall report and the timeout, and how many have started.
