@@ -373,7 +373,7 @@ class _Run:
             return jax.tree_util.tree_leaves(jax.tree_util.tree_unflatten(tree, flat[:n])(g))
 
         split = BackwardSplit(backward, [*leaves, *g_leaves], range(n_params, n_params + n_dx))
-        self.split, self.g_like = split, g_leaves
+        self.split, self.g_count = split, len(g_leaves)
         self.w_reads_g = [k - n for k in split.w_inputs if k >= n]
         self.frontier = len(split.frontier_like)
         return [*split.frontier_like, *(g_leaves[k] for k in self.w_reads_g)]
@@ -437,7 +437,7 @@ class _Run:
         # After this stage's sends so far: XLA would otherwise run W's products before the
         # send of the gradient the previous stage waits for (benchmarks/pipeline.py).
         kept = after(*(a[slot] for a in stash[self.residuals :]))
-        g_leaves: list[Any] = [None] * len(self.g_like)
+        g_leaves: list[Any] = [None] * self.g_count
         for k, v in zip(self.w_reads_g, kept[self.frontier :], strict=True):
             g_leaves[k] = v
         dp = self.split.w([*self._inputs(stash, slot), *g_leaves], kept[: self.frontier])
