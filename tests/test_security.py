@@ -316,9 +316,11 @@ def test_a_watch_client_without_the_token_gets_nothing_and_a_silent_one_delays_n
     shared, nobody_python
 ):
     """Finding 4: the peer watch of a job on two (simulated) nodes. The other user's requests
-    (the old protocol, and a made-up token) get no answer and no stack print; while it holds 8
-    connections that say nothing, rank 1 still gets rank 0's answer at once."""
+    (the old protocol, and a made-up token) get no answer and no stack print, and its made-up
+    report of a failed collective fails nothing; while it holds 8 connections that say nothing,
+    rank 1 still gets rank 0's answer at once."""
     job = """
+import jax.numpy as jnp
 import spmd
 from spmd.runtime import _watch
 comm = spmd.init()
@@ -336,14 +338,16 @@ else:
     assert took < 0.4, took
     put("asked")
 comm.barrier()
-print(f"rank {comm.rank} pid {os.getpid()}", flush=True)
+total = float(spmd.allreduce(jnp.ones(2)).sum())
+print(f"rank {comm.rank} pid {os.getpid()} sum {total}", flush=True)
 """
     attacker = """
 import socket
 wait("watch")
 host, port = json.loads((d / "watch").read_text())
 replies = []
-for request in (b"1 0,1\\n", b"1 \\n", b"x" * 32 + b" 1 0,1\\n"):
+forged = b" F 1 0 0,1 forged failure\\n"  # collective #1 of [0, 1] failed on rank 0
+for request in (b"1 0,1\\n", b"1 \\n", b"x" * 32 + b" 1 0,1\\n", b"x" * 32 + forged):
     with socket.create_connection((host, port), timeout=3) as conn:
         conn.sendall(request)
         replies.append(conn.recv(100).decode())
@@ -354,8 +358,9 @@ wait("asked")
 put("done")
 """
     ours, theirs = _attack(shared, nobody_python, job, attacker)
-    assert "the other user's replies: ['', '', '']" in theirs, theirs
-    pid0 = next(line.split()[-1] for line in ours.splitlines() if "rank 0 pid" in line)
+    assert "the other user's replies: ['', '', '', '']" in theirs, theirs
+    assert "rank 1 pid" in ours and "sum 4.0" in ours, ours  # the collective ran
+    pid0 = next(line.split()[-3] for line in ours.splitlines() if "rank 0 pid" in line)
     assert f"rank 1 asked rank 0: pid {pid0} in" in ours, ours
     assert "most recent call first" not in ours, "the other user had a rank print its stack"
 

@@ -2,6 +2,7 @@
 #ifndef SPMD_CPU_MESSAGES_H_
 #define SPMD_CPU_MESSAGES_H_
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,17 @@ inline std::string MismatchMessage(const std::vector<int>& world_ranks,
            "Differentiate alike on every rank (docs/collectives.md).";
   }
   return msg;
+}
+
+// The error of a rank whose peer (world rank `peer`) failed collective #failed over MPI of the
+// group, seen at this rank's collective #n (n >= failed): the peer's own error follows.
+inline std::string PeerFailedMessage(uint64_t failed, uint64_t n,
+                                     const std::vector<int>& world_ranks, int peer,
+                                     const std::string& error) {
+  return "collective #" + std::to_string(failed) + " over MPI of the group " +
+         RankList(world_ranks) + " failed on rank " + std::to_string(peer) +
+         (failed == n ? " before this rank could complete it" : ", and the group is unusable") +
+         ": " + error;
 }
 
 }  // namespace spmd

@@ -382,7 +382,20 @@ Status MpiComm::Broke(const Status& error, bool own) const {
   broken = true;  // the call cannot complete, and MPI cannot cancel it
   broken_by = error.message();
   if (own && failed && current_ != nullptr) failed(calls_, error.message());
+  if (own && watch != nullptr && current_ != nullptr && watch->failed.load() == 0) {
+    std::lock_guard<std::mutex> lock(watch->mu);
+    watch->failure = error.message();
+    watch->failed.store(calls_, std::memory_order_release);
+  }
   return error;
+}
+
+std::string MpiComm::WatchPeerFailed(uint64_t n) const {
+  if (watch == nullptr) return "";
+  const uint64_t failed = watch->peer_failed.load(std::memory_order_acquire);
+  if (failed == 0 || failed > n) return "";
+  std::lock_guard<std::mutex> lock(watch->mu);
+  return PeerFailedMessage(failed, n, world_ranks, watch->peer_rank, watch->peer_failure);
 }
 
 std::string MpiComm::WatchGone() const {
@@ -427,10 +440,10 @@ Status MpiComm::Wait(H* requests, int n, const char* what) const {
         if (spins % (1024 * 16) == 0) {
           // A peer on the node that failed this collective (or an earlier one): it will not
           // come, and its error says why.
-          if (current_ != nullptr && peer_failed) {
-            if (std::string first = peer_failed(calls_); !first.empty()) {
-              return Broke(Status::Error(first), false);
-            }
+          if (current_ != nullptr) {
+            std::string first = peer_failed ? peer_failed(calls_) : std::string();
+            if (first.empty()) first = WatchPeerFailed(calls_);
+            if (!first.empty()) return Broke(Status::Error(first), false);
           }
           std::string gone = peer_gone ? peer_gone() : std::string();
           if (gone.empty() && current_ != nullptr) gone = WatchGone();
@@ -823,8 +836,8 @@ Status MpiComm::SendRecv(const void* send, const MessageShape& send_shape, int d
     out.data.assign(from, from + send_shape.bytes);
     SPMD_RETURN_IF_ERROR(Check(
         StartSend(&out.shape, sizeof(MessageShape), dst, kShapeTag, comm, &out.requests), "send"));
-    SPMD_RETURN_IF_ERROR(
-        Check(StartSend(out.data.data(), send_shape.bytes, dst, kTag, comm, &out.requests), "send"));
+    SPMD_RETURN_IF_ERROR(Check(
+        StartSend(out.data.data(), send_shape.bytes, dst, kTag, comm, &out.requests), "send"));
   }
   std::string bad;
   std::vector<char> scratch;
@@ -859,10 +872,10 @@ Status MpiComm::Barrier() const {
 
 Status MpiComm::CheckSame(const Signature& sig) const {
   SPMD_RETURN_IF_ERROR(Usable());
-  if (peer_failed) {  // a peer on the node has already failed this collective, or an earlier one
-    if (std::string first = peer_failed(calls_ + 1); !first.empty()) {
-      return Broke(Status::Error(first), false);
-    }
+  {  // a peer has already failed this collective, or an earlier one (on the node, or told)
+    std::string first = peer_failed ? peer_failed(calls_ + 1) : std::string();
+    if (first.empty()) first = WatchPeerFailed(calls_ + 1);
+    if (!first.empty()) return Broke(Status::Error(first), false);
   }
   current_ = &sig;  // valid until the op's end: every later wait is in a later op or a send/recv
   ++calls_;

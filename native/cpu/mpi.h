@@ -75,9 +75,18 @@ struct MpiWatch {
   std::atomic<uint64_t> started{0};
   std::atomic<int64_t> waiting_since_ns{0};  // steady clock; 0: not waiting in a collective
   std::atomic<bool> has_gone{false};
-  std::mutex mu;  // guards the verdict
+  std::mutex mu;  // guards the verdict and the failures' texts
   uint64_t verdict_call = 0;
   std::string gone, late;
+  // This rank's failure of a collective on the communicator (MpiComm::Broke; 0: none), which the
+  // watch tells the peers once (mpi_watch_failures), and the first failure a peer told this
+  // rank of (the watch's server): its collective #peer_failed, its world rank and its error. A
+  // collective that starts after a peer failed it, or waits for such a peer, fails at once
+  // naming that failure, as the node's segment makes it within a node.
+  std::atomic<uint64_t> failed{0}, peer_failed{0};
+  bool failure_told = false;
+  std::string failure, peer_failure;
+  int peer_rank = -1;
 };
 // Registers a communicator's watch (GroupAttachMpi); the watches alive, for the watch thread.
 void MpiWatchAdd(const std::shared_ptr<MpiWatch>& w);
@@ -178,6 +187,8 @@ struct MpiComm {
   std::string Behind(bool ask) const;
   // The watch's verdict that a peer left before collective #calls_ ("" if none).
   std::string WatchGone() const;
+  // A peer's failure of collective #n or an earlier one that the watch was told of ("" if none).
+  std::string WatchPeerFailed(uint64_t n) const;
   // The group is broken by `error`, this rank's failure of the collective under way (peers on
   // the node are told: `failed`) or, `own` false, a peer's (already told). Returns `error`.
   Status Broke(const Status& error, bool own = true) const;

@@ -283,10 +283,7 @@ std::string ShmGroup::MpiPeerFailed(uint64_t n) const {
     if (r == rank_) continue;
     const uint64_t failed = ctrl(r)->mpi_failed.load(std::memory_order_acquire);
     if (failed == 0 || failed > n) continue;
-    return "collective #" + std::to_string(failed) + " over MPI of the group " +
-           RankList(world_ranks_) + " failed on rank " + std::to_string(world_ranks_[r]) +
-           (failed == n ? " before this rank could complete it" : ", and the group is unusable") +
-           ": " + std::string(ctrl(r)->mpi_failure);
+    return PeerFailedMessage(failed, n, world_ranks_, world_ranks_[r], ctrl(r)->mpi_failure);
   }
   return "";
 }

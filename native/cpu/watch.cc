@@ -1,6 +1,8 @@
 // The peer watch's server; see watch.h. One request per connection, one line each way:
 //   request "<token> <stack 0|1> <world rank>,<world rank>,...\n"
 //   answer  "<started, or -1> <exiting 0|1> <pid> <prints its stack 0|1>\n"
+// or one line, unanswered, that tells of a peer's failure of a collective over MPI:
+//   "<token> F <collective> <its world rank> <world rank>,<world rank>,... <its error>\n"
 // A request without this process's token gets no answer (the connection is closed) and does
 // nothing. The clients are served together (poll): one that sends nothing, or sends slowly,
 // delays nobody; it is dropped at its deadline, or when kMaxClients newer ones are waiting.
@@ -57,22 +59,61 @@ bool SameSecret(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
+// Reads "<rank>,<rank>,..." from p; returns where it stopped.
+const char* ReadRanks(const char* p, std::vector<int>* ranks) {
+  while (*p != 0) {
+    char* end = nullptr;
+    const long r = std::strtol(p, &end, 10);
+    if (end == p) break;
+    ranks->push_back(static_cast<int>(r));
+    p = *end == ',' ? end + 1 : end;
+    if (*end != ',') break;
+  }
+  return p;
+}
+
+// A peer's failure of collective #call on the communicators of `ranks`: kept (the first one)
+// for their next collective and their waits (MpiComm::WatchPeerFailed).
+void Told(const char* p) {
+  char* end = nullptr;
+  const unsigned long long call = std::strtoull(p, &end, 10);
+  if (end == p || *end != ' ' || call == 0) return;
+  const long peer = std::strtol(end + 1, &end, 10);
+  if (*end != ' ') return;
+  std::vector<int> ranks;
+  p = ReadRanks(end + 1, &ranks);
+  if (ranks.empty() || *p != ' ') return;
+  std::string error;  // sent with "\\" for a backslash and "\n" for a newline
+  for (const char* c = p + 1; *c != 0; ++c) {
+    if (*c == '\\' && (c[1] == 'n' || c[1] == '\\')) {
+      error += c[1] == 'n' ? '\n' : '\\';
+      ++c;
+    } else {
+      error += *c;
+    }
+  }
+  for (const auto& w : MpiWatches()) {
+    if (w->world_ranks != ranks) continue;
+    std::lock_guard<std::mutex> lock(w->mu);
+    const uint64_t known = w->peer_failed.load();
+    if (known != 0 && known <= call) continue;
+    w->peer_rank = static_cast<int>(peer);
+    w->peer_failure = error;
+    w->peer_failed.store(call, std::memory_order_release);  // after the text
+  }
+}
+
 // Answers one request line (without its newline), unless it lacks the token.
 void Answer(int fd, const std::string& line) {
   const size_t space = line.find(' ');
   if (space == std::string::npos || !SameSecret(line.substr(0, space), token)) return;
   const char* p = line.c_str() + space + 1;
+  if (p[0] == 'F' && p[1] == ' ') return Told(p + 2);
   const bool stack = *p == '1';
   if (*p != 0) ++p;
   if (*p == ' ') ++p;
   std::vector<int> ranks;
-  while (*p != 0) {
-    char* end = nullptr;
-    const long r = std::strtol(p, &end, 10);
-    if (end == p) break;
-    ranks.push_back(static_cast<int>(r));
-    p = *end == ',' ? end + 1 : end;
-  }
+  ReadRanks(p, &ranks);
   long long started = -1;
   if (!ranks.empty()) {
     for (const auto& w : MpiWatches()) {

@@ -295,6 +295,38 @@ PyObject* MpiWatchVerdict(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// mpi_watch_failures() -> [(world_ranks, call, error)]: the collectives over MPI this process
+// failed and has not yet handed to the peer watch (each once), for the watch to tell the peers.
+PyObject* MpiWatchFailures(PyObject*, PyObject*) {
+  PyObject* out = PyList_New(0);
+  if (out == nullptr) return nullptr;
+  for (const auto& w : spmd::MpiWatches()) {
+    const uint64_t failed = w->failed.load(std::memory_order_acquire);
+    if (failed == 0) continue;
+    std::string error;
+    {
+      std::lock_guard<std::mutex> lock(w->mu);
+      if (w->failure_told) continue;
+      w->failure_told = true;
+      error = w->failure;
+    }
+    PyObject* ranks = PyList_New(static_cast<Py_ssize_t>(w->world_ranks.size()));
+    if (ranks == nullptr) return Py_DECREF(out), nullptr;
+    for (size_t i = 0; i < w->world_ranks.size(); ++i) {
+      PyList_SET_ITEM(ranks, static_cast<Py_ssize_t>(i), PyLong_FromLong(w->world_ranks[i]));
+    }
+    PyObject* item = Py_BuildValue("(NKs#)", ranks, static_cast<unsigned long long>(failed),
+                                   error.data(), static_cast<Py_ssize_t>(error.size()));
+    if (item == nullptr || PyList_Append(out, item) != 0) {
+      Py_XDECREF(item);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(item);
+  }
+  return out;
+}
+
 // shm_dumps_stack(on): whether this process prints its Python stack on SIGUSR1 (a peer that
 // reports a stall then asks for it).
 PyObject* ShmDumpsStack(PyObject*, PyObject* args) {
@@ -570,6 +602,8 @@ PyMethodDef kMethods[] = {
      "The MPI communicators waiting in a collective, for the peer watch."},
     {"mpi_watch_verdict", MpiWatchVerdict, METH_VARARGS,
      "The peer watch's verdict on a waiting collective."},
+    {"mpi_watch_failures", MpiWatchFailures, METH_NOARGS,
+     "The collectives over MPI this process failed, for the peer watch to tell (once each)."},
     {"shm_mark_leaving", ShmMarkLeaving, METH_NOARGS,
      "Mark this process's ranks of every shared-memory group as leaving."},
     {"recorder_open", RecorderOpen, METH_VARARGS, "Record this process's calls in a ring."},

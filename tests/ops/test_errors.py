@@ -250,6 +250,39 @@ def test_over_mpi_a_late_rank_fails_at_once_naming_the_first_failure(comm):
         time.sleep(4)  # alive, not exiting, while rank 1 arrives
 
 
+@multirank(
+    nprocs=(4,),
+    env={"SPMD_SIMULATE_NODES": "2", "SPMD_TIMEOUT": "2", "SPMD_TRANSPORT": "mpi"},
+    fresh=True,
+)
+def test_across_nodes_a_rank_that_fails_a_collective_fails_its_waiting_peers(comm):
+    """Ranks 0, 1 (node 0) and 2 (node 1) wait for rank 3, which never calls; rank 0 started
+    1 s earlier and times out first. No segment spans the nodes: the peer watch tells ranks 1
+    and 2 of rank 0's failure, and they fail with its error about 1 s into their wait, not at
+    their own timeout (2 s); a later call is refused naming it."""
+    import time
+
+    spmd.allreduce(jnp.ones(3))  # compiled before the timed call
+    spmd.barrier()
+    if comm.rank == 3:
+        time.sleep(5)  # never makes the call; alive while the others fail
+        return
+    if comm.rank != 0:
+        time.sleep(1)
+    start = time.monotonic()
+    text = _raises(lambda: spmd.allreduce(jnp.ones(3)), "timed out after 2 s", "rank 3")
+    took = time.monotonic() - start
+    if comm.rank != 0:
+        assert text.startswith(
+            f"rank {comm.rank}: allreduce: collective #3 over MPI of the group [0, 1, 2, 3] "
+            "failed on rank 0 before this rank could complete it: timed out after 2 s"
+        ), text
+        assert took < 1.7, f"rank {comm.rank} took {took:.1f} s to fail"
+    later = _raises(lambda: spmd.allreduce(jnp.ones(3)), "unusable", "timed out after 2 s")
+    assert later.startswith(f"rank {comm.rank}: "), later
+    time.sleep(3 - took if comm.rank == 0 else 1)  # alive while the others are told
+
+
 @multirank(nprocs=(2,), timeout=HEAVY)
 def test_more_than_2_to_the_31_elements(comm):
     n = 2**31 + 192

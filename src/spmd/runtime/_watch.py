@@ -25,13 +25,19 @@ timeouts (half a second each). The ports are exchanged in
 reach its neighbour, the watch is off on every rank (rank 0 says why) and waits between nodes
 run to ``SPMD_TIMEOUT`` as before. ``SPMD_WATCH_ADDR`` sets the address to listen on (default:
 the first non-loopback address of the hostname, else of an interface, else 127.0.0.1; one
-address, never every interface); ``SPMD_WATCH=0`` turns the watch off. Nothing but these
-counts, flags and pids is sent, and the only action a peer can request is the stack print.
+address, never every interface); ``SPMD_WATCH=0`` turns the watch off.
+
+A rank that fails a collective over MPI (a timeout, a mismatch, a peer gone) tells every peer of
+that communicator, through the watcher within a quarter second (``mpi_watch_failures``, then a
+line to each peer's server): the peer's next collective on it, or its wait in this one, fails at
+once with that error instead of waiting for its own timeout, as the node's segment makes it
+within a node. Nothing but these counts, flags, pids and failures' texts is sent, and the only
+actions a peer can request are the stack print and that report of its failure.
 
 Each rank's server answers only requests that carry its token, a random secret that travels
 with its port over the setup channel (MPI, or the job's private store): anyone else on the
-network who reaches the port gets no answer and can ask for no stack. The server serves its
-clients together, so one that connects and says nothing delays no peer."""
+network who reaches the port gets no answer, can ask for no stack and can report no failure.
+The server serves its clients together, so one that connects and says nothing delays no peer."""
 
 from __future__ import annotations
 
@@ -55,6 +61,7 @@ _POLL_S = 0.25  # how often the watcher looks for a wait
 _FIRST_S = 0.5  # a wait this long gets the peers asked
 _ASK_TIMEOUT_S = 0.5  # connecting to a peer and reading its answer, each
 _ASK_AT_ONCE = 16  # peers asked at the same time (a group of thousands: 16 answers at a time)
+_TOLD_MAX = 8192  # the characters of an error told to the peers
 
 _watch: _Watch | None = None
 
@@ -134,18 +141,41 @@ class _Watch:
         self.pids[rank] = pid
         return {"started": started, "leaving": leaving, "pid": pid, "dumps": dumps}
 
+    def tell(self, rank: int, ranks: Sequence[int], call: int, error: str) -> None:
+        """Tell a peer that this rank failed collective #call on the communicator of ``ranks``
+        (no answer comes; a peer that cannot be reached is not told)."""
+        host, port, token = self.addresses[rank]
+        text = error[:_TOLD_MAX].replace("\\", "\\\\").replace("\n", "\\n")
+        line = f"{token} F {call} {self.me} {','.join(map(str, ranks))} {text}\n".encode()
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection((host, port), timeout=_ASK_TIMEOUT_S) as conn,
+        ):
+            conn.sendall(line)
+
     # -- the watcher -----------------------------------------------------------------------------
 
     def _watch(self) -> None:
         while not self.stop.wait(_POLL_S):
             try:
                 waits = native.mpi_watch_waits()
+                failures = native.mpi_watch_failures()
             except Exception:  # the native layer is going away (interpreter exit)
                 return
+            for ranks, call, error in failures:  # each peer told, a few at a time
+                peers = [r for r in ranks if r != self.me]
+                with contextlib.suppress(Exception):
+                    n = len(peers)
+                    list(self._pool().map(self.tell, peers, [ranks] * n, [call] * n, [error] * n))
             for ranks, call, waited in waits:
                 if waited >= _FIRST_S:
                     with contextlib.suppress(Exception):
                         self._check(tuple(ranks), int(call), float(waited))
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(_ASK_AT_ONCE, thread_name_prefix="spmd-watch-ask")
+        return self.pool
 
     def _where(self, rank: int) -> str:
         node = self.node_ids[rank] if rank < len(self.node_ids) else ""
@@ -165,9 +195,7 @@ class _Watch:
         # so that many silent peers cost a few timeouts, not one each.
         todo = [r for r in ranks if not reached(r)]
         if len(todo) > 1:
-            if self.pool is None:
-                self.pool = ThreadPoolExecutor(_ASK_AT_ONCE, thread_name_prefix="spmd-watch-ask")
-            answers = list(self.pool.map(lambda r: self.ask(r, ranks), todo))
+            answers = list(self._pool().map(lambda r: self.ask(r, ranks), todo))
         else:
             answers = [self.ask(r, ranks) for r in todo]
         known.update(zip(todo, answers, strict=True))
