@@ -316,9 +316,9 @@ def test_a_watch_client_without_the_token_gets_nothing_and_a_silent_one_delays_n
     shared, nobody_python
 ):
     """Finding 4: the peer watch of a job on two (simulated) nodes. The other user's requests
-    (the old protocol, and a made-up token) get no answer and no stack print, and its made-up
-    report of a failed collective fails nothing; while it holds 8 connections that say nothing,
-    rank 1 still gets rank 0's answer at once."""
+    (the old protocol, and a made-up token) get no answer, no stack print and no rank's wait,
+    and its made-up report of a failed collective fails nothing; while it holds 8 connections
+    that say nothing, rank 1 still gets rank 0's answer at once."""
     job = """
 import jax.numpy as jnp
 import spmd
@@ -347,7 +347,9 @@ wait("watch")
 host, port = json.loads((d / "watch").read_text())
 replies = []
 forged = b" F 1 0 0,1 forged failure\\n"  # collective #1 of [0, 1] failed on rank 0
-for request in (b"1 0,1\\n", b"1 \\n", b"x" * 32 + b" 1 0,1\\n", b"x" * 32 + forged):
+bad = b"x" * 32
+requests = [b"1 0,1\\n", b"1 \\n", bad + b" 1 0,1\\n", bad + forged, bad + b" W\\n"]
+for request in requests:
     with socket.create_connection((host, port), timeout=3) as conn:
         conn.sendall(request)
         replies.append(conn.recv(100).decode())
@@ -358,7 +360,7 @@ wait("asked")
 put("done")
 """
     ours, theirs = _attack(shared, nobody_python, job, attacker)
-    assert "the other user's replies: ['', '', '', '']" in theirs, theirs
+    assert "the other user's replies: ['', '', '', '', '']" in theirs, theirs
     assert "rank 1 pid" in ours and "sum 4.0" in ours, ours  # the collective ran
     pid0 = next(line.split()[-3] for line in ours.splitlines() if "rank 0 pid" in line)
     assert f"rank 1 asked rank 0: pid {pid0} in" in ours, ours

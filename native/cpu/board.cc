@@ -14,9 +14,17 @@ namespace spmd {
 namespace board {
 namespace {
 
-std::mutex mu;                  // guards the board pointer's users in this process, and `waits`
+std::mutex mu;                  // guards everything here
 ShmGroup* the_board = nullptr;  // the world group's segment, or null
 int waits = 0;                  // this process's published waits
+// The published wait (for Mine): while `waits` is 1, the one; more at once: not judged.
+uint64_t mine_id = 0;
+Seen mine;
+int mine_count = -1;
+int64_t mine_since_ns = 0;
+// A deadlock the peer watch declared (Declare), and when this process was told.
+std::string declared;
+int64_t declared_ns = 0;
 
 uint64_t Mix(uint64_t h, uint64_t v) {  // FNV-1a over the value's bytes
   for (int i = 0; i < 8; ++i) {
@@ -24,6 +32,11 @@ uint64_t Mix(uint64_t h, uint64_t v) {  // FNV-1a over the value's bytes
     h *= 0x100000001b3ull;
   }
   return h;
+}
+
+std::string OneLine(std::string s) {
+  std::replace(s.begin(), s.end(), '\n', ' ');
+  return s;
 }
 
 }  // namespace
@@ -61,11 +74,44 @@ Wait::~Wait() {
   if (--waits == 0 && the_board != nullptr) the_board->BoardWithdraw();
 }
 
+std::string Mine() {
+  std::lock_guard<std::mutex> lock(mu);
+  if (waits == 0) return "0";
+  std::string members;
+  for (int m : mine.members) members += (members.empty() ? "" : ",") + std::to_string(m);
+  return "1 " + std::to_string(mine_id) + " " + std::to_string(NowNs() - mine_since_ns) + " " +
+         std::to_string(mine.key) + " " + std::to_string(waits == 1 ? mine_count : -1) + " " +
+         (members.empty() ? "-" : members) + " " + OneLine(mine.what);
+}
+
+void Declare(const std::string& text) {
+  std::lock_guard<std::mutex> lock(mu);
+  declared = text;
+  declared_ns = NowNs();
+}
+
+std::string Judge(const std::vector<Seen>& seen, const std::vector<int>& world_ranks) {
+  const int size = static_cast<int>(seen.size());
+  for (int r = 0; r < size; ++r) {
+    bool completes = true;  // every member of its group waits with its key
+    for (int m : seen[r].members) {
+      completes = completes && m >= 0 && m < size && seen[m].key == seen[r].key;
+    }
+    if (completes) return "";
+  }
+  std::string text = "deadlock: every rank of the job waits inside spmd, and no wait can "
+                     "complete (each waits for a rank that waits for something else):";
+  for (int r = 0; r < size; ++r) {
+    text += (r == 0 ? " " : "; ") + std::string("rank ") + std::to_string(world_ranks[r]) +
+            " waits in " + seen[r].what;
+  }
+  return text + ". Every rank of a group must make the same calls in the same order";
+}
+
 std::string Wait::Poll() {
   const int64_t now = NowNs();
   if (now - start_ns_ < kPublishAfterNs) return "";
   std::lock_guard<std::mutex> lock(mu);
-  if (the_board == nullptr) return "";
   if (!published_) {
     published_ = true;
     // Two waits of one process at once (two threads): neither is judged, since one may end
@@ -75,9 +121,17 @@ std::string Wait::Poll() {
                               members_.size() <= static_cast<size_t>(ShmGroup::kBoardMembers)
                           ? static_cast<int>(members_.size())
                           : -1;
-    the_board->BoardPublish(key_, start_ns_, members_, count, what_);
+    if (alone) {
+      ++mine_id;
+      mine = Seen{key_, members_, what_};
+      mine_count = count;
+      mine_since_ns = start_ns_;
+    }
+    if (the_board != nullptr) the_board->BoardPublish(key_, start_ns_, members_, count, what_);
     next_check_ns_ = start_ns_ + kSettledNs;
   }
+  if (declared_ns != 0 && declared_ns >= start_ns_) return declared;  // the peer watch's
+  if (the_board == nullptr) return "";
   // A deadlock declared while this wait was on includes it.
   std::string text;
   if (the_board->BoardDeclared(start_ns_, &text)) return text;
@@ -131,24 +185,17 @@ void ShmGroup::BoardWithdraw() {
 }
 
 std::string ShmGroup::BoardDeadlock(int64_t now_ns, int64_t settled_ns) const {
-  struct Seen {
-    uint64_t key;
-    int count;
-    std::vector<int> members;
-    std::string what;
-    int64_t since_ns;
-  };
-  std::vector<Seen> seen(size_);
+  std::vector<board::Seen> seen(size_);
   for (int r = 0; r < size_; ++r) {
     const Ctrl* c = ctrl(r);
     const uint64_t gen = c->board_gen.load(std::memory_order_acquire);
     if ((gen & 1) == 0) return "";  // rank r is not waiting inside spmd
-    Seen& s = seen[r];
-    s.since_ns = c->board_since_ns.load(std::memory_order_relaxed);
+    board::Seen& s = seen[r];
+    const int64_t since_ns = c->board_since_ns.load(std::memory_order_relaxed);
     s.key = c->board_key.load(std::memory_order_relaxed);
-    s.count = c->board_count.load(std::memory_order_relaxed);
-    if (s.count < 0 || s.count > kBoardMembers) return "";  // not judged
-    for (int i = 0; i < s.count; ++i) {
+    const int count = c->board_count.load(std::memory_order_relaxed);
+    if (count < 0 || count > kBoardMembers) return "";  // not judged
+    for (int i = 0; i < count; ++i) {
       s.members.push_back(c->board_member[i].load(std::memory_order_relaxed));
     }
     char what[sizeof(c->board_what)];
@@ -157,22 +204,9 @@ std::string ShmGroup::BoardDeadlock(int64_t now_ns, int64_t settled_ns) const {
     s.what = what;
     std::atomic_thread_fence(std::memory_order_acquire);
     if (c->board_gen.load(std::memory_order_relaxed) != gen) return "";  // it moved on
-    if (now_ns - s.since_ns < settled_ns) return "";
+    if (now_ns - since_ns < settled_ns) return "";
   }
-  for (int r = 0; r < size_; ++r) {
-    bool completes = true;  // every member of its group waits with its key
-    for (int m : seen[r].members) {
-      completes = completes && m >= 0 && m < size_ && seen[m].key == seen[r].key;
-    }
-    if (completes) return "";
-  }
-  std::string text = "deadlock: every rank of the job waits inside spmd, and no wait can "
-                     "complete (each waits for a rank that waits for something else):";
-  for (int r = 0; r < size_; ++r) {
-    text += (r == 0 ? " " : "; ") + std::string("rank ") + std::to_string(world_ranks_[r]) +
-            " waits in " + seen[r].what;
-  }
-  return text + ". Every rank of a group must make the same calls in the same order";
+  return board::Judge(seen, world_ranks_);
 }
 
 }  // namespace spmd

@@ -13,8 +13,10 @@
 // peers cannot be listed (point-to-point, a group of more than ShmGroup::kBoardMembers ranks,
 // two waits of one process at once), which is published as not judged.
 //
-// Only where the world group has one segment (every rank on one machine); a job spanning nodes
-// has no board, and its waits run to the timeout as before.
+// Where the world group has one segment (every rank on one machine) the board is that segment.
+// A job spanning nodes has none; there the peer watch (spmd/runtime/_watch.py) plays its part:
+// each process's wait is read over TCP (Mine), world rank 0 judges the job's waits (Judge) when
+// it has waited kSettled itself, and a deadlock it finds is handed to every rank (Declare).
 #ifndef SPMD_CPU_BOARD_H_
 #define SPMD_CPU_BOARD_H_
 
@@ -41,6 +43,26 @@ void Forget(const ShmGroup* group);
 uint64_t Key(std::string_view kind, const std::vector<int>& members, uint64_t n);
 
 int64_t NowNs();  // steady clock, the same for every process of the machine
+
+// One rank's wait as the board shows it: its key, its group's world ranks and the wait written
+// out.
+struct Seen {
+  uint64_t key = 0;
+  std::vector<int> members;
+  std::string what;
+};
+// The deadlock's description if no wait of `seen` (indexed by world rank, every rank of the job
+// waiting, each wait settled and judged) can complete, that is if none has every member of its
+// group waiting with its key; "" otherwise.
+std::string Judge(const std::vector<Seen>& seen, const std::vector<int>& world_ranks);
+
+// This process's wait for the peer watch, one line: "0" (none published), or
+// "1 <id> <age ns> <key> <count> <member,member,...> <what>" (`count` < 0: not judged; `id`
+// changes with every wait).
+std::string Mine();
+// A deadlock the peer watch found that includes this process's waits: every wait started before
+// now ends with `text`.
+void Declare(const std::string& text);
 
 // One wait of this process: published at its first Poll after kPublishAfterNs, withdrawn when
 // it ends. `members` empty: not judged.

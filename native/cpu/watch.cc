@@ -3,6 +3,11 @@
 //   answer  "<started, or -1> <exiting 0|1> <pid> <prints its stack 0|1>\n"
 // or one line, unanswered, that tells of a peer's failure of a collective over MPI:
 //   "<token> F <collective> <its world rank> <world rank>,<world rank>,... <its error>\n"
+// or a question about this process's wait (the job's wait board across nodes, board.h):
+//   request "<token> W\n", answer board::Mine()'s line and "\n"
+// or one line, unanswered, that declares a deadlock this process's waits are part of:
+//   "<token> D <its description>\n"
+// Texts carry "\\" for a backslash and "\n" for a newline.
 // A request without this process's token gets no answer (the connection is closed) and does
 // nothing. The clients are served together (poll): one that sends nothing, or sends slowly,
 // delays nobody; it is dropped at its deadline, or when kMaxClients newer ones are waiting.
@@ -27,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "board.h"
 #include "mpi.h"
 
 namespace spmd {
@@ -72,6 +78,20 @@ const char* ReadRanks(const char* p, std::vector<int>* ranks) {
   return p;
 }
 
+// A text as sent: "\\" for a backslash and "\n" for a newline.
+std::string Unescaped(const char* p) {
+  std::string out;
+  for (const char* c = p; *c != 0; ++c) {
+    if (*c == '\\' && (c[1] == 'n' || c[1] == '\\')) {
+      out += c[1] == 'n' ? '\n' : '\\';
+      ++c;
+    } else {
+      out += *c;
+    }
+  }
+  return out;
+}
+
 // A peer's failure of collective #call on the communicators of `ranks`: kept (the first one)
 // for their next collective and their waits (MpiComm::WatchPeerFailed).
 void Told(const char* p) {
@@ -83,15 +103,7 @@ void Told(const char* p) {
   std::vector<int> ranks;
   p = ReadRanks(end + 1, &ranks);
   if (ranks.empty() || *p != ' ') return;
-  std::string error;  // sent with "\\" for a backslash and "\n" for a newline
-  for (const char* c = p + 1; *c != 0; ++c) {
-    if (*c == '\\' && (c[1] == 'n' || c[1] == '\\')) {
-      error += c[1] == 'n' ? '\n' : '\\';
-      ++c;
-    } else {
-      error += *c;
-    }
-  }
+  const std::string error = Unescaped(p + 1);
   for (const auto& w : MpiWatches()) {
     if (w->world_ranks != ranks) continue;
     std::lock_guard<std::mutex> lock(w->mu);
@@ -109,6 +121,12 @@ void Answer(int fd, const std::string& line) {
   if (space == std::string::npos || !SameSecret(line.substr(0, space), token)) return;
   const char* p = line.c_str() + space + 1;
   if (p[0] == 'F' && p[1] == ' ') return Told(p + 2);
+  if (p[0] == 'D' && p[1] == ' ') return board::Declare(Unescaped(p + 2));
+  if (p[0] == 'W' && p[1] == 0) {
+    const std::string out = board::Mine() + "\n";
+    (void)!send(fd, out.data(), out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    return;
+  }
   const bool stack = *p == '1';
   if (*p != 0) ++p;
   if (*p == ' ') ++p;

@@ -510,6 +510,42 @@ PyObject* BoardEnd(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// board_mine() -> str: this process's wait for the peer watch (board::Mine's line).
+PyObject* BoardMine(PyObject*, PyObject*) {
+  const std::string line = spmd::board::Mine();
+  return PyUnicode_FromStringAndSize(line.data(), static_cast<Py_ssize_t>(line.size()));
+}
+
+// board_declare(text): the peer watch found a deadlock that includes this process's waits.
+PyObject* BoardDeclare(PyObject*, PyObject* args) {
+  const char* text;
+  if (!PyArg_ParseTuple(args, "s", &text)) return nullptr;
+  spmd::board::Declare(text);
+  Py_RETURN_NONE;
+}
+
+// board_judge([(key, members, what)] by world rank) -> str: the deadlock, or "" (board::Judge).
+PyObject* BoardJudge(PyObject*, PyObject* args) {
+  PyObject* waits;
+  if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &waits)) return nullptr;
+  std::vector<spmd::board::Seen> seen;
+  std::vector<int> world_ranks;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(waits); ++i) {
+    unsigned long long key;
+    PyObject* members;
+    const char* what;
+    if (!PyArg_ParseTuple(PyList_GET_ITEM(waits, i), "KOs", &key, &members, &what)) {
+      return nullptr;
+    }
+    spmd::board::Seen s{key, {}, what};
+    if (!IntList(members, &s.members)) return nullptr;
+    seen.push_back(std::move(s));
+    world_ranks.push_back(static_cast<int>(i));
+  }
+  const std::string text = spmd::board::Judge(seen, world_ranks);
+  return PyUnicode_FromStringAndSize(text.data(), static_cast<Py_ssize_t>(text.size()));
+}
+
 // The GPU's quantized all-reduce codecs (native/cuda/codec.h), run on the CPU for the tests.
 bool Floats(PyObject* obj, std::vector<float>* out) {
   char* data;
@@ -602,6 +638,10 @@ PyMethodDef kMethods[] = {
      "The MPI communicators waiting in a collective, for the peer watch."},
     {"mpi_watch_verdict", MpiWatchVerdict, METH_VARARGS,
      "The peer watch's verdict on a waiting collective."},
+    {"board_mine", BoardMine, METH_NOARGS, "This process's wait, for the peer watch."},
+    {"board_declare", BoardDeclare, METH_VARARGS,
+     "A deadlock the peer watch found, which this process's waits are part of."},
+    {"board_judge", BoardJudge, METH_VARARGS, "The deadlock among the job's waits, or ''."},
     {"mpi_watch_failures", MpiWatchFailures, METH_NOARGS,
      "The collectives over MPI this process failed, for the peer watch to tell (once each)."},
     {"shm_mark_leaving", ShmMarkLeaving, METH_NOARGS,

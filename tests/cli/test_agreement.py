@@ -80,14 +80,17 @@ except spmd.SpmdError as e:
 """
 
 
-@pytest.mark.parametrize("transport", ["shm", "mpi"])
-def test_ranks_that_wait_for_each_other_in_different_calls_fail_within_seconds(tmp_path, transport):
+@pytest.mark.parametrize("transport, nodes", [("shm", 1), ("mpi", 1), ("mpi", 2)])
+def test_ranks_that_wait_for_each_other_in_different_calls_fail_within_seconds(
+    tmp_path, transport, nodes
+):
     """The deadlock of the issue: ranks 0 and 1 in a world barrier, ranks 2 and 3 making the
     groups [0, 2] and [1, 3]. Nothing can move: every rank fails within about a second (it used
-    to wait for SPMD_TIMEOUT, 300 s), naming what each rank waits for."""
+    to wait for SPMD_TIMEOUT, 300 s), naming what each rank waits for. On two (simulated) nodes
+    no segment holds the board: rank 0's peer watch reads every rank's wait over TCP."""
     script = tmp_path / "deadlock.py"
     script.write_text(_DEADLOCK)
-    out = _run(script, 4, {"SPMD_TRANSPORT": transport})
+    out = _run(script, 4, {"SPMD_TRANSPORT": transport, "SPMD_SIMULATE_NODES": str(nodes)})
     over = " over MPI" if transport == "mpi" else ""
     waits = (
         f"rank 0 waits in barrier() of no arrays{over} (collective #2 of the group [0, 1, 2, "
@@ -105,10 +108,12 @@ def test_ranks_that_wait_for_each_other_in_different_calls_fail_within_seconds(t
         assert "deadlock: every rank of the job waits inside spmd" in line, line
 
 
-def test_ranks_waiting_for_one_that_computes_are_no_deadlock(tmp_path):
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_ranks_waiting_for_one_that_computes_are_no_deadlock(tmp_path, nodes):
     """Ranks 0 and 1 wait in a barrier for 2 s while rank 2 computes (a sleep), then joins: no
     error. Then ranks 0 and 1 wait in a group of their own while rank 2 waits alone in the
-    group [2] of the same rank_list: every wait completes."""
+    group [2] of the same rank_list: every wait completes. Also on two (simulated) nodes, where
+    rank 0's peer watch reads the waits."""
     script = tmp_path / "busy.py"
     script.write_text(
         textwrap.dedent("""
@@ -124,7 +129,7 @@ def test_ranks_waiting_for_one_that_computes_are_no_deadlock(tmp_path):
         print(comm.rank, "completed", float(got[0]), flush=True)
     """)
     )
-    out = _run(script, 3, {})
+    out = _run(script, 3, {"SPMD_SIMULATE_NODES": str(nodes)})
     assert out.returncode == 0, out.stderr
     assert sorted(out.stdout.splitlines()) == ["0 completed 1.0", "1 completed 1.0",
                                                "2 completed 2.0"]  # fmt: skip

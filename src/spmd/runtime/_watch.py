@@ -31,12 +31,17 @@ A rank that fails a collective over MPI (a timeout, a mismatch, a peer gone) tel
 that communicator, through the watcher within a quarter second (``mpi_watch_failures``, then a
 line to each peer's server): the peer's next collective on it, or its wait in this one, fails at
 once with that error instead of waiting for its own timeout, as the node's segment makes it
-within a node. Nothing but these counts, flags, pids and failures' texts is sent, and the only
-actions a peer can request are the stack print and that report of its failure.
+within a node. The servers also carry the job's wait board (native/cpu/board.h), which lives in
+a segment within a node: a server answers what its process waits for inside spmd, world rank 0
+reads every rank's wait while its own wait lasts, and a deadlock it finds (every rank waiting,
+no wait that can complete) is sent to every rank, whose waits then fail with it. Nothing but
+these counts, flags, pids, waits and failures' texts is sent, and the only actions a peer can
+request are the stack print, the report of its failure and the deadlock.
 
 Each rank's server answers only requests that carry its token, a random secret that travels
 with its port over the setup channel (MPI, or the job's private store): anyone else on the
-network who reaches the port gets no answer, can ask for no stack and can report no failure.
+network who reaches the port gets no answer, asks for no stack and reports no failure or
+deadlock.
 The server serves its clients together, so one that connects and says nothing delays no peer."""
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -62,6 +68,15 @@ _FIRST_S = 0.5  # a wait this long gets the peers asked
 _ASK_TIMEOUT_S = 0.5  # connecting to a peer and reading its answer, each
 _ASK_AT_ONCE = 16  # peers asked at the same time (a group of thousands: 16 answers at a time)
 _TOLD_MAX = 8192  # the characters of an error told to the peers
+_SETTLED_S = 0.5  # the job's waits are judged once each has lasted this long (board.h's kSettled)
+_RECHECK_S = 0.1  # a deadlock found is read again after this, to see that no rank moved
+_SCAN_MAX_S = 4.0  # rank 0 reads the job's waits at most this far apart while it waits
+
+
+def _escaped(text: str) -> str:
+    """A text as the watch's server reads it: one line, at most _TOLD_MAX characters."""
+    return text[:_TOLD_MAX].replace("\\", "\\\\").replace("\n", "\\n")
+
 
 _watch: _Watch | None = None
 
@@ -113,27 +128,35 @@ class _Watch:
         self.asked: set[tuple[tuple[int, ...], int]] = set()
         self.pids: dict[int, int] = {}
         self.pool: ThreadPoolExecutor | None = None
+        self.scanned_wait, self.scan_every, self.next_scan = -1, _POLL_S, 0.0  # rank 0's scans
         self.thread = threading.Thread(target=self._watch, name="spmd-watch", daemon=True)
 
     def listen(self) -> None:
         self.port = int(native.watch_listen(self.host, self.token))
 
-    def ask(self, rank: int, ranks: Sequence[int], stack: bool = False) -> dict[str, int] | str:
-        """A peer's answer (started, leaving, pid, dumps), or ``"gone"`` (its port refuses or
-        drops the connection: its process has ended) or ``"silent"`` (no answer in time:
-        stopped, or its node unreachable)."""
+    def _exchange(self, rank: int, text: str, answer: bool = True) -> bytes | str:
+        """Send one request line (after the peer's token) to a peer's server: its answer line
+        (``b""`` where none is awaited), or ``"gone"`` (its port refuses or drops the
+        connection: its process has ended) or ``"silent"`` (no answer in time: stopped, or its
+        node unreachable)."""
         host, port, token = self.addresses[rank]
-        request = f"{token} {int(stack)} {','.join(map(str, ranks))}\n".encode()
         try:
             with socket.create_connection((host, port), timeout=_ASK_TIMEOUT_S) as conn:
-                conn.sendall(request)
+                conn.sendall(f"{token} {text}\n".encode())
+                if not answer:
+                    return b""
                 line = conn.makefile("rb").readline()
         except (ConnectionRefusedError, ConnectionResetError, BrokenPipeError):
             return "gone"
         except OSError:  # a timeout, or an unreachable address
             return "silent"
-        if not line:
-            return "gone"
+        return line or "gone"
+
+    def ask(self, rank: int, ranks: Sequence[int], stack: bool = False) -> dict[str, int] | str:
+        """A peer's answer (started, leaving, pid, dumps), or ``"gone"`` or ``"silent"``."""
+        line = self._exchange(rank, f"{int(stack)} {','.join(map(str, ranks))}")
+        if isinstance(line, str):
+            return line
         try:
             started, leaving, pid, dumps = (int(v) for v in line.split())
         except ValueError:
@@ -144,14 +167,28 @@ class _Watch:
     def tell(self, rank: int, ranks: Sequence[int], call: int, error: str) -> None:
         """Tell a peer that this rank failed collective #call on the communicator of ``ranks``
         (no answer comes; a peer that cannot be reached is not told)."""
-        host, port, token = self.addresses[rank]
-        text = error[:_TOLD_MAX].replace("\\", "\\\\").replace("\n", "\\n")
-        line = f"{token} F {call} {self.me} {','.join(map(str, ranks))} {text}\n".encode()
-        with (
-            contextlib.suppress(OSError),
-            socket.create_connection((host, port), timeout=_ASK_TIMEOUT_S) as conn,
-        ):
-            conn.sendall(line)
+        ranks_text = ",".join(map(str, ranks))
+        self._exchange(rank, f"F {call} {self.me} {ranks_text} {_escaped(error)}", answer=False)
+
+    def wait_of(self, rank: int) -> tuple[int, float, int, list[int], str] | None:
+        """A rank's wait inside spmd as its board shows it: (an id that changes with every
+        wait, seconds waited, key, the group's world ranks, the wait written out); None if it
+        waits for nothing inside spmd, its wait is not judged, or it does not answer."""
+        if rank == self.me:
+            line = native.board_mine()
+        else:
+            got = self._exchange(rank, "W")
+            if isinstance(got, str):
+                return None
+            line = got.decode(errors="replace").rstrip("\n")
+        parts = line.split(" ", 6)
+        try:
+            if len(parts) < 7 or parts[0] != "1" or int(parts[4]) < 0:
+                return None
+            members = [] if parts[5] == "-" else [int(m) for m in parts[5].split(",")]
+            return int(parts[1]), int(parts[2]) * 1e-9, int(parts[3]), members, parts[6]
+        except ValueError:
+            return None
 
     # -- the watcher -----------------------------------------------------------------------------
 
@@ -162,6 +199,9 @@ class _Watch:
                 failures = native.mpi_watch_failures()
             except Exception:  # the native layer is going away (interpreter exit)
                 return
+            if self.me == 0:
+                with contextlib.suppress(Exception):
+                    self._deadlock()
             for ranks, call, error in failures:  # each peer told, a few at a time
                 peers = [r for r in ranks if r != self.me]
                 with contextlib.suppress(Exception):
@@ -171,6 +211,36 @@ class _Watch:
                 if waited >= _FIRST_S:
                     with contextlib.suppress(Exception):
                         self._check(tuple(ranks), int(call), float(waited))
+
+    def _deadlock(self) -> None:
+        """World rank 0, while it waits inside spmd: the job's wait board across nodes. Once its
+        own wait has lasted _SETTLED_S, it reads every rank's wait (then again less often, up to
+        every _SCAN_MAX_S); when every rank waits inside spmd, each wait settled and judged,
+        and no wait can complete, it reads them once more, and if no rank has moved it hands
+        the deadlock to every rank (each of their waits then fails with it)."""
+        mine = self.wait_of(self.me)
+        now = time.monotonic()
+        if mine is None or mine[1] < _SETTLED_S or mine[0] != self.scanned_wait:
+            self.scanned_wait = mine[0] if mine is not None else -1
+            self.scan_every, self.next_scan = _POLL_S, 0.0
+        if mine is None or mine[1] < _SETTLED_S or now < self.next_scan:
+            return
+        self.next_scan = now + self.scan_every
+        self.scan_every = min(2 * self.scan_every, _SCAN_MAX_S)
+        everyone = range(len(self.addresses))
+        first = list(self._pool().map(self.wait_of, everyone))
+        if any(w is None or w[1] < _SETTLED_S for w in first):
+            return
+        text = native.board_judge([(w[2], w[3], w[4]) for w in first if w is not None])
+        if not text:
+            return
+        time.sleep(_RECHECK_S)
+        again = list(self._pool().map(self.wait_of, everyone))
+        if [w and w[0] for w in again] != [w and w[0] for w in first]:
+            return  # a rank moved on
+        peers = [r for r in everyone if r != self.me]
+        list(self._pool().map(lambda r: self._exchange(r, f"D {_escaped(text)}", False), peers))
+        native.board_declare(text)
 
     def _pool(self) -> ThreadPoolExecutor:
         if self.pool is None:
