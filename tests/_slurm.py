@@ -8,6 +8,14 @@ CPUs and memory), named ``localhost``. Process tracking by the process tree
 (``proctrack/linuxproc``), no task plugin and no accounting: nothing needs cgroups, so it runs in
 a container. ``MpiDefault=none``, as on a cluster where ``srun`` needs ``--mpi``.
 
+``Slurm(nodes=2)`` makes a cluster of two nodes on test hosts (``spmd.launch._hosts``: network
+namespaces joined by a bridge): ``slurmctld`` in the switch namespace as host ``sw``, and a
+``slurmd`` per host (``h0``, ``h1``) in the host's network namespace and new UTS, IPC and mount
+namespaces, with the host's name as hostname (spmd's node identity), a ``/dev/shm`` of its own
+and an ``/etc/hosts`` that names the three; munged stays outside (its socket is a file). The
+clients run in the switch namespace (:meth:`Slurm.run`). ``nsenter --net`` enters a network
+namespace without remounting ``/sys``, where slurmd finds the machine's cgroups.
+
 Debian's packages give it: ``apt-get install slurmctld slurmd slurm-client munge``, and
 ``libpmix-dev`` for ``srun --mpi=pmix`` (Slurm's PMIx plugin opens ``libpmix.so``). The daemons
 run as root here, as on a cluster (slurmd starts each job's processes as its user): where they
@@ -27,6 +35,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from spmd.launch._hosts import SUBNET, TestHosts
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("srun", "sbatch", "scancel", "squeue", "sinfo")
@@ -106,15 +116,37 @@ PartitionName=main Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 """
 
 
+def _on_hosts(conf: str, hosts: TestHosts) -> str:
+    """The configuration of a cluster of the test hosts' nodes, its controller on ``sw``."""
+    nodes = "".join(
+        f"NodeName={name} NodeAddr={address} {{hardware}} State=UNKNOWN\n"
+        for name, address in zip(hosts.names, hosts.addresses, strict=True)
+    )
+    for old, new in [
+        ("SlurmctldHost=localhost", f"SlurmctldHost=sw({SUBNET}.254)"),
+        ("SlurmdSpoolDir={root}/spool", "SlurmdSpoolDir={root}/spool-%n"),
+        ("SlurmdPidFile={root}/slurmd.pid", "SlurmdPidFile={root}/slurmd-%n.pid"),
+        ("SlurmdLogFile={root}/log/slurmd.log", "SlurmdLogFile={root}/log/slurmd-%n.log"),
+        ("NodeName=localhost NodeAddr=127.0.0.1 {hardware} State=UNKNOWN\n", nodes),
+        ("Nodes=localhost", f"Nodes={','.join(hosts.names)}"),
+    ]:
+        assert old in conf, old
+        conf = conf.replace(old, new)
+    return conf
+
+
 class Slurm:
     """One private cluster: :meth:`start`, run jobs with :meth:`srun` / :meth:`sbatch`, and
-    :meth:`stop`, which ends its jobs and daemons and removes the directory."""
+    :meth:`stop`, which ends its jobs and daemons and removes the directory. ``nodes=2``: two
+    nodes on test hosts (see the module's docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, nodes: int = 1) -> None:
         # A short path: munge's and PMIx's sockets live under it (sockets' paths are short).
         self.root = Path(tempfile.mkdtemp(prefix="spmd-slurm-", dir="/tmp"))
         self.conf = self.root / "slurm.conf"
         self._daemons: list[subprocess.Popen[bytes]] = []
+        self.hosts = TestHosts(nodes) if nodes > 1 else None
+        self.nodes = self.hosts.names if self.hosts else ["localhost"]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI"))}
         env["SLURM_CONF"] = str(self.conf)
         self.env = env
@@ -122,14 +154,27 @@ class Slurm:
     # -- the daemons -------------------------------------------------------------------------
 
     def start(self, timeout: float = 30.0) -> None:
-        for sub in ("munge", "state", "spool", "log"):
+        spools = [f"spool-{n}" for n in self.nodes] if self.hosts else ["spool"]
+        for sub in ("munge", "state", "log", *spools):
             (self.root / sub).mkdir(mode=0o755)
         key = self.root / "munge" / "key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         (self.root / "plugstack.conf").write_text("")
+        conf = _CONF
+        if self.hosts:
+            try:
+                self.hosts.create()
+            except Exception as e:  # noqa: BLE001 - no namespaces here: the tests skip
+                raise SlurmUnavailable(f"no test hosts: {e}") from e
+            conf = _on_hosts(conf, self.hosts)
+            names = zip(self.hosts.addresses, self.hosts.names, strict=True)
+            (self.root / "hosts").write_text(
+                f"127.0.0.1 localhost\n{SUBNET}.254 sw\n"
+                + "".join(f"{address} {name}\n" for address, name in names)
+            )
         self.conf.write_text(
-            _CONF.format(
+            conf.format(
                 root=self.root,
                 ctld_port=_free_port(),
                 slurmd_port=_free_port(),
@@ -142,17 +187,31 @@ class Slurm:
             f"--pid-file={munge}/pid", f"--log-file={munge}/log", f"--seed-file={munge}/seed",
         )  # fmt: skip
         self._wait(lambda: (munge / "socket").exists(), timeout, "munged", munge / "log")
-        self._spawn("slurmctld", "-D", "-f", str(self.conf))
-        self._spawn("slurmd", "-D", "-f", str(self.conf), "-N", "localhost")
-        self._wait(self._node_idle, timeout, "slurmd", self.root / "log" / "slurmd.log")
+        self._spawn("slurmctld", "-D", "-f", str(self.conf), host="sw")
+        for node in self.nodes:
+            self._spawn("slurmd", "-D", "-f", str(self.conf), "-N", node, host=node)
+        log = "slurmd-h0.log" if self.hosts else "slurmd.log"
+        self._wait(self._node_idle, timeout, "slurmd", self.root / "log" / log)
 
-    def _spawn(self, name: str, *args: str) -> None:
+    def _inside(self, host: str) -> list[str]:
+        """The prefix that runs a command on a test host (``sw``: the switch), or nothing."""
+        if self.hosts is None:
+            return []
+        ns = self.hosts.switch if host == "sw" else self.hosts.namespace(host)
+        setup = f"hostname {host} && mount --bind {self.root}/hosts /etc/hosts"
+        if host != "sw":
+            setup += " && mount -t tmpfs -o mode=1777 spmd-shm /dev/shm"
+        return ["nsenter", f"--net=/var/run/netns/{ns}", "unshare", "--uts", "--ipc", "--mount",
+                "--propagation", "private", "sh", "-c", setup + ' && exec "$0" "$@"']  # fmt: skip
+
+    def _spawn(self, name: str, *args: str, host: str = "") -> None:
         exe = _which(name)
         assert exe is not None
-        with open(self.root / "log" / f"{name}.out", "wb") as log:  # the daemon keeps its own
+        out = self.root / "log" / f"{name}{'-' + host if self.hosts and host else ''}.out"
+        with open(out, "wb") as log:  # the daemon keeps its own
             self._daemons.append(
                 subprocess.Popen(
-                    [exe, *args],
+                    [*(self._inside(host) if host else []), exe, *args],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env=self.env,
@@ -179,8 +238,8 @@ class Slurm:
         return "; ".join(texts)
 
     def _node_idle(self) -> bool:
-        out = self.run("sinfo", "-h", "-n", "localhost", "-o", "%T", check=False, timeout=10)
-        return out.stdout.strip() == "idle"
+        out = self.run("sinfo", "-h", "-N", "-o", "%T", check=False, timeout=10)
+        return out.stdout.split() == ["idle"] * len(self.nodes)
 
     def stop(self) -> None:
         """Cancel every job, wait for their processes to end, stop the daemons, remove it all."""
@@ -205,6 +264,8 @@ class Slurm:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+            if self.hosts is not None:
+                self.hosts.remove()
             shutil.rmtree(self.root, ignore_errors=True)
 
     # -- the clients --------------------------------------------------------------------------
@@ -219,7 +280,7 @@ class Slurm:
     def run(self, *argv: str, check: bool = True, timeout: float = 60.0,
             cwd: Path | None = None) -> subprocess.CompletedProcess[str]:  # fmt: skip
         """A Slurm client (``srun``, ``squeue``, ...) against this cluster."""
-        argv = (self.which(argv[0]), *argv[1:])
+        argv = (*self._inside("sw"), self.which(argv[0]), *argv[1:])
         out = subprocess.run(
             argv, env=self.env, capture_output=True, text=True, timeout=timeout, cwd=cwd
         )

@@ -24,19 +24,27 @@ pytestmark = pytest.mark.skipif(bool(REASON), reason=REASON or "Slurm available"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "slurm.md"
 
 
-@pytest.fixture(scope="module")
-def slurm() -> Iterator[_slurm.Slurm]:
-    cluster = _slurm.Slurm()
+def _cluster(nodes: int) -> Iterator[_slurm.Slurm]:
+    cluster = _slurm.Slurm(nodes)
     # The job's `python` is this one, as in a shell with the virtual environment active.
     bindir = os.path.dirname(sys.executable)
     cluster.env["PATH"] = os.pathsep.join([bindir, cluster.env.get("PATH", "")])
+    if nodes > 1:  # test hosts share one kernel: UCX over TCP, as spmd-run --hosts sets it
+        cluster.env["UCX_TLS"] = "tcp,self"
     try:
         cluster.start()
     except _slurm.SlurmUnavailable as e:
         cluster.stop()
         pytest.skip(f"a private Slurm did not start: {e}")
-    yield cluster
-    cluster.stop()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def slurm() -> Iterator[_slurm.Slurm]:
+    yield from _cluster(1)
 
 
 def _batch_script(index: int) -> str:
@@ -59,6 +67,36 @@ def test_the_docs_batch_script_runs_the_first_example_as_spmd_run_does(slurm, tm
     output = _job_output(tmp_path / f"first-{job}.out")
     assert output == expected.stdout, _slurm.node_state_reason(slurm)
     assert "rank 0 of 2: loss" in output and "allreduce" in output
+
+
+_TRAIN = """\
+import socket
+import jax.numpy as jnp
+import spmd
+comm = spmd.init()
+total = spmd.allreduce(jnp.arange(4.0) * (comm.rank + 1))
+print(f"rank {comm.rank} of {comm.size} on {socket.gethostname()}: nodes {list(comm.node_ids)}, "
+      f"sum {total.tolist()}", flush=True)
+"""
+
+
+def test_the_docs_two_node_batch_script_runs_a_rank_on_each_node(tmp_path):
+    """The docs' two-node script on a two-node cluster (test hosts h0 and h1): one rank on
+    each node, spmd sees two nodes, and the allreduce between them is right."""
+    clusters = _cluster(2)
+    cluster = next(clusters)
+    try:
+        (tmp_path / "train.py").write_text(_TRAIN)
+        script = tmp_path / "train.sh"
+        script.write_text(_batch_script(1))
+        job = cluster.sbatch(script)
+        cluster.wait_gone(job, timeout=120)
+        output = _job_output(tmp_path / f"train-{job}.out")
+    finally:
+        clusters.close()
+    nodes = "nodes ['h0', 'h1'], sum [0.0, 3.0, 6.0, 9.0]"
+    assert f"rank 0 of 2 on h0: {nodes}" in output, output
+    assert f"rank 1 of 2 on h1: {nodes}" in output, output
 
 
 _FAIL = """\
