@@ -165,7 +165,7 @@ class Slurm:
         if self.hosts:
             try:
                 self.hosts.create()
-            except Exception as e:  # noqa: BLE001 - no namespaces here: the tests skip
+            except Exception as e:  # no namespaces here: the tests skip
                 raise SlurmUnavailable(f"no test hosts: {e}") from e
             conf = _on_hosts(conf, self.hosts)
             names = zip(self.hosts.addresses, self.hosts.names, strict=True)
