@@ -58,7 +58,8 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 1 << 20
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+VIRTUAL = 2  # the interleaved schedule's chunks per stage
 LAYOUTS = ["", "pp=2", "dp=2", "tp=2"]
 
 
@@ -66,8 +67,11 @@ def theory(sch: str, p: int, m: int) -> float:
     """The schedule's bubble, stages of equal time and free messages: GPipe's and 1F1B's
     (p - 1) / (m + p - 1); ZB-H1's (p - 1)(F + B - W) / (m(F + B + W) + (p - 1)(F + B - W)) with
     forward, input-gradient and weight-gradient passes of equal time (a tanh layer's three
-    products): (p - 1) / (3m + p - 1)."""
-    return (p - 1) / (3 * m + p - 1) if sch == "zero_bubble" else (p - 1) / (m + p - 1)
+    products): (p - 1) / (3m + p - 1); interleaved 1F1B's with v chunks per stage
+    (p - 1) / (v m + p - 1)."""
+    if sch == "zero_bubble":
+        return (p - 1) / (3 * m + p - 1)
+    return (p - 1) / ((VIRTUAL if sch == "interleaved" else 1) * m + p - 1)
 
 
 def _model(args: argparse.Namespace) -> tuple[list[Any], Any, Any]:
@@ -153,6 +157,9 @@ def run_job(args: argparse.Namespace) -> int:
         pp = mesh.group("pp")
         s = pp.rank
         mine = spmd.pipeline.stage_layers(layers)
+        chunked = spmd.pipeline.stage_layers(layers, virtual_stages=VIRTUAL)
+        held = {sch: chunked if sch == "interleaved" else mine for sch in SCHEDULES}
+        kw = {sch: {"virtual_stages": VIRTUAL} if sch == "interleaved" else {} for sch in SCHEDULES}
         for m in args.micro:
             if args.batch % m:
                 continue
@@ -163,14 +170,17 @@ def run_job(args: argparse.Namespace) -> int:
             alone = _compute_alone(m)
             pipe = spmd.pipeline_value_and_grad
             steps = {
-                sch: jax.jit(pipe(_apply, _mse, microbatches=m, schedule=sch)) for sch in SCHEDULES
+                sch: jax.jit(pipe(_apply, _mse, microbatches=m, schedule=sch, **kw[sch]))
+                for sch in SCHEDULES
             }
             alone_steps = {
-                sch: jax.jit(pipe(_apply, _mse, microbatches=m, schedule=sch, group=solo))
+                sch: jax.jit(
+                    pipe(_apply, _mse, microbatches=m, schedule=sch, group=solo, **kw[sch])
+                )
                 for sch in SCHEDULES
             }
             temp = {
-                sch: int(f.lower(mine, x, t).compile().memory_analysis().temp_size_in_bytes)
+                sch: int(f.lower(held[sch], x, t).compile().memory_analysis().temp_size_in_bytes)
                 for sch, f in steps.items()
             }
             temps = pp.allgather_object(temp)
@@ -182,9 +192,10 @@ def run_job(args: argparse.Namespace) -> int:
                         call = functools.partial(alone, mine, xs)
                     elif name.endswith(" alone"):
                         # Any input of the right shape: the stage is first and last here.
-                        call = functools.partial(alone_steps[name.split()[0]], mine, x, t)
+                        sch = name.split()[0]
+                        call = functools.partial(alone_steps[sch], held[sch], x, t)
                     else:
-                        call = functools.partial(steps[name], mine, x, t)
+                        call = functools.partial(steps[name], held[name], x, t)
                     rounds[name].append(_time(pp, call, args.steps, args.warmup))
             med = {k: statistics.median(v) for k, v in rounds.items()}
             row = {
@@ -247,18 +258,21 @@ def run_job(args: argparse.Namespace) -> int:
            "rounds. compute alone: every stage's forward and backward passes over the m "
            "microbatches without messages, the slowest stage. Measured bubble = 1 - compute "
            "alone / step (it includes moving the activations); theoretical: GPipe's and 1F1B's "
-           "(p - 1) / (m + p - 1), ZB-H1's (p - 1) / (3m + p - 1) (forward, input-gradient and "
-           "weight-gradient passes of equal time). measured / theory: 1F1B's; ZB-H1 / 1F1B: the "
-           "measured bubbles' ratio.", "",
+           "(p - 1) / (m + p - 1), interleaved 1F1B's (p - 1) / (vm + p - 1) with v = "
+           f"{VIRTUAL} chunks per stage, ZB-H1's (p - 1) / (3m + p - 1) (forward, input-gradient "
+           "and weight-gradient passes of equal time). measured / theory: 1F1B's; interleaved "
+           "/ 1F1B and ZB-H1 / 1F1B: the measured bubbles' ratios.", "",
            f"| m | compute alone (ms) | {cols(f'{k} (ms)' for k in SCHEDULES)} | "
            f"{cols(f'bubble {k} (theory)' for k in SCHEDULES)} | 1f1b measured / theory | "
-           "zero_bubble / 1f1b |", "|---:|" + "---:|" * (2 * len(SCHEDULES) + 3)]  # fmt: skip
+           "interleaved / 1f1b | zero_bubble / 1f1b |",
+           "|---:|" + "---:|" * (2 * len(SCHEDULES) + 4)]  # fmt: skip
     for r in rows:
         st, b, th = r["step_ms"], r["measured_bubble"], r["theoretical_bubble"]
         steps = cols(f"{st[k]:.2f}" for k in SCHEDULES)
         md.append(f"| {r['m']} | {st['compute alone']:.2f} | {steps} | "
                   f"{cols(f'{b[k]:.3f} ({th[k]:.3f})' for k in SCHEDULES)} | "
-                  f"{b['1f1b'] / th['1f1b']:.2f} | {b['zero_bubble'] / b['1f1b']:.2f} |"
+                  f"{b['1f1b'] / th['1f1b']:.2f} | {b['interleaved'] / b['1f1b']:.2f} | "
+                  f"{b['zero_bubble'] / b['1f1b']:.2f} |"
                   )  # fmt: skip
     md += ["", "## The schedule alone", "",
            "alone: the same pipelined step on a group of one holding the stage's layers, every "
@@ -278,7 +292,8 @@ def run_job(args: argparse.Namespace) -> int:
     md += ["", "## Memory per stage", "",
            "Temporary buffers of the compiled step (XLA's memory_analysis), MiB, stage 0 first. "
            "1F1B keeps p - s microbatches of residuals on stage s, GPipe m, ZB-H1 p (and the "
-           "gradients at the parameters' uses that its weight-gradient pass reads).", "",
+           "gradients at the parameters' uses that its weight-gradient pass reads); interleaved "
+           "1F1B's program is written out, and XLA decides how long each residual lives.", "",
            f"| m | activation per microbatch (MiB) | {cols(SCHEDULES)} |",
            "|---:|---:|" + "---|" * len(SCHEDULES)]  # fmt: skip
     for r in rows:

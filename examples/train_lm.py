@@ -230,7 +230,9 @@ def progress(i: int, total: int, loss: float, tokens_per_s: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mesh", default="", help="axis sizes, e.g. pp=2,dp=2,cp=2,tp=2 (default 1)")
-    ap.add_argument("--schedule", choices=spmd.pipeline.SCHEDULES, default="1f1b")
+    # One stage per rank here (the interleaved schedule's chunks would each need their roles).
+    one_chunk = [s for s in spmd.pipeline.SCHEDULES if s != "interleaved"]
+    ap.add_argument("--schedule", choices=one_chunk, default="1f1b")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--zero", type=int, choices=(0, 1, 2), default=0, help="ZeRO stage over dp")
     ap.add_argument("--steps", type=int, default=200)

@@ -128,6 +128,9 @@ def _expected_gpipe(p, s, m):
     return ops + ([] if first else [("send", "bwd i")])
 
 
+_ONE_CHUNK = ("gpipe", "1f1b", "zero_bubble")  # the schedules of one chunk per rank
+
+
 @multirank(nprocs=(1, 2, 4))
 def test_matches_one_process(comm):
     layers = _layers()
@@ -137,7 +140,7 @@ def test_matches_one_process(comm):
     with spmd.Mesh(pp=p):
         mine = spmd.pipeline.stage_layers(layers)
         index = spmd.pipeline.split(list(range(len(layers))), p)[s]
-        for schedule in spmd.pipeline.SCHEDULES:
+        for schedule in _ONE_CHUNK:
             for m in (1, 2, 4, 8) if p > 1 else (1, 4):  # one stage: the schedules are alike
                 what = f"{schedule} m={m} p={p} stage {s}"
                 step = spmd.pipeline_value_and_grad(apply, mse, microbatches=m, schedule=schedule)
@@ -154,6 +157,79 @@ def test_matches_one_process(comm):
                     assert f"group={list(comm.ranks)}, root={p - 1}" in str(program)
 
 
+def test_the_interleaved_orders_complete_and_keep_megatrons_warm_up():
+    """Every rank's order of forward and backward passes, run against the others' (sends at
+    once, receives waiting for their message), completes for p = 1..8, v = 1..4, m = 1..16;
+    where m is a multiple of p it is Megatron-LM's (warm-up 2 (p - r - 1) + (v - 1) p), and
+    each pass of each chunk and microbatch runs once, each forward before its backward."""
+    from spmd.parallel import _interleaved as il
+
+    for p in range(1, 9):
+        for v in range(1, 5):
+            for m in range(1, 17):
+                extra = il.warm_up(p, v, m)
+                assert il._completes(p, v, m, extra), (p, v, m)
+                if m % p == 0:
+                    assert extra == 0, (p, v, m)
+                for r in range(p):
+                    ops = il.order(p, v, m, r, extra)
+                    assert sorted(ops) == sorted(
+                        (k, j, i) for k in "BF" for j in range(v) for i in range(m)
+                    ), (p, v, m, r)
+                    assert all(ops.index(("F", j, i)) < ops.index(("B", j, i))
+                               for j in range(v) for i in range(m)), (p, v, m, r)  # fmt: skip
+                    if m % p == 0:
+                        warm = min(m * v, 2 * (p - r - 1) + (v - 1) * p)
+                        assert [k for k, _, _ in ops[:warm]] == ["F"] * warm
+                        assert warm == m * v or ops[warm + 1][0] == "B"
+    # Two stages, two chunks each, four microbatches: rank 0 runs four forward passes first.
+    assert il.order(2, 2, 4, 0)[:6] == [("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 1, 1),
+                                        ("F", 0, 2), ("B", 1, 0)]  # fmt: skip
+
+
+_DEEP = (6, 10, 8, 12, 8, 6, 9, 5, 4)  # eight layers: 2 chunks on each of 4 stages
+
+
+@multirank(nprocs=(1, 2, 4))
+def test_interleaved_matches_one_process(comm):
+    """virtual_stages=2 (and 3 on two stages): each rank holds chunks r and p + r of the
+    layers; loss and gradients equal one process for m = 1..8 (partial last groups of
+    microbatches included), and the messages name the chunk that sent them."""
+    keys = jax.random.split(jax.random.key(0), len(_DEEP) - 1)
+    layers = [{"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.full((b,), 0.1)}
+              for k, a, b in zip(keys, _DEEP, _DEEP[1:], strict=False)]  # fmt: skip
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((24, _DEEP[0])), jnp.float32)
+    t = jnp.asarray(rng.standard_normal((24, _DEEP[-1])), jnp.float32)
+    want_loss, want = jax.value_and_grad(lambda ls: mse(apply(ls, x), t))(layers)
+    p, s = comm.size, comm.rank
+    with spmd.Mesh(pp=p):
+        for v in (2, 3) if p == 2 else (2,):
+            chunks = spmd.pipeline.split(list(range(len(layers))), v * p)
+            mine = spmd.pipeline.stage_layers(layers, virtual_stages=v)
+            assert len(mine) == v
+            for m in (1, 2, 3, 4, 6, 8) if p > 1 else (1, 3):
+                what = f"interleaved v={v} m={m} p={p} stage {s}"
+                step = spmd.pipeline_value_and_grad(
+                    apply, mse, microbatches=m, schedule="interleaved", virtual_stages=v
+                )
+                loss, grads = jax.jit(step)(mine, x if s == 0 else None,
+                                            t if s == p - 1 else None)  # fmt: skip
+                _close(loss, want_loss, f"{what} loss")
+                assert isinstance(grads, list) and len(grads) == v
+                for j in range(v):
+                    for k, g in zip(chunks[j * p + s], grads[j], strict=True):
+                        for name in ("w", "b"):
+                            _close(g[name], want[k][name], f"{what} chunk {j} layer {k} {name}")
+            if p > 1:  # chunk c = j p + s receives from chunk c - 1, on the previous rank
+                notes = _notes(spmd.trace(step)(mine, x, t))
+                first = ("send", "fwd c0 0") if s == 0 else ("recv", f"fwd c{s - 1} 0")
+                assert notes[0] == first, notes
+                # Per microbatch each chunk receives its input and sends its output forward,
+                # and the gradients the other way (the first and last chunks one of each).
+                assert len(notes) == 2 * m * (2 * v - (s == 0) - (s == p - 1)), notes
+
+
 @multirank(nprocs=(2,))
 def test_1f1b_keeps_fewer_microbatches(comm):
     """1F1B's stash holds p - s microbatches, GPipe's all m, ZB-H1's p (and the gradients at the
@@ -166,7 +242,7 @@ def test_1f1b_keeps_fewer_microbatches(comm):
     with spmd.Mesh(pp=2):
         mine = spmd.pipeline.stage_layers(layers)
         temp = {}
-        for schedule in spmd.pipeline.SCHEDULES:
+        for schedule in _ONE_CHUNK:
             step = spmd.pipeline_value_and_grad(apply, mse, microbatches=8, schedule=schedule)
             compiled = jax.jit(step).lower(mine, x, t).compile()
             temp[schedule] = compiled.memory_analysis().temp_size_in_bytes
@@ -262,9 +338,13 @@ def test_data_parallel_and_zero_over_dp(comm):
     with mesh:
         c = mesh.coords()
         index = spmd.pipeline.split(list(range(len(layers))), 2)[c["pp"]]
-        # 1F1B under data_parallel, the zero-bubble schedule under zero_shard
+        # 1F1B under data_parallel, the zero-bubble schedule under zero_shard(stage=2), the
+        # interleaved one (two chunks per stage) under zero_shard(stage=3)
         pipes = {s: spmd.pipeline_value_and_grad(apply, mse, microbatches=4, schedule=s)
                  for s in ("1f1b", "zero_bubble")}  # fmt: skip
+        pipes["interleaved"] = spmd.pipeline_value_and_grad(
+            apply, mse, microbatches=4, schedule="interleaved",
+            virtual_stages=2)  # fmt: skip
 
         def make_update(schedule):
             def update(params, state, x, t):
@@ -280,27 +360,30 @@ def test_data_parallel_and_zero_over_dp(comm):
             return tuple(v[c["dp"] * B // 2 : (c["dp"] + 1) * B // 2] for v in b)
 
         mine = spmd.pipeline.stage_layers(layers)
+        chunked = spmd.pipeline.stage_layers(layers, virtual_stages=2)
+        chunks = spmd.pipeline.split(list(range(len(layers))), 4)
         runs = {}
-        for name, step in (
-            ("data_parallel", spmd.data_parallel(update, group="dp")),
-            (
-                "zero_shard(stage=2)",
-                spmd.zero_shard(make_update("zero_bubble"), stage=2, group="dp"),
-            ),
-        ):
-            params, state = mine, tx.init(mine)
+        for name, step, start, held in (
+            ("data_parallel", spmd.data_parallel(update, group="dp"), mine, index),
+            ("zero_shard(stage=2)", spmd.zero_shard(make_update("zero_bubble"), stage=2,
+                                                    group="dp"), mine, index),
+            ("zero_shard(stage=3), interleaved", spmd.zero_shard(make_update("interleaved"),
+                                                                 stage=3, group="dp"), chunked,
+             [*chunks[c["pp"]], *chunks[2 + c["pp"]]]),
+        ):  # fmt: skip
+            params, state = start, tx.init(start)
             if name != "data_parallel":
                 params, state = step.shard(params, state)
             got = []
             for b in batches:
                 params, state, _ = step(params, state, *half(b))
-                got.append(spmd.gather(params))
-            runs[name] = got
-        for name, got in runs.items():
+                got.append(jax.tree_util.tree_leaves(spmd.gather(params)))
+            runs[name] = (got, held)
+        for name, (got, held) in runs.items():
             for i, (g, w) in enumerate(zip(got, want, strict=True)):
-                for k, layer in zip(index, g, strict=True):
-                    for key in ("w", "b"):
-                        _close(layer[key], w[k][key], f"{name} step {i + 1} layer {k}", 1e-4)
+                mine_w = [w[k][key] for k in held for key in ("b", "w")]  # leaves: b before w
+                for k, (a, b) in enumerate(zip(g, mine_w, strict=True)):
+                    _close(a, b, f"{name} step {i + 1} leaf {k} (layers {held})", 1e-4)
         text = str(spmd.trace(spmd.data_parallel(update, group="dp"))(
             mine, tx.init(mine), *half(batches[0])))  # fmt: skip
         dp_ranks = next(g for g in mesh.rank_lists("dp") if comm.rank in g)
@@ -355,6 +438,23 @@ def test_tensor_parallel_stages(comm):
                     for key in specs:
                         what = f"{schedule} step {i + 1} block {j}"
                         _close(full[key], want[i][2 * pp + j][key], what, 1e-4)
+        # Interleaved: one block per chunk, chunks pp and 2 + pp on this stage.
+        chunked = [[tp.shard_params(b, specs) for b in chunk]
+                   for chunk in spmd.pipeline.stage_layers(blocks, virtual_stages=2)]  # fmt: skip
+        pipe = jax.jit(
+            spmd.pipeline_value_and_grad(
+                _mlp_stage, mse, microbatches=2, schedule="interleaved", virtual_stages=2
+            )
+        )
+        params = chunked
+        for i, b in enumerate(batches):
+            _, g = pipe(params, *b)
+            params = jax.tree_util.tree_map(lambda w, d: w - 0.05 * d, params, g)
+            for j, chunk in enumerate(params):
+                full = spmd.gather(chunk[0])
+                for key in specs:
+                    what = f"interleaved step {i + 1} chunk {2 * j + pp}"
+                    _close(full[key], want[i][2 * j + pp][key], what, 1e-4)
 
 
 # -- bad input ----------------------------------------------------------------------------------
@@ -394,6 +494,18 @@ def test_errors(comm):
             with pytest.raises(spmd.SpmdError) as info:
                 make()
             assert text in str(info.value), str(info.value)
+        # Interleaved: stage_params must be the v chunks, and v the same on every stage.
+        inter = {v: spmd.pipeline_value_and_grad(apply, mse, microbatches=2,
+                                                 schedule="interleaved", virtual_stages=v)
+                 for v in (2, 3)}  # fmt: skip
+        with pytest.raises(spmd.SpmdError, match="stage_params is list of 3; with "
+                           "virtual_stages=2 it is a list of 2 pytrees"):  # fmt: skip
+            inter[2](mine, x, t)
+        with pytest.raises(spmd.SpmdError) as info:
+            inter[2 + s]([mine[:1]] * (2 + s), x, t)
+        theirs = "rank 1 passed microbatches=2, schedule='interleaved', virtual_stages=3"
+        mismatch = theirs if s == 0 else "rank 0 passed microbatches=2, schedule='interleaved', "
+        assert mismatch in str(info.value), str(info.value)
         # Still in step: a good call after the errors works.
         loss, _ = run()
         assert np.isfinite(float(loss))
@@ -407,5 +519,9 @@ def test_errors(comm):
             spmd.pipeline_value_and_grad(apply, mse, microbatches=bad)
     with pytest.raises(spmd.SpmdError, match="schedule='zb'"):
         spmd.pipeline_value_and_grad(apply, mse, microbatches=2, schedule="zb")
+    for v, schedule in ((2, "1f1b"), (1, "interleaved"), (0, "interleaved")):
+        with pytest.raises(spmd.SpmdError, match=f"virtual_stages={v} with schedule='{schedule}'"):
+            spmd.pipeline_value_and_grad(apply, mse, microbatches=2, schedule=schedule,
+                                         virtual_stages=v)  # fmt: skip
     with pytest.raises(spmd.SpmdError, match="6 layers do not fill 8 stages"):
         spmd.pipeline.split(layers, 8)

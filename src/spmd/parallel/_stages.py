@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from .._errors import SpmdError
 from ..mesh import resolve_group
+from ..ops import allreduce
 
 __all__ = ["split", "stage_layers"]
 
@@ -64,10 +66,16 @@ def split(layers: Sequence[Any], stages: int, *, costs: Sequence[float] | None =
 
 
 def stage_layers(
-    layers: Sequence[Any], *, costs: Sequence[float] | None = None, group: Any = "pp"
+    layers: Sequence[Any],
+    *,
+    costs: Sequence[float] | None = None,
+    group: Any = "pp",
+    virtual_stages: int = 1,
 ) -> list[Any]:
     """This rank's stage of ``layers``: the run :func:`split` gives its position in the group
-    (one stage per rank).
+    (one stage per rank). With ``virtual_stages=v``, ``layers`` is split into ``v * p`` chunks
+    and rank r gets the list of its v chunks, ``j * p + r`` for j < v (the interleaved
+    schedule's ``stage_params``).
 
     Example (a world of one is one stage holding every layer)::
 
@@ -75,7 +83,61 @@ def stage_layers(
         >>> with spmd.Mesh(pp=-1):
         ...     spmd.pipeline.stage_layers(["a", "b", "c"])
         ['a', 'b', 'c']
+        >>> with spmd.Mesh(pp=-1):
+        ...     spmd.pipeline.stage_layers(["a", "b", "c"], virtual_stages=2)
+        [['a'], ['b', 'c']]
     """
     comm = resolve_group(None, group, op="pipeline.stage_layers")
-    stages: list[Any] = split(layers, comm.size, costs=costs)
-    return list(stages[comm.rank])
+    p, v = comm.size, virtual_stages
+    stages: list[Any] = split(layers, p * v, costs=costs)
+    if v == 1:
+        return list(stages[comm.rank])
+    return [list(stages[j * p + comm.rank]) for j in range(v)]
+
+
+def sum_shared(grads: Any, shared: Any, comm: Any) -> Any:
+    """``grads`` with the leaves ``shared`` marks summed over the pipeline's group (one call)."""
+    try:
+        mask = jax.tree_util.tree_map(
+            lambda flag, g: jax.tree_util.tree_map(lambda _: bool(flag), g), shared, grads
+        )
+    except ValueError as e:
+        raise SpmdError(
+            f"shared={shared!r} is not a tree of bools with the structure of stage_params "
+            f"(or a prefix of it): {e}",
+            op="pipeline_value_and_grad",
+        ) from None
+    flags = jax.tree_util.tree_leaves(mask)
+    leaves, tree = jax.tree_util.tree_flatten(grads)
+    picked = [g for g, f in zip(leaves, flags, strict=True) if f]
+    if not picked:
+        return grads
+    summed = iter(allreduce(picked, "sum", group=comm))
+    out = [next(summed) if f else g for g, f in zip(leaves, flags, strict=True)]
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def at(tree: Any, i: Any) -> Any:
+    """Element i of every leaf of ``tree``."""
+    return jax.tree_util.tree_map(lambda a: a[i], tree)
+
+
+def describe(tree: Any) -> str:
+    """A pytree of arrays or shapes as ``float32[4, 8]`` (or a dict/list of those)."""
+
+    def one(x: Any) -> str:
+        dtype = getattr(x, "dtype", None)
+        name = getattr(dtype, "name", str(dtype))
+        return f"{name}{list(np.shape(x))}"
+
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if jax.tree_util.treedef_is_leaf(treedef):
+        return one(leaves[0]) if leaves else repr(tree)
+    return str(jax.tree_util.tree_unflatten(treedef, [_Text(one(x)) for x in leaves]))
+
+
+class _Text(str):
+    """A string that prints without quotes."""
+
+    def __repr__(self) -> str:
+        return str(self)

@@ -15,6 +15,10 @@ activations forward and their gradients backward:
   worth. A stage that sends an activation forward and waits for a gradient from the same
   neighbour does both in one ``sendrecv``, so neither rank waits on the other.
 
+- ``"interleaved"`` (Megatron-LM's interleaved 1F1B, ``virtual_stages=v``): each rank holds v
+  chunks of layers, chunk ``j * p + r`` on rank r, and runs 1F1B over them in Megatron-LM's
+  order (module ``_interleaved``), for a bubble of ``(p - 1) / (v m + p - 1)``.
+
 - ``"zero_bubble"`` (ZB-H1 of Qi et al., "Zero Bubble Pipeline Parallelism"): 1F1B's order,
   with each backward pass split in two (module ``_backward_split``): B, the gradient of what
   the stage received, which the previous stage waits for, and W, the gradient of the stage's
@@ -51,15 +55,16 @@ import numpy as np
 
 from .._errors import SpmdError
 from ..mesh import resolve_group
-from ..ops import after, allreduce, broadcast, recv, send, sendrecv
+from ..ops import after, broadcast, recv, send, sendrecv
 from ..runtime import Communicator
+from . import _interleaved
 from ._backward_split import BackwardSplit
 from ._grad import active, mark_tree
-from ._stages import split, stage_layers
+from ._stages import at, describe, split, stage_layers, sum_shared
 
 __all__ = ["SCHEDULES", "split", "stage_layers", "value_and_grad"]
 
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 _OP = "pipeline_value_and_grad"
 
 
@@ -74,6 +79,7 @@ def value_and_grad(
     schedule: str = "1f1b",
     group: Any = "pp",
     shared: Any = None,
+    virtual_stages: int = 1,
 ) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
     """The loss and this stage's gradients of a model split into pipeline stages over the group.
 
@@ -93,8 +99,11 @@ def value_and_grad(
       that does not span the pipeline axis (``group="dp"`` on a mesh with ``pp``), as each
       stage's ranks hold different parameters.
 
-    ``schedule``: ``"1f1b"`` (default), ``"gpipe"`` or ``"zero_bubble"`` (module doc). A group
-    of one runs the microbatches one after the other in this process.
+    ``schedule``: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved"`` or ``"zero_bubble"``
+    (module doc). A group of one runs the microbatches one after the other in this process.
+    ``"interleaved"`` takes ``virtual_stages=v``: ``stage_params`` is then a list of v pytrees,
+    entry j being model chunk ``j * p + r`` on rank r of the p ranks (Megatron-LM's placement;
+    :func:`stage_layers` with ``virtual_stages`` picks them), and ``grads`` the same list.
 
     ``shared``: parameters that every stage holds but only some use (an embedding on the first
     stage, a head on the last, or weights tied between them), as a pytree of bools with the
@@ -117,12 +126,32 @@ def value_and_grad(
         raise SpmdError(f"microbatches={microbatches!r}; expected an int, 1 or more", op=_OP)
     if schedule not in SCHEDULES:
         raise SpmdError(f"schedule={schedule!r}; expected one of {SCHEDULES}", op=_OP)
+    v = virtual_stages
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, int)
+        or v < 1
+        or (v > 1) != (schedule == "interleaved")
+    ):
+        raise SpmdError(
+            f"virtual_stages={v!r} with schedule={schedule!r}; expected an int, more than 1 "
+            "with schedule='interleaved' (each rank's chunks), else 1",
+            op=_OP,
+        )
 
     compiled: dict[Any, Any] = {}  # per group: the schedule as one program, for eager calls
 
     @functools.wraps(stage_fn)
     def step(stage_params: Any, inputs: Any = None, targets: Any = None) -> tuple[Any, Any]:
         comm = resolve_group(None, group, op=_OP)
+
+        if v > 1 and (not isinstance(stage_params, list | tuple) or len(stage_params) != v):
+            raise SpmdError(
+                f"stage_params is {type(stage_params).__name__}"
+                + (f" of {len(stage_params)}" if isinstance(stage_params, list | tuple) else "")
+                + f"; with virtual_stages={v} it is a list of {v} pytrees (this rank's chunks)",
+                op=_OP,
+            )
 
         def go(params: Any, xs: Any, ts: Any) -> tuple[Any, Any]:
             return _Run(comm, stage_fn, loss_fn, microbatches, schedule)(params, xs, ts, shared)
@@ -161,7 +190,7 @@ class _Run:
 
     def _split(self, tree: Any, what: str) -> Any:
         """``tree`` with every leaf reshaped to ``(m, rows / m, ...)``: microbatch i is
-        ``_at(result, i)``."""
+        ``at(result, i)``."""
         leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
         if not leaves:
             where = "first" if what == "inputs" else "last"
@@ -200,7 +229,7 @@ class _Run:
 
         comm.agree(setup)
         xs = self.xs
-        like = None if xs is None else jax.eval_shape(lambda: _at(xs, 0))
+        like = None if xs is None else jax.eval_shape(lambda: at(xs, 0))
         self.sends: list[Any] = []
         for r in range(self.p):
 
@@ -218,36 +247,36 @@ class _Run:
             if self.first:
                 raise SpmdError(
                     f"stage 0's stage_fn fails on a microbatch of the inputs, "
-                    f"{_describe(like)}: {type(e).__name__}: {e}",
+                    f"{describe(like)}: {type(e).__name__}: {e}",
                     op=_OP,
                 ) from e
             raise SpmdError(
                 f"stage {self.s}'s stage_fn cannot take what stage {self.s - 1} sends, "
-                f"{_describe(like)}: {type(e).__name__}: {e}",
+                f"{describe(like)}: {type(e).__name__}: {e}",
                 op=_OP,
             ) from e
         if not self.last:
             for leaf in jax.tree_util.tree_leaves(out):
                 if not jnp.issubdtype(leaf.dtype, jnp.floating):
                     raise SpmdError(
-                        f"stage {self.s} sends {_describe(out)}; what a stage sends on must be "
+                        f"stage {self.s} sends {describe(out)}; what a stage sends on must be "
                         "floating point (its gradient travels back)",
                         op=_OP,
                     )
             return out
         assert self.ts is not None
         try:
-            loss = jax.eval_shape(self.loss_fn, out, _at(self.ts, 0))
+            loss = jax.eval_shape(self.loss_fn, out, at(self.ts, 0))
         except Exception as e:
             raise SpmdError(
-                f"loss_fn fails on the last stage's output, {_describe(out)}, and a microbatch "
+                f"loss_fn fails on the last stage's output, {describe(out)}, and a microbatch "
                 f"of the targets: {type(e).__name__}: {e}",
                 op=_OP,
             ) from e
         scalar = getattr(loss, "shape", None) == ()
         if not (scalar and jnp.issubdtype(loss.dtype, jnp.floating)):
             raise SpmdError(
-                f"loss_fn returns {_describe(loss)}; expected a floating-point scalar", op=_OP
+                f"loss_fn returns {describe(loss)}; expected a floating-point scalar", op=_OP
             )
         return loss
 
@@ -268,11 +297,14 @@ class _Run:
                 "and microbatches= to the pipeline instead",
                 op=_OP,
             )
-        self._agree(params, inputs, targets)
         call = -1
         if ctx is not None:
             call, ctx.calls = ctx.calls, ctx.calls + 1
             params = mark_tree(params, "param", call)
+        if self.schedule == "interleaved":
+            loss, grads = _interleaved.run(self, list(params), inputs, targets)
+            return self._finish(loss, type(params)(grads), shared, call)
+        self._agree(params, inputs, targets)
         self.params = params
         m, p, s = self.m, self.p, self.s
         self.slots = {"gpipe": m, "1f1b": min(p - s, m), "zero_bubble": min(p, m)}[self.schedule]
@@ -289,32 +321,15 @@ class _Run:
         loss = loss / m
         if p > 1:
             loss = broadcast(loss, root=p - 1, group=self.comm)
-            if shared is not None:
-                grads = self._sum_shared(grads, shared)
-        if ctx is not None:
+        return self._finish(loss, grads, shared, call)
+
+    def _finish(self, loss: Any, grads: Any, shared: Any, call: int) -> tuple[Any, Any]:
+        """The shared parameters' gradients summed, and the gradients marked for a transform."""
+        if self.p > 1 and shared is not None:
+            grads = sum_shared(grads, shared, self.comm)
+        if call >= 0:
             grads = mark_tree(grads, "grad", call)
         return loss, grads
-
-    def _sum_shared(self, grads: Any, shared: Any) -> Any:
-        """``grads`` with the leaves ``shared`` marks summed over the group (one call)."""
-        try:
-            mask = jax.tree_util.tree_map(
-                lambda flag, g: jax.tree_util.tree_map(lambda _: bool(flag), g), shared, grads
-            )
-        except ValueError as e:
-            raise SpmdError(
-                f"shared={shared!r} is not a tree of bools with the structure of stage_params "
-                f"(or a prefix of it): {e}",
-                op=_OP,
-            ) from None
-        flags = jax.tree_util.tree_leaves(mask)
-        leaves, tree = jax.tree_util.tree_flatten(grads)
-        picked = [g for g, f in zip(leaves, flags, strict=True) if f]
-        if not picked:
-            return grads
-        summed = iter(allreduce(picked, "sum", group=self.comm))
-        out = [next(summed) if f else g for g, f in zip(leaves, flags, strict=True)]
-        return jax.tree_util.tree_unflatten(tree, out)
 
     def _vjp(self, params: Any, i: Any, x: Any) -> tuple[Any, list[Any], Any, list[int | None]]:
         """Microbatch i's forward pass (i may be traced; x: its input, unused on the first
@@ -322,13 +337,13 @@ class _Run:
         function, their tree, and for each leaf the parameter leaf it is (None: a residual)."""
         f = self.stage_fn
         if self.last:
-            t = _at(self.ts, i)
+            t = at(self.ts, i)
 
             def f(p: Any, x: Any) -> Any:
                 return self.loss_fn(self.stage_fn(p, x), t)
 
         if self.first:
-            x = _at(self.xs, i)
+            x = at(self.xs, i)
             out, vjp = jax.vjp(lambda p: f(p, x), params)
         else:
             out, vjp = jax.vjp(f, params, x)
@@ -385,8 +400,8 @@ class _Run:
         out, leaves, self.tree, self.where = self._vjp(self.params, i, x)
         res = [v for v, w in zip(leaves, self.where, strict=True) if w is None]
         slot = i % self.slots
-        at = self.residuals
-        stash = [*(a.at[slot].set(v) for a, v in zip(stash[:at], res, strict=True)), *stash[at:]]
+        n = self.residuals
+        stash = [*(a.at[slot].set(v) for a, v in zip(stash[:n], res, strict=True)), *stash[n:]]
         if self.last:
             loss = loss + out
         self.state = (stash, grads, loss)
@@ -421,8 +436,8 @@ class _Run:
         g_leaves = jax.tree_util.tree_leaves(g)
         dx, frontier = self.split.b(*self._inputs(stash, slot), *g_leaves)
         keep = [*frontier, *(g_leaves[k] for k in self.w_reads_g)]
-        at = self.residuals
-        stash = [*stash[:at], *(a.at[slot].set(v) for a, v in zip(stash[at:], keep, strict=True))]
+        n = self.residuals
+        stash = [*stash[:n], *(a.at[slot].set(v) for a, v in zip(stash[n:], keep, strict=True))]
         self.state = (stash, grads, loss)
         if self.first:
             return None
@@ -572,29 +587,3 @@ class _Run:
                 self._backward_weights(waiting.pop(0))
         for j in waiting:
             self._backward_weights(j)
-
-
-def _at(tree: Any, i: Any) -> Any:
-    """Element i of every leaf of ``tree``."""
-    return jax.tree_util.tree_map(lambda a: a[i], tree)
-
-
-def _describe(tree: Any) -> str:
-    """A pytree of arrays or shapes as ``float32[4, 8]`` (or a dict/list of those)."""
-
-    def one(x: Any) -> str:
-        dtype = getattr(x, "dtype", None)
-        name = getattr(dtype, "name", str(dtype))
-        return f"{name}{list(np.shape(x))}"
-
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    if jax.tree_util.treedef_is_leaf(treedef):
-        return one(leaves[0]) if leaves else repr(tree)
-    return str(jax.tree_util.tree_unflatten(treedef, [_Text(one(x)) for x in leaves]))
-
-
-class _Text(str):
-    """A string that prints without quotes."""
-
-    def __repr__(self) -> str:
-        return str(self)
