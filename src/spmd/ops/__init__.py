@@ -44,8 +44,11 @@ from ._rooted import gather as gather
 from ._rooted import reduce as reduce
 from ._rooted import scan as scan
 from ._rooted import scatter as scatter
+from ._schedule import Message as Message
 from ._schedule import ScheduledCall as ScheduledCall
+from ._schedule import Unknown as Unknown
 from ._schedule import collective_calls as collective_calls
+from ._schedule import messages as messages
 from ._transport import get_transport as get_transport
 from ._transport import set_transport as set_transport
 

@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .._jax_compat import core, user_frames
 from ._primitive import GroupRef, describe_call
 
@@ -53,3 +55,62 @@ def _collect(jaxpr: Any, out: list[ScheduledCall]) -> None:
             continue
         for sub in core.jaxprs_in_params(eqn.params):
             _collect(getattr(sub, "jaxpr", sub), out)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message of a program's point-to-point calls, as this rank sends or receives it:
+    ``kind`` "send" or "recv", ``ranks`` the world ranks of its group, ``peer`` the other rank's
+    world rank, ``text`` the message's dtype and shape, ``where`` the user's line."""
+
+    kind: str
+    ranks: tuple[int, ...]
+    peer: int
+    text: str
+    where: str
+
+
+class Unknown(Exception):
+    """A program whose messages cannot be listed: point-to-point calls in a while loop or a
+    conditional (how many run, or which, is known only when it runs)."""
+
+
+def messages(jaxpr: Any) -> list[Message]:
+    """The messages of ``jaxpr``'s point-to-point calls in the order this rank makes them: a
+    ``lax.scan``'s body once per iteration, a ``sendrecv`` as its send then its receive.
+    :class:`Unknown` where a while loop or a conditional holds one."""
+    out: list[Message] = []
+    _messages(getattr(jaxpr, "jaxpr", jaxpr), out)
+    return out
+
+
+def _messages(jaxpr: Any, out: list[Message]) -> None:
+    for eqn in jaxpr.eqns:
+        op = eqn.primitive.name
+        group = eqn.params.get("group")
+        if isinstance(group, GroupRef):
+            ranks, where = group.ranks, _where(eqn)
+            if op in ("spmd_send", "spmd_sendrecv"):
+                out.append(Message("send", ranks, ranks[eqn.params["dst"]],
+                                   _shape(eqn.invars[0].aval), where))  # fmt: skip
+            if op == "spmd_sendrecv":
+                out.append(Message("recv", ranks, ranks[eqn.params["src"]],
+                                   _shape(eqn.invars[0].aval), where))  # fmt: skip
+            if op == "spmd_recv":
+                out.append(Message("recv", ranks, ranks[eqn.params["src"]],
+                                   _shape(eqn.outvars[0].aval), where))  # fmt: skip
+            continue
+        subs = [getattr(s, "jaxpr", s) for s in core.jaxprs_in_params(eqn.params)]
+        inner: list[Message] = []
+        for sub in subs:
+            _messages(sub, inner)
+        if not inner:
+            continue
+        if op != "scan" and op not in ("pjit", "jit", "closed_call", "custom_jvp_call",
+                                       "custom_vjp_call", "remat", "checkpoint"):  # fmt: skip
+            raise Unknown(f"point-to-point calls inside {op} at {_where(eqn)}")
+        out.extend(inner * (int(eqn.params["length"]) if op == "scan" else 1))
+
+
+def _shape(aval: Any) -> str:
+    return f"{np.dtype(aval.dtype).name}[{','.join(map(str, aval.shape))}]"

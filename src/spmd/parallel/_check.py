@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._errors import SpmdError
-from ..ops import collective_calls
+from ..ops import Message, Unknown, collective_calls, messages
 from ..runtime import Communicator, get_communicator
 from ._program import Program, trace
 
@@ -71,6 +71,53 @@ def _first_difference(group: Sequence[int], seqs: dict[int, Calls]) -> str:
     return ""
 
 
+def compare_messages(comm: Communicator, program: Program, op: str) -> int:
+    """Exchange this rank's point-to-point messages over ``comm`` and raise the same error on
+    every rank if, between two ranks of ``comm``, what one sends and what the other receives
+    differ in number, order, dtype or shape: the first message that differs, with both ranks'
+    calls and source lines. Returns the number of messages compared (0 where a rank's messages
+    cannot be listed: see :class:`spmd.ops.Unknown`)."""
+    if comm.size == 1:
+        return 0
+    try:
+        mine: list[Message] | str = messages(program.jaxpr)
+    except Unknown as e:
+        mine = str(e)
+    everyone = dict(zip(comm.ranks, comm.allgather_object(mine), strict=True))
+    if any(isinstance(m, str) for m in everyone.values()):
+        return 0
+    sent: dict[tuple[Any, ...], list[Message]] = {}
+    received: dict[tuple[Any, ...], list[Message]] = {}
+    for r, msgs in everyone.items():
+        for m in msgs:
+            if m.peer in everyone:  # both ends in comm
+                key = (m.ranks, r, m.peer) if m.kind == "send" else (m.ranks, m.peer, r)
+                (sent if m.kind == "send" else received).setdefault(key, []).append(m)
+    compared = 0
+    for key in sorted(set(sent) | set(received)):
+        ranks, a, b = key
+        outs, ins = sent.get(key, []), received.get(key, [])
+        for i in range(max(len(outs), len(ins))):
+            out = outs[i] if i < len(outs) else None
+            got = ins[i] if i < len(ins) else None
+            if out is not None and got is not None and out.text == got.text:
+                continue
+            what = f"message #{i + 1} from rank {a} to rank {b} on the group {list(ranks)}"
+            send = (f"sends {out.text} at {out.where}" if out else
+                    f"sends nothing more (it sends {len(outs)} to rank {b})")  # fmt: skip
+            recv = (f"receives {got.text} at {got.where}" if got else
+                    f"receives nothing more (it receives {len(ins)} from rank {a})")  # fmt: skip
+            raise SpmdError(
+                f"the ranks would exchange different messages: {what}: rank {a} {send}; rank "
+                f"{b} {recv}. Every send needs a receive on its destination, in the same order "
+                "and with the same dtype and shape (a send without its receive waits for ever)",
+                op=op,
+                rank=None,
+            )
+        compared += len(outs)
+    return compared
+
+
 def check(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     """Compare, before anything runs, the collectives ``fn(*args, **kwargs)`` would make on every
     rank of the world: collective over the world (every rank calls it, each with its own
@@ -81,10 +128,14 @@ def check(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     For every group, its ranks' calls on it are compared in order: op and meaning (``op="avg"``
     is not ``op="sum"``), static parameters, dtypes and shapes (rows excepted where they may
     differ), and whether the call comes from a backward pass. A loop's body counts once; every
-    branch of a conditional counts. Point-to-point calls are not compared.
+    branch of a conditional counts. Point-to-point messages are compared pair by pair: what a
+    rank sends to another (``send``, and the send half of ``sendrecv``) against what that rank
+    receives from it, in order, with dtypes and shapes (a ``lax.scan``'s body counts once per
+    iteration; where a while loop or a conditional holds a point-to-point call on some rank,
+    messages are not compared).
 
-    Returns the number of calls compared; raises :class:`spmd.SpmdError` on every rank, naming
-    the first call that differs with each rank's call and source line.
+    Returns the number of calls and messages compared; raises :class:`spmd.SpmdError` on every
+    rank, naming the first call or message that differs with each rank's call and source line.
 
     Example (a world of one: nothing to compare)::
 
@@ -93,4 +144,5 @@ def check(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
         0
     """
     program = trace(fn)(*args, **kwargs)
-    return compare(get_communicator(), schedule(program), _OP)
+    comm = get_communicator()
+    return compare(comm, schedule(program), _OP) + compare_messages(comm, program, _OP)
