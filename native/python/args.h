@@ -61,6 +61,30 @@ inline bool SetNew(PyObject* d, const char* key, PyObject* value) {
   return rc == 0;
 }
 
+// A Python list of `v`'s ints; nullptr with a Python error set on failure.
+inline PyObject* IntListOf(const std::vector<int>& v) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(v.size()));
+  if (list == nullptr) return nullptr;
+  for (size_t i = 0; i < v.size(); ++i) {
+    PyObject* x = PyLong_FromLong(v[i]);
+    if (x == nullptr) {
+      Py_DECREF(list);
+      return nullptr;
+    }
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), x);
+  }
+  return list;
+}
+
+// list.append(item), taking the reference to `item` (which may be nullptr: an error already
+// set).
+inline bool AppendNew(PyObject* list, PyObject* item) {
+  if (item == nullptr) return false;
+  int rc = PyList_Append(list, item);
+  Py_DECREF(item);
+  return rc == 0;
+}
+
 }  // namespace spmd_python
 
 #endif  // SPMD_PYTHON_ARGS_H_

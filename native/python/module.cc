@@ -27,8 +27,10 @@
 
 namespace {
 
+using spmd_python::AppendNew;
 using spmd_python::CodeDict;
 using spmd_python::IntList;
+using spmd_python::IntListOf;
 using spmd_python::Raise;
 using spmd_python::SetNew;
 
@@ -257,20 +259,14 @@ PyObject* MpiWatchWaits(PyObject*, PyObject*) {
   for (const auto& w : spmd::MpiWatches()) {
     const int64_t since = w->waiting_since_ns.load(std::memory_order_acquire);
     if (since == 0) continue;
-    PyObject* ranks = PyList_New(static_cast<Py_ssize_t>(w->world_ranks.size()));
-    if (ranks == nullptr) return Py_DECREF(out), nullptr;
-    for (size_t i = 0; i < w->world_ranks.size(); ++i) {
-      PyList_SET_ITEM(ranks, static_cast<Py_ssize_t>(i), PyLong_FromLong(w->world_ranks[i]));
-    }
-    PyObject* item = Py_BuildValue("(NKd)", ranks,
-                                   static_cast<unsigned long long>(w->started.load()),
-                                   static_cast<double>(now - since) * 1e-9);
-    if (item == nullptr || PyList_Append(out, item) != 0) {
-      Py_XDECREF(item);
+    PyObject* ranks = IntListOf(w->world_ranks);
+    if (ranks == nullptr ||
+        !AppendNew(out, Py_BuildValue("(NKd)", ranks,
+                                      static_cast<unsigned long long>(w->started.load()),
+                                      static_cast<double>(now - since) * 1e-9))) {
       Py_DECREF(out);
       return nullptr;
     }
-    Py_DECREF(item);
   }
   return out;
 }
@@ -310,19 +306,13 @@ PyObject* MpiWatchFailures(PyObject*, PyObject*) {
       w->failure_told = true;
       error = w->failure;
     }
-    PyObject* ranks = PyList_New(static_cast<Py_ssize_t>(w->world_ranks.size()));
-    if (ranks == nullptr) return Py_DECREF(out), nullptr;
-    for (size_t i = 0; i < w->world_ranks.size(); ++i) {
-      PyList_SET_ITEM(ranks, static_cast<Py_ssize_t>(i), PyLong_FromLong(w->world_ranks[i]));
-    }
-    PyObject* item = Py_BuildValue("(NKs#)", ranks, static_cast<unsigned long long>(failed),
-                                   error.data(), static_cast<Py_ssize_t>(error.size()));
-    if (item == nullptr || PyList_Append(out, item) != 0) {
-      Py_XDECREF(item);
+    PyObject* ranks = IntListOf(w->world_ranks);
+    if (ranks == nullptr ||
+        !AppendNew(out, Py_BuildValue("(NKs#)", ranks, static_cast<unsigned long long>(failed),
+                                      error.data(), static_cast<Py_ssize_t>(error.size())))) {
       Py_DECREF(out);
       return nullptr;
     }
-    Py_DECREF(item);
   }
   return out;
 }
