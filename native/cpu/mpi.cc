@@ -390,7 +390,10 @@ Status MpiComm::Broke(const Status& error, bool own) const {
   return error;
 }
 
-std::string MpiComm::WatchPeerFailed(uint64_t n) const {
+std::string MpiComm::PeerFailed(uint64_t n) const {
+  if (peer_failed) {
+    if (std::string first = peer_failed(n); !first.empty()) return first;
+  }
   if (watch == nullptr) return "";
   const uint64_t failed = watch->peer_failed.load(std::memory_order_acquire);
   if (failed == 0 || failed > n) return "";
@@ -441,9 +444,9 @@ Status MpiComm::Wait(H* requests, int n, const char* what) const {
           // A peer on the node that failed this collective (or an earlier one): it will not
           // come, and its error says why.
           if (current_ != nullptr) {
-            std::string first = peer_failed ? peer_failed(calls_) : std::string();
-            if (first.empty()) first = WatchPeerFailed(calls_);
-            if (!first.empty()) return Broke(Status::Error(first), false);
+            if (std::string first = PeerFailed(calls_); !first.empty()) {
+              return Broke(Status::Error(first), false);
+            }
           }
           std::string gone = peer_gone ? peer_gone() : std::string();
           if (gone.empty() && current_ != nullptr) gone = WatchGone();
@@ -872,10 +875,9 @@ Status MpiComm::Barrier() const {
 
 Status MpiComm::CheckSame(const Signature& sig) const {
   SPMD_RETURN_IF_ERROR(Usable());
-  {  // a peer has already failed this collective, or an earlier one (on the node, or told)
-    std::string first = peer_failed ? peer_failed(calls_ + 1) : std::string();
-    if (first.empty()) first = WatchPeerFailed(calls_ + 1);
-    if (!first.empty()) return Broke(Status::Error(first), false);
+  // A peer has already failed this collective, or an earlier one.
+  if (std::string first = PeerFailed(calls_ + 1); !first.empty()) {
+    return Broke(Status::Error(first), false);
   }
   current_ = &sig;  // valid until the op's end: every later wait is in a later op or a send/recv
   ++calls_;

@@ -187,8 +187,9 @@ struct MpiComm {
   std::string Behind(bool ask) const;
   // The watch's verdict that a peer left before collective #calls_ ("" if none).
   std::string WatchGone() const;
-  // A peer's failure of collective #n or an earlier one that the watch was told of ("" if none).
-  std::string WatchPeerFailed(uint64_t n) const;
+  // A peer's failure of collective #n or an earlier one ("" if none): from the node's segment
+  // (`peer_failed`), else as the peer watch was told of it.
+  std::string PeerFailed(uint64_t n) const;
   // The group is broken by `error`, this rank's failure of the collective under way (peers on
   // the node are told: `failed`) or, `own` false, a peer's (already told). Returns `error`.
   Status Broke(const Status& error, bool own = true) const;

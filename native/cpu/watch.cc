@@ -72,8 +72,9 @@ const char* ReadRanks(const char* p, std::vector<int>* ranks) {
     const long r = std::strtol(p, &end, 10);
     if (end == p) break;
     ranks->push_back(static_cast<int>(r));
-    p = *end == ',' ? end + 1 : end;
-    if (*end != ',') break;
+    p = end;
+    if (*p != ',') break;
+    ++p;
   }
   return p;
 }
@@ -93,7 +94,7 @@ std::string Unescaped(const char* p) {
 }
 
 // A peer's failure of collective #call on the communicators of `ranks`: kept (the first one)
-// for their next collective and their waits (MpiComm::WatchPeerFailed).
+// for their next collective and their waits (MpiComm::PeerFailed).
 void Told(const char* p) {
   char* end = nullptr;
   const unsigned long long call = std::strtoull(p, &end, 10);
