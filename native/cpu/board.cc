@@ -17,7 +17,7 @@ namespace {
 std::mutex mu;                  // guards everything here
 ShmGroup* the_board = nullptr;  // the world group's segment, or null
 int waits = 0;                  // this process's published waits
-// The published wait (for Mine): while `waits` is 1, the one; more at once: not judged.
+// The latest published wait (for Mine); `mine_count` < 0: not judged.
 uint64_t mine_id = 0;
 Seen mine;
 int mine_count = -1;
@@ -121,12 +121,12 @@ std::string Wait::Poll() {
                               members_.size() <= static_cast<size_t>(ShmGroup::kBoardMembers)
                           ? static_cast<int>(members_.size())
                           : -1;
-    if (alone) {
-      ++mine_id;
-      mine = Seen{key_, members_, what_};
-      mine_count = count;
-      mine_since_ns = start_ns_;
-    }
+    // The latest published wait, as the segment's slot shows it: once a second one is
+    // published it stays not judged until the process publishes a wait alone again.
+    ++mine_id;
+    mine = Seen{key_, members_, what_};
+    mine_count = count;
+    mine_since_ns = start_ns_;
     if (the_board != nullptr) the_board->BoardPublish(key_, start_ns_, members_, count, what_);
     next_check_ns_ = start_ns_ + kSettledNs;
   }
