@@ -41,8 +41,8 @@ request are the stack print, the report of its failure and the deadlock.
 Each rank's server answers only requests that carry its token, a random secret that travels
 with its port over the setup channel (MPI, or the job's private store): anyone else on the
 network who reaches the port gets no answer, asks for no stack and reports no failure or
-deadlock.
-The server serves its clients together, so one that connects and says nothing delays no peer."""
+deadlock. The server serves its clients together, so one that connects and says nothing delays
+no peer."""
 
 from __future__ import annotations
 
@@ -219,11 +219,12 @@ class _Watch:
         and no wait can complete, it reads them once more, and if no rank has moved it hands
         the deadlock to every rank (each of their waits then fails with it)."""
         mine = self.wait_of(self.me)
+        if mine is None or mine[1] < _SETTLED_S:
+            return
+        if mine[0] != self.scanned_wait:  # a new wait: read at once, then less often
+            self.scanned_wait, self.scan_every, self.next_scan = mine[0], _POLL_S, 0.0
         now = time.monotonic()
-        if mine is None or mine[1] < _SETTLED_S or mine[0] != self.scanned_wait:
-            self.scanned_wait = mine[0] if mine is not None else -1
-            self.scan_every, self.next_scan = _POLL_S, 0.0
-        if mine is None or mine[1] < _SETTLED_S or now < self.next_scan:
+        if now < self.next_scan:
             return
         self.next_scan = now + self.scan_every
         self.scan_every = min(2 * self.scan_every, _SCAN_MAX_S)
