@@ -185,6 +185,15 @@ _ROWS_VARY = frozenset({"all_to_allv"})
 _sites = itertools.count(1)
 
 
+def shape_text(aval: Any, rows_vary: bool = False) -> str:
+    """An array's dtype and shape as the ranks compare them, ``float32[4,8]`` (``float32[*,8]``
+    where its rows may differ from rank to rank)."""
+    dims = [str(d) for d in aval.shape]
+    if rows_vary and dims:
+        dims[0] = "*"
+    return f"{np.dtype(aval.dtype).name}[{','.join(dims)}]"
+
+
 def describe_call(op: str, avals: Sequence[Any], params: dict[str, Any]) -> str:
     """One call written out as the ranks compare it on GPU: the op, its parameters (the call's
     meaning as written, e.g. ``op=avg``, and every static parameter), its arrays' dtypes and
@@ -201,13 +210,8 @@ def describe_call(op: str, avals: Sequence[Any], params: dict[str, Any]) -> str:
         if k not in skip and v is not None and v != ():
             parts.append(f"{k}=[{','.join(map(str, v))}]" if isinstance(v, tuple) else f"{k}={v}")
 
-    def leaf(a: Any) -> str:
-        dims = [str(d) for d in a.shape]
-        if vary and dims:
-            dims[0] = "*"
-        return f"{np.dtype(a.dtype).name}[{','.join(dims)}]"
-
-    text = f"{op}({', '.join(parts)}) of {', '.join(map(leaf, avals)) or 'no arrays'}"
+    leaves = ", ".join(shape_text(a, vary) for a in avals) or "no arrays"
+    text = f"{op}({', '.join(parts)}) of {leaves}"
     return text + {"forward": "", "jvp": " [JVP]", "backward": " [backward pass]"}[group.role]
 
 

@@ -8,10 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from .._jax_compat import core, user_frames
-from ._primitive import GroupRef, describe_call
+from ._primitive import GroupRef, describe_call, shape_text
 
 _SPMD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,6 +73,12 @@ class Unknown(Exception):
     conditional (how many run, or which, is known only when it runs)."""
 
 
+# Primitives whose inner program runs once each time they do.
+_RUN_ONCE = frozenset(
+    {"pjit", "jit", "closed_call", "custom_jvp_call", "custom_vjp_call", "remat", "checkpoint"}
+)
+
+
 def messages(jaxpr: Any) -> list[Message]:
     """The messages of ``jaxpr``'s point-to-point calls in the order this rank makes them: a
     ``lax.scan``'s body once per iteration, a ``sendrecv`` as its send then its receive.
@@ -92,13 +96,13 @@ def _messages(jaxpr: Any, out: list[Message]) -> None:
             ranks, where = group.ranks, _where(eqn)
             if op in ("spmd_send", "spmd_sendrecv"):
                 out.append(Message("send", ranks, ranks[eqn.params["dst"]],
-                                   _shape(eqn.invars[0].aval), where))  # fmt: skip
+                                   shape_text(eqn.invars[0].aval), where))  # fmt: skip
             if op == "spmd_sendrecv":
                 out.append(Message("recv", ranks, ranks[eqn.params["src"]],
-                                   _shape(eqn.invars[0].aval), where))  # fmt: skip
+                                   shape_text(eqn.invars[0].aval), where))  # fmt: skip
             if op == "spmd_recv":
                 out.append(Message("recv", ranks, ranks[eqn.params["src"]],
-                                   _shape(eqn.outvars[0].aval), where))  # fmt: skip
+                                   shape_text(eqn.outvars[0].aval), where))  # fmt: skip
             continue
         subs = [getattr(s, "jaxpr", s) for s in core.jaxprs_in_params(eqn.params)]
         inner: list[Message] = []
@@ -106,11 +110,6 @@ def _messages(jaxpr: Any, out: list[Message]) -> None:
             _messages(sub, inner)
         if not inner:
             continue
-        if op != "scan" and op not in ("pjit", "jit", "closed_call", "custom_jvp_call",
-                                       "custom_vjp_call", "remat", "checkpoint"):  # fmt: skip
+        if op not in _RUN_ONCE and op != "scan":  # a while loop, a conditional: not known
             raise Unknown(f"point-to-point calls inside {op} at {_where(eqn)}")
         out.extend(inner * (int(eqn.params["length"]) if op == "scan" else 1))
-
-
-def _shape(aval: Any) -> str:
-    return f"{np.dtype(aval.dtype).name}[{','.join(map(str, aval.shape))}]"

@@ -28,11 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._errors import SpmdError
 from ..ops import broadcast, recv, send
 from ._stages import at
-
-_OP = "pipeline_value_and_grad"
 
 Op = tuple[str, int, int]  # ("F" or "B", chunk on this rank j, microbatch i)
 Key = tuple[str, int, int]  # ("fwd" or "bwd", the chunk that sent it, microbatch i)
@@ -113,7 +110,8 @@ def run(pipe: Any, params: list[Any], inputs: Any, targets: Any) -> tuple[Any, l
     v = len(params)
     extra = warm_up(p, v, m)
     last = v * p - 1
-    sends = _agree(pipe, params, inputs, targets)  # per chunk: what it sends on (the loss last)
+    settings = {"microbatches": m, "schedule": "interleaved", "virtual_stages": v}
+    sends = pipe._agree(params, inputs, targets, settings)  # per chunk (the loss, the last)
     xs, ts = pipe.xs, pipe.ts
     chans = channels(p, v, m, extra)
     incoming = {src: iter(keys) for (src, dst), keys in chans.items() if dst == r}
@@ -169,45 +167,5 @@ def run(pipe: Any, params: list[Any], inputs: Any, targets: Any) -> tuple[Any, l
                 post(out, dst, back[1])  # type: ignore[arg-type]
     loss = loss / m
     if p > 1:
-        loss = broadcast(loss, root=last % p, group=comm)
+        loss = broadcast(loss, root=p - 1, group=comm)  # chunk v p - 1 is on rank p - 1
     return loss, grads
-
-
-def _agree(pipe: Any, params: list[Any], inputs: Any, targets: Any) -> list[Any]:
-    """Split the batch; work out what each chunk sends on (its loss, the last) chunk after
-    chunk, the same on every rank of the group (or the same error)."""
-    comm, m, p, r = pipe.comm, pipe.m, pipe.p, pipe.s
-    v, last = len(params), len(params) * pipe.p - 1
-    mine = (m, "interleaved", v)
-    for k, theirs in enumerate(comm.agree(lambda: mine)):
-        if theirs != mine:
-            raise SpmdError(
-                f"rank {comm.ranks[k]} passed microbatches={theirs[0]}, schedule={theirs[1]!r}, "
-                f"virtual_stages={theirs[2]}, but rank {comm.world_rank} microbatches={m}, "
-                f"schedule='interleaved', virtual_stages={v}; every stage of a pipeline passes "
-                "the same",
-                op=_OP,
-            )
-
-    def setup() -> None:
-        pipe.xs = pipe._split(inputs, "inputs") if r == 0 else None
-        pipe.ts = pipe._split(targets, "targets") if r == last % p else None
-
-    comm.agree(setup)
-    xs = pipe.xs
-    like = None if xs is None else jax.eval_shape(lambda: at(xs, 0))
-    sends = []
-    for c in range(v * p):
-
-        def chunk(c: int = c, like: Any = like) -> Any:
-            if c % p != r:
-                return None
-            pipe.s, pipe.first, pipe.last = c, c == 0, c == last  # the messages name the chunk
-            try:
-                return pipe._shape_of_stage(params[c // p], like)
-            finally:
-                pipe.s, pipe.first, pipe.last = r, r == 0, r == p - 1
-
-        like = comm.agree(chunk)[c % p]
-        sends.append(like)
-    return sends

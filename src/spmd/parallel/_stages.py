@@ -95,6 +95,22 @@ def stage_layers(
     return [list(stages[j * p + comm.rank]) for j in range(v)]
 
 
+def agree_settings(comm: Any, settings: dict[str, Any]) -> None:
+    """The same error on every rank of the pipeline's group unless every rank passed the same
+    ``settings`` (microbatches, schedule, ...)."""
+
+    def said(values: dict[str, Any]) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in values.items())
+
+    for r, theirs in enumerate(comm.agree(lambda: settings)):
+        if theirs != settings:
+            raise SpmdError(
+                f"rank {comm.ranks[r]} passed {said(theirs)}, but rank {comm.world_rank} "
+                f"{said(settings)}; every stage of a pipeline passes the same",
+                op="pipeline_value_and_grad",
+            )
+
+
 def sum_shared(grads: Any, shared: Any, comm: Any) -> Any:
     """``grads`` with the leaves ``shared`` marks summed over the pipeline's group (one call)."""
     try:

@@ -60,7 +60,7 @@ from ..runtime import Communicator
 from . import _interleaved
 from ._backward_split import BackwardSplit
 from ._grad import active, mark_tree
-from ._stages import at, describe, split, stage_layers, sum_shared
+from ._stages import agree_settings, at, describe, split, stage_layers, sum_shared
 
 __all__ = ["SCHEDULES", "split", "stage_layers", "value_and_grad"]
 
@@ -208,20 +208,16 @@ class _Run:
             lambda a: jnp.reshape(jnp.asarray(a), (self.m, -1, *np.shape(a)[1:])), tree
         )
 
-    def _agree(self, params: Any, inputs: Any, targets: Any) -> None:
-        """Split the batch, and work out what each stage sends (``jax.ShapeDtypeStruct`` trees;
-        the last stage's: its loss) stage after stage: the same on every rank of the group, or
-        the same error on every rank."""
-        comm, m, schedule = self.comm, self.m, self.schedule
-
-        for r, (mr, sr) in enumerate(comm.agree(lambda: (m, schedule))):
-            if (mr, sr) != (m, schedule):
-                raise SpmdError(
-                    f"rank {comm.ranks[r]} passed microbatches={mr}, schedule={sr!r}, but rank "
-                    f"{comm.world_rank} microbatches={m}, schedule={schedule!r}; every stage "
-                    "of a pipeline passes the same",
-                    op=_OP,
-                )
+    def _agree(
+        self, chunks: list[Any], inputs: Any, targets: Any, settings: dict[str, Any]
+    ) -> list[Any]:
+        """Check that every rank passed the same ``settings``, split the batch, and work out
+        what each stage sends (``jax.ShapeDtypeStruct`` trees; the last stage's: its loss)
+        stage after stage: the same on every rank of the group, or the same error on every
+        rank. This rank holds stages ``j * p + s`` (``chunks[j]``; one, but for the
+        interleaved schedule)."""
+        comm, p, s = self.comm, self.p, self.s
+        agree_settings(comm, settings)
 
         def setup() -> None:
             self.xs = self._split(inputs, "inputs") if self.first else None
@@ -230,36 +226,39 @@ class _Run:
         comm.agree(setup)
         xs = self.xs
         like = None if xs is None else jax.eval_shape(lambda: at(xs, 0))
-        self.sends: list[Any] = []
-        for r in range(self.p):
+        sends: list[Any] = []
+        n = len(chunks) * p
+        for c in range(n):
 
-            def stage_r(r: int = r, like: Any = like) -> Any:
-                return self._shape_of_stage(params, like) if r == self.s else None
+            def stage_c(c: int = c, like: Any = like) -> Any:
+                return self._shape_of_stage(chunks[c // p], like, c, n) if c % p == s else None
 
-            like = comm.agree(stage_r)[r]
-            self.sends.append(like)
+            like = comm.agree(stage_c)[c % p]
+            sends.append(like)
+        return sends
 
-    def _shape_of_stage(self, params: Any, like: Any) -> Any:
-        """What this stage sends on (the loss, on the last), from what it receives."""
+    def _shape_of_stage(self, params: Any, like: Any, stage: int, stages: int) -> Any:
+        """What stage ``stage`` of ``stages`` (this rank's, or one of its chunks) sends on (the
+        loss, on the last), from what it receives."""
         try:
             out = jax.eval_shape(self.stage_fn, params, like)
         except Exception as e:
-            if self.first:
+            if stage == 0:
                 raise SpmdError(
                     f"stage 0's stage_fn fails on a microbatch of the inputs, "
                     f"{describe(like)}: {type(e).__name__}: {e}",
                     op=_OP,
                 ) from e
             raise SpmdError(
-                f"stage {self.s}'s stage_fn cannot take what stage {self.s - 1} sends, "
+                f"stage {stage}'s stage_fn cannot take what stage {stage - 1} sends, "
                 f"{describe(like)}: {type(e).__name__}: {e}",
                 op=_OP,
             ) from e
-        if not self.last:
+        if stage < stages - 1:
             for leaf in jax.tree_util.tree_leaves(out):
                 if not jnp.issubdtype(leaf.dtype, jnp.floating):
                     raise SpmdError(
-                        f"stage {self.s} sends {describe(out)}; what a stage sends on must be "
+                        f"stage {stage} sends {describe(out)}; what a stage sends on must be "
                         "floating point (its gradient travels back)",
                         op=_OP,
                     )
@@ -304,7 +303,9 @@ class _Run:
         if self.schedule == "interleaved":
             loss, grads = _interleaved.run(self, list(params), inputs, targets)
             return self._finish(loss, type(params)(grads), shared, call)
-        self._agree(params, inputs, targets)
+        self.sends = self._agree(
+            [params], inputs, targets, {"microbatches": self.m, "schedule": self.schedule}
+        )
         self.params = params
         m, p, s = self.m, self.p, self.s
         self.slots = {"gpipe": m, "1f1b": min(p - s, m), "zero_bubble": min(p, m)}[self.schedule]
