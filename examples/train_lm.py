@@ -5,6 +5,7 @@ on one mesh.
     spmd-run -n 4 python examples/train_lm.py --mesh pp=2,tp=2 --schedule gpipe
     spmd-run -n 2 python examples/train_lm.py --mesh dp=2 --zero 2
     spmd-run -n 2 python examples/train_lm.py --mesh cp=2
+    spmd-run -n 2 python examples/train_lm.py --mesh auto   # the layout spmd.perf.plan picks
     python examples/train_lm.py                  # one process: the same model, the same batches
 
 A decoder-only transformer reads bytes (a vocabulary of 256) of the Python standard library's
@@ -221,6 +222,22 @@ def parse_mesh(text: str, ap: argparse.ArgumentParser) -> dict[str, int]:
     return axes
 
 
+def choose_layout(args: argparse.Namespace, world: int, say: Any) -> dict[str, int]:
+    """--mesh auto: rank the layouts of this model on ``world`` ranks by predicted step time,
+    print the first ``--plans``, and take the first (its mesh, schedule, microbatches, ZeRO)."""
+    model = spmd.perf.Model(layers=args.layers, hidden=args.dim, heads=args.heads, seq=args.seq,
+                            batch=args.batch, vocab=VOCAB)  # fmt: skip
+    # The microbatch counts benchmarks/plan.py measured the planner against.
+    ranked = spmd.perf.plan(model, world=world, cost=args.cost, microbatches=(1, 2, 4))
+    say(f"--mesh auto: {len(ranked)} layouts of {world} ranks, fastest predicted first:")
+    for i, p in enumerate(ranked[: args.plans], 1):
+        say(f"  {i}. {p.layout.describe():<28} {p.time * 1e3:8.1f} ms/step  "
+            f"{p.memory / 2**20:7.1f} MiB/rank")  # fmt: skip
+    best = ranked[0].layout
+    args.schedule, args.microbatches, args.zero = best.schedule, best.microbatches, best.zero
+    return ranked[0].mesh
+
+
 def progress(i: int, total: int, loss: float, tokens_per_s: float) -> None:
     done = int(30 * i / total)
     line = f"[{'#' * done}{'.' * (30 - done)}] step {i}/{total}  loss {loss:.4f}"
@@ -229,12 +246,16 @@ def progress(i: int, total: int, loss: float, tokens_per_s: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mesh", default="", help="axis sizes, e.g. pp=2,dp=2,cp=2,tp=2 (default 1)")
+    ap.add_argument("--mesh", default="", help="axis sizes, e.g. pp=2,dp=2,cp=2,tp=2 (default 1), "
+                    "or auto: the layout spmd.perf.plan predicts fastest")  # fmt: skip
+    ap.add_argument("--cost", help="with --mesh auto: a fitted cost model (benchmarks/plan.py's "
+                    "JSON); default: the planner's reference fit")  # fmt: skip
     # One stage per rank here (the interleaved schedule's chunks would each need their roles).
     one_chunk = [s for s in spmd.pipeline.SCHEDULES if s != "interleaved"]
     ap.add_argument("--schedule", choices=one_chunk, default="1f1b")
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--zero", type=int, choices=(0, 1, 2), default=0, help="ZeRO stage over dp")
+    ap.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage over dp")
+    ap.add_argument("--plans", type=int, default=5, help="with --mesh auto: layouts to print")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=64)
@@ -250,15 +271,16 @@ def main() -> None:
     ap.add_argument("--sample", type=int, default=200, help="bytes to write at the end")
     args = ap.parse_args()
 
-    axes = parse_mesh(args.mesh, ap)
-    mesh = spmd.Mesh(**axes)
     comm = spmd.get_communicator()
+    say = print if comm.rank == 0 else (lambda *a, **k: None)
+    auto = args.mesh == "auto"
+    axes = choose_layout(args, comm.size, say) if auto else parse_mesh(args.mesh, ap)
+    mesh = spmd.Mesh(**axes)
     if (args.layers % axes["pp"] or args.heads % axes["tp"] or args.batch % axes["dp"]
             or args.seq % (2 * axes["cp"])):  # fmt: skip
         ap.error(f"--mesh {args.mesh}: pp must divide --layers {args.layers}, tp --heads "
                  f"{args.heads}, dp --batch {args.batch}, 2 * cp --seq {args.seq}")  # fmt: skip
     text = corpus(args.corpus_bytes)
-    say = print if comm.rank == 0 else (lambda *a, **k: None)
     say(f"{comm.size} ranks, mesh {dict(mesh.shape)}, {len(text):,} bytes of the standard library"
         f" ({Path(os.__file__).parent.name}), schedule {args.schedule}, "
         f"{args.microbatches} microbatches, ZeRO {args.zero or 'off'}")  # fmt: skip
@@ -297,6 +319,8 @@ def main() -> None:
 
         losses: list[float] = []
         t0, tokens = time.perf_counter(), 0
+        took: list[float] = []  # seconds per step, from the second (the first compiles)
+        tick = t0
         for i in range(start + 1, args.steps + 1):
             ids, targets = batch(text, i, args.batch, args.seq)
             mine = slice(c["dp"] * rows, (c["dp"] + 1) * rows)
@@ -307,6 +331,9 @@ def main() -> None:
             else:
                 params, state, loss = step(params, state, ids, targets)
             losses.append(float(loss))
+            if i > start + 1:
+                took.append(time.perf_counter() - tick)
+            tick = time.perf_counter()
             if i == start + 1:  # the first step compiles: count from the second
                 t0 = time.perf_counter()
             else:
@@ -318,6 +345,8 @@ def main() -> None:
                 progress(i - start, args.steps - start, losses[-1], rate)
             elif i % 20 == 0 or i == args.steps:
                 say(f"step {i:4d}  loss {losses[-1]:.4f}  {rate:,.0f} tokens/s", flush=True)
+        if took:
+            say(f"median step {1e3 * float(np.median(took)):.2f} ms over {len(took)} steps")
         if args.zero:  # back to ShardedArrays over pp and tp (the optimizer state stays behind)
             params = jax.tree_util.tree_map(
                 lambda s, b: spmd.ShardedArray(b, s.shape, s.spec, s.mesh), params,

@@ -7,10 +7,13 @@ nodes (whose link the node's ranks share). :func:`fit` finds the parameters from
 (:func:`read_bench` reads ``spmd-bench --json`` reports), :func:`compare` sets predictions
 beside measurements. :func:`step_time` predicts a training step of a :class:`Transformer` in a
 :class:`Layout` (data parallel, ZeRO 1-3, tensor and pipeline parallel) on a :class:`Cluster`,
-and :func:`best` searches the layouts. docs/scaling.md shows what it predicts, with its
-assumptions, and how it compares with measurements.
+and :func:`best` searches the layouts. :func:`plan` ranks the layouts of a language model
+(:class:`Model`; context parallelism and the pipeline's schedule included) by the step time a
+:class:`Machine` fitted to measured steps predicts (docs/planner.md). docs/scaling.md shows
+what the simulator predicts, with its assumptions, and how it compares with measurements.
 
-Pure Python and NumPy: importing it starts nothing, and it runs without MPI or JAX.
+Pure Python and NumPy (SciPy, which JAX brings, for :meth:`Machine.fit`): importing it starts
+nothing, and it runs without MPI or JAX.
 
 Example: a 64 MiB allreduce on 2 nodes of 8 ranks, shared memory at 1 us and 20 GB/s per rank,
 MPI inside the node at 2 us and 10 GB/s, 100 Gbit/s links with 10 us per message::
@@ -34,6 +37,14 @@ from ._fit import Measurement as Measurement
 from ._fit import compare as compare
 from ._fit import fit as fit
 from ._fit import read_bench as read_bench
+from ._plan import TERMS as TERMS
+from ._plan import Machine as Machine
+from ._plan import Model as Model
+from ._plan import Plan as Plan
+from ._plan import candidates as candidates
+from ._plan import counts as counts
+from ._plan import plan as plan
+from ._plan import predict as predict
 from ._simulate import Cluster as Cluster
 from ._simulate import Layout as Layout
 from ._simulate import Step as Step

@@ -76,24 +76,37 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Layout:
-    """``dp`` x ``pp`` x ``tp`` ranks; ZeRO stage ``zero`` over ``dp``; ``microbatches`` per step
-    (pipelining; also the gradient accumulation without it)."""
+    """``dp`` x ``pp`` x ``cp`` x ``tp`` ranks; ZeRO stage ``zero`` over ``dp`` (and ``cp``,
+    whose ranks see different tokens too); ``microbatches`` per step (pipelining; also the
+    gradient accumulation without it) and the pipeline's ``schedule``. Context parallelism
+    (``cp``) and the schedule are the planner's (:func:`spmd.perf.plan`); :func:`step_time`
+    models neither."""
 
     dp: int
     tp: int = 1
     pp: int = 1
     zero: int = 0
     microbatches: int = 1
+    cp: int = 1
+    schedule: str = "1f1b"
 
     @property
     def ranks(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     def name(self) -> str:
         parts = [f"dp{self.dp}"] + [
-            f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp)) if v > 1
+            f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp)) if v > 1
         ]
         return "-".join(parts) + (f" zero{self.zero}" if self.zero else "")
+
+    def describe(self) -> str:
+        """The axes as ``spmd.Mesh`` takes them, the schedule, microbatches, ZeRO stage:
+        ``"pp=2 1f1b m=4"``, ``"dp=2 m=1 zero1"``."""
+        axes = ("dp", self.dp), ("tp", self.tp), ("pp", self.pp), ("cp", self.cp)
+        text = ",".join(f"{k}={v}" for k, v in axes if v > 1) or "dp=1"
+        text += f" {self.schedule}" if self.pp > 1 else ""
+        return f"{text} m={self.microbatches}" + (f" zero{self.zero}" if self.zero else "")
 
 
 @dataclass
@@ -156,6 +169,12 @@ def step_time(model: Transformer, layout: Layout, cluster: Cluster, batch: int) 
         )
     if layout.zero not in (0, 1, 2, 3):
         raise SpmdError(f"ZeRO stage {layout.zero} is not 0, 1, 2 or 3", rank=None)
+    if layout.cp > 1:
+        raise SpmdError(
+            f"the cluster simulator has no context parallelism (layout {layout.name()}); "
+            "spmd.perf.plan models it",
+            rank=None,
+        )
     links, per_node = cluster.links, cluster.per_node
     m = layout.microbatches
     seqs = batch / layout.dp  # sequences per replica
