@@ -101,6 +101,14 @@ def test_plan_ranks_by_predicted_time_within_the_memory_limit():
     mem = {p.layout.describe(): p.memory for p in ranked}
     assert mem["dp=4 m=1 zero3"] < mem["dp=4 m=1 zero2"] < mem["dp=4 m=1 zero1"] < mem["dp=4 m=1"]
     assert mem["pp=4 1f1b m=8"] < mem["pp=4 gpipe m=8"]
+    with pytest.raises(spmd.SpmdError, match=r"world=0: expected an int >= 1"):
+        plan(LM, world=0, cost=machine)
+    with pytest.raises(spmd.SpmdError, match=r"Model\(heads=0\): expected an int >= 1"):
+        Model(layers=4, hidden=64, heads=0, seq=64, batch=32)
+    with pytest.raises(spmd.SpmdError, match="the heads must divide the width"):
+        Model(layers=4, hidden=64, heads=3, seq=64, batch=32)
+    with pytest.raises(spmd.SpmdError, match=r"cannot read a cost model from 'nowhere\.json'"):
+        plan(LM, world=2, cost="nowhere.json")
     with pytest.raises(spmd.SpmdError, match="fits 4 ranks within 0 MiB per rank"):
         plan(LM, world=4, cost=machine, memory_per_rank=1000.0)
     assert ranked[0].mesh == {"pp": ranked[0].layout.pp, "dp": ranked[0].layout.dp,

@@ -69,6 +69,17 @@ class Model:
     ffn: int = 4
     value_bytes: int = 4
 
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "seq", "batch", "vocab", "ffn", "value_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SpmdError(f"Model({name}={value!r}): expected an int >= 1", rank=None)
+        if self.hidden % self.heads:
+            raise SpmdError(
+                f"Model(hidden={self.hidden}, heads={self.heads}): the heads must divide the width",
+                rank=None,
+            )
+
     @property
     def params_per_layer(self) -> int:
         """Attention's four projections, the MLP's two layers and their biases, two norms."""
@@ -187,8 +198,15 @@ class Machine:
     def load(cls, path: str | Path) -> Machine:
         """A Machine from a JSON file: :meth:`to_json`'s form, or a ``benchmarks/plan.py``
         result (its ``"machine"`` entry)."""
-        data = json.loads(Path(path).read_text())
-        return cls.from_json(data.get("machine", data))
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls.from_json(data.get("machine", data))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SpmdError(
+                f"cannot read a cost model from {str(path)!r}: {type(e).__name__}: {e}; expected "
+                "a Machine's JSON or a benchmarks/plan.py result",
+                rank=None,
+            ) from e
 
 
 # Fitted by `python benchmarks/plan.py --rounds 3` on a 2-core x86 machine
@@ -350,8 +368,8 @@ def candidates(
     split), ``dp`` the batch and ``microbatches`` each replica's rows (at least ``pp`` of them
     with a pipeline); ZeRO stages only where gradients are averaged (``dp * cp > 1``), schedules
     only with a pipeline."""
-    if world < 1:
-        raise SpmdError(f"the world must have at least one rank, not {world}", rank=None)
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise SpmdError(f"world={world!r}: expected an int >= 1 (ranks)", rank=None)
     for s in schedules:
         if s not in SCHEDULES:
             raise SpmdError(
