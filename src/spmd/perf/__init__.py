@@ -40,14 +40,14 @@ from ._fit import read_bench as read_bench
 from ._plan import TERMS as TERMS
 from ._plan import Machine as Machine
 from ._plan import Model as Model
-from ._plan import Plan as Plan
+from ._plan import Prediction as Prediction
 from ._plan import candidates as candidates
 from ._plan import counts as counts
 from ._plan import plan as plan
 from ._plan import predict as predict
 from ._simulate import Cluster as Cluster
 from ._simulate import Layout as Layout
-from ._simulate import Step as Step
+from ._simulate import StepTime as StepTime
 from ._simulate import Transformer as Transformer
 from ._simulate import best as best
 from ._simulate import group_shape as group_shape

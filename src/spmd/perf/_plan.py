@@ -116,7 +116,7 @@ class Model:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Prediction:
     """One layout, its predicted seconds per step by term and its estimated bytes per rank."""
 
     layout: Layout
@@ -397,11 +397,13 @@ def candidates(
     return out
 
 
-def predict(model: Model, layout: Layout, cost: Machine, *, per_node: int | None = None) -> Plan:
-    """The predicted step of ``model`` in ``layout`` (:class:`Plan`)."""
+def predict(
+    model: Model, layout: Layout, cost: Machine, *, per_node: int | None = None
+) -> Prediction:
+    """The predicted step of ``model`` in ``layout``."""
     c = counts(model, layout, cost.links, per_node=per_node)
     parts = {t: cost.coefficients[t] * c[t] for t in TERMS}
-    return Plan(layout, sum(parts.values()), memory(model, layout), parts)
+    return Prediction(layout, sum(parts.values()), memory(model, layout), parts)
 
 
 def plan(
@@ -414,7 +416,7 @@ def plan(
     microbatches: Sequence[int] = (1, 2, 4, 8),
     schedules: Sequence[str] = SCHEDULES,
     zero: Sequence[int] = (0, 1, 2, 3),
-) -> list[Plan]:
+) -> list[Prediction]:
     """The feasible layouts of ``model`` on ``world`` ranks, fastest predicted first.
 
     ``cost``: a fitted :class:`Machine` (or the path of one's JSON); None: the reference fit of

@@ -110,7 +110,7 @@ class Layout:
 
 
 @dataclass
-class Step:
+class StepTime:
     """One step's predicted seconds, by part, and the memory it needs per rank."""
 
     compute: float
@@ -159,7 +159,7 @@ def _overlapped(comm: float, window: float, nbytes: float) -> float:
     return max(comm - window * (1 - 1 / buckets), comm / buckets)
 
 
-def step_time(model: Transformer, layout: Layout, cluster: Cluster, batch: int) -> Step:
+def step_time(model: Transformer, layout: Layout, cluster: Cluster, batch: int) -> StepTime:
     """The predicted step of ``batch`` sequences (the global batch) on ``cluster`` in
     ``layout``."""
     if layout.ranks != cluster.ranks:
@@ -180,7 +180,7 @@ def step_time(model: Transformer, layout: Layout, cluster: Cluster, batch: int) 
     seqs = batch / layout.dp  # sequences per replica
     tokens = seqs * model.seq
     work = model.flops_per_token * tokens / (layout.tp * layout.pp)
-    step = Step(compute=work / cluster.flops)
+    step = StepTime(compute=work / cluster.flops)
     step.ideal = model.flops_per_token * batch * model.seq / (cluster.ranks * cluster.flops)
     if seqs < m:
         step.fits = False
@@ -253,7 +253,7 @@ def layouts(ranks: int, per_node: int, batch: int, pp_max: int = 64) -> list[Lay
 
 def best(
     model: Transformer, cluster: Cluster, batch: int, family: str = "any"
-) -> tuple[Layout, Step] | None:
+) -> tuple[Layout, StepTime] | None:
     """The fastest layout that fits, among ``family``: ``"dp"`` (data parallel alone, ZeRO 0),
     ``"zero1"``, ``"zero3"``, ``"tp"`` (tensor parallel inside the node, any ZeRO stage over
     dp), ``"pp"`` (pipeline parallel, with or without tensor parallel) or ``"any"``; None if
