@@ -8,7 +8,7 @@ convention and the ordering guarantees are described in ``docs/collectives.md``.
 
 ``set_transport``/``get_transport`` choose and report how collectives move data (shared memory,
 MPI or both on CPU; the custom all-reduce or NCCL on GPU). ``ARRAY_LIKE``, ``SUPPORTED_DTYPES``,
-``chain_config``, ``holds_collective``, ``after``, ``collective_calls`` (with ``ScheduledCall``),
+``chain_config``, ``holds_collective``, ``after``, ``collective_calls`` (with ``PreflightCall``),
 ``all_to_allv_indexed``, ``tree_reduce`` and the MoE exchange (``moe_dispatch``, ``moe_combine``,
 ``moe_native``, ``weighted_sum``) serve the layers above
 (spmd.parallel, spmd.cli) and are not in ``__all__``.
@@ -39,16 +39,16 @@ from ._p2p import barrier as barrier
 from ._p2p import recv as recv
 from ._p2p import send as send
 from ._p2p import sendrecv as sendrecv
+from ._preflight import Message as Message
+from ._preflight import PreflightCall as PreflightCall
+from ._preflight import Unknown as Unknown
+from ._preflight import collective_calls as collective_calls
+from ._preflight import messages as messages
 from ._rmsnorm import allreduce_rmsnorm as allreduce_rmsnorm
 from ._rooted import gather as gather
 from ._rooted import reduce as reduce
 from ._rooted import scan as scan
 from ._rooted import scatter as scatter
-from ._schedule import Message as Message
-from ._schedule import ScheduledCall as ScheduledCall
-from ._schedule import Unknown as Unknown
-from ._schedule import collective_calls as collective_calls
-from ._schedule import messages as messages
 from ._transport import get_transport as get_transport
 from ._transport import set_transport as set_transport
 

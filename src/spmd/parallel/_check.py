@@ -23,7 +23,7 @@ _OP = "spmd.check"
 Calls = list[tuple[str, tuple[int, ...], str]]
 
 
-def schedule(program: Program) -> Calls:
+def collectives_of(program: Program) -> Calls:
     """The collectives of ``program`` as the ranks compare them (point-to-point calls left out:
     two ranks of their group make them, each its own way)."""
     return [(c.text, c.ranks, c.where) for c in collective_calls(program.jaxpr) if c.text]
@@ -145,4 +145,4 @@ def check(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     """
     program = trace(fn)(*args, **kwargs)
     comm = get_communicator()
-    return compare(comm, schedule(program), _OP) + compare_messages(comm, program, _OP)
+    return compare(comm, collectives_of(program), _OP) + compare_messages(comm, program, _OP)

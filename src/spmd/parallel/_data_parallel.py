@@ -42,8 +42,8 @@ from ._passes import (
     block_groups,
     chain,
     gradient_leaves,
+    place_buckets,
     reduce_blocks,
-    schedule,
 )
 from ._program import Env, Program, eval_eqn, retrace
 from ._step import Step, Traced, syncing
@@ -396,7 +396,7 @@ def _reduce(
     leaves, marks = gradient_leaves(program)
     if not leaves:
         raise SpmdError(NO_GRAD.format(name=program.name), op="data_parallel")
-    at = schedule(leaves, marks, bucket_mb, overlap)
+    at = place_buckets(leaves, marks, bucket_mb, overlap)
     eqns = program.jaxpr.jaxpr.eqns
     invars = program.jaxpr.jaxpr.invars
     n_in = len(invars)

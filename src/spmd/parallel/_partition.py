@@ -46,7 +46,7 @@ from ..mesh import resolve_group
 from ..runtime import Communicator
 from ..sharded import pad_dim, slice_dim
 from ._grad import mark_p
-from ._passes import NO_GRAD, Pass, block_groups, gradient_leaves, reduce_blocks, schedule
+from ._passes import NO_GRAD, Pass, block_groups, gradient_leaves, place_buckets, reduce_blocks
 from ._program import Program, eval_eqn, retrace
 
 __all__ = ["shard_state"]
@@ -379,7 +379,7 @@ def _partition(
     leaves, marks = gradient_leaves(program)
     if not leaves:
         raise SpmdError(NO_GRAD.format(name=program.name), op="zero_shard")
-    at = schedule(leaves, marks, bucket_mb, overlap)
+    at = place_buckets(leaves, marks, bucket_mb, overlap)
     jaxpr = program.jaxpr.jaxpr
     eqns = jaxpr.eqns
     param_vars = {

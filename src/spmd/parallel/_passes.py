@@ -12,7 +12,7 @@ Most passes re-evaluate a program's ops under a fresh trace (:func:`spmd.paralle
 adding or replacing ops on the way. The gradient marks that ``spmd.grad`` leaves in a traced
 step tell them which values are gradients, of which parameters (:func:`gradient_leaves`); the
 data-parallel and ZeRO passes both reduce them in the same buckets, at the same places
-(:func:`schedule`). docs/architecture.md, "Writing a pass", walks through one.
+(:func:`place_buckets`). docs/architecture.md, "Writing a pass", walks through one.
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def _buckets(leaves: list[GradientLeaf], bucket_mb: float) -> list[Bucket]:
     return buckets
 
 
-def schedule(
+def place_buckets(
     leaves: list[GradientLeaf], marks: dict[int, int], bucket_mb: float, overlap: bool
 ) -> dict[int, list[Bucket]]:
     """{op index: the buckets to reduce right after it} (-1: before the first op). With overlap,

@@ -36,7 +36,7 @@ from .._jax_compat import core
 from ..mesh import current_mesh, mesh_key, resolve_group
 from ..runtime import Communicator, check_every, debug_checks
 from ._boundary import lift, stateful, statics, unstatic
-from ._check import compare, schedule
+from ._check import collectives_of, compare
 from ._grad import leaf_shard_groups, marking
 from ._passes import Pass, gradients_reach_results, marked_params, shard_coordinate
 from ._program import Program, arg_names, trace_program
@@ -248,7 +248,7 @@ class Step:
                 if debug_checks():  # (collective over every mesh axis: only when asked for)
                     self._replicas = replicated_over_mesh(comm, named, blocks)
             # The pre-flight schedule check, before the first program runs.
-            compare(comm, schedule(self.program(traced, variant)), self.name)
+            compare(comm, collectives_of(self.program(traced, variant)), self.name)
             self._checked = True
         elif self.check_params and debug_checks() and self._calls % check_every() == 0:
             comm = self.comm()

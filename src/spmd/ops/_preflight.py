@@ -15,7 +15,7 @@ _SPMD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass(frozen=True)
-class ScheduledCall:
+class PreflightCall:
     """One collective of a program: ``text`` as the ranks compare it ("" for point-to-point
     calls, which two ranks of the group make), ``ranks`` the world ranks of its group, and
     ``where`` the user's line that made it ("file.py:12 (fn)")."""
@@ -35,21 +35,21 @@ def _where(eqn: Any) -> str:
     return f"{os.path.basename(file)}:{line} ({fn.rpartition('.')[2]})"
 
 
-def collective_calls(jaxpr: Any) -> list[ScheduledCall]:
+def collective_calls(jaxpr: Any) -> list[PreflightCall]:
     """The collectives of ``jaxpr`` (open or closed) and of the jaxprs nested in it, in the order
     they are written; a loop's body counts once, and every branch of a conditional in turn."""
-    out: list[ScheduledCall] = []
+    out: list[PreflightCall] = []
     _collect(getattr(jaxpr, "jaxpr", jaxpr), out)
     return out
 
 
-def _collect(jaxpr: Any, out: list[ScheduledCall]) -> None:
+def _collect(jaxpr: Any, out: list[PreflightCall]) -> None:
     for eqn in jaxpr.eqns:
         group = eqn.params.get("group")
         if isinstance(group, GroupRef):
             op = eqn.primitive.name.removeprefix("spmd_")
             text = describe_call(op, [v.aval for v in eqn.invars], eqn.params)
-            out.append(ScheduledCall(text, group.ranks, _where(eqn)))
+            out.append(PreflightCall(text, group.ranks, _where(eqn)))
             continue
         for sub in core.jaxprs_in_params(eqn.params):
             _collect(getattr(sub, "jaxpr", sub), out)
