@@ -45,7 +45,7 @@ from .._errors import SpmdError, SpmdTypeError
 from ..mesh import resolve_group
 from ..ops import moe_native
 from ..sharded import PartitionSpec, is_sharded, shard
-from ._moe_exchanges import (
+from ._moe_moves import (
     Plan,
     composed_combine,
     composed_dispatch,
