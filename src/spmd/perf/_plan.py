@@ -301,7 +301,7 @@ def counts(
         if pp > 1:  # the activations forward and their gradient back
             across = tp * cp * dp * 2 > per_node  # neighbouring stages on two nodes
             out["call"] = out.get("call", 0.0) + 2
-            out["link"] += 2 * _p2p_time(links, act / tp, across)
+            out["link"] += 2 * _p2p_time(links, act, across)  # every tp rank sends its copy
         return out
 
     # The critical path: every stage's slot once (filling and draining the pipeline), then the
