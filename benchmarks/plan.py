@@ -43,7 +43,7 @@ MODEL = Model(layers=4, hidden=64, heads=4, seq=64, batch=32, vocab=256)
 
 def flags(lay: Layout) -> list[str]:
     """The example's command line for a layout."""
-    mesh = f"pp={lay.pp},dp={lay.dp},cp={lay.cp},tp={lay.tp}"
+    mesh = ",".join(f"{k}={v}" for k, v in lay.axes.items())
     return ["--mesh", mesh, "--zero", str(lay.zero), "--microbatches", str(lay.microbatches),
             "--schedule", lay.schedule]  # fmt: skip
 

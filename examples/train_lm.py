@@ -229,13 +229,14 @@ def choose_layout(args: argparse.Namespace, world: int, say: Any) -> dict[str, i
                             batch=args.batch, vocab=VOCAB)  # fmt: skip
     # The microbatch counts benchmarks/plan.py measured the planner against.
     ranked = spmd.perf.plan(model, world=world, cost=args.cost, microbatches=(1, 2, 4))
-    say(f"--mesh auto: {len(ranked)} layouts of {world} ranks, fastest predicted first:")
+    say(f"--mesh auto: {len(ranked)} layouts of {world} ranks, fastest predicted first (the "
+        "first's schedule, microbatches and ZeRO stage replace the command line's):")  # fmt: skip
     for i, p in enumerate(ranked[: args.plans], 1):
         say(f"  {i}. {p.layout.describe():<28} {p.time * 1e3:8.1f} ms/step  "
             f"{p.memory / 2**20:7.1f} MiB/rank")  # fmt: skip
     best = ranked[0].layout
     args.schedule, args.microbatches, args.zero = best.schedule, best.microbatches, best.zero
-    return ranked[0].mesh
+    return best.axes
 
 
 def progress(i: int, total: int, loss: float, tokens_per_s: float) -> None:
@@ -247,7 +248,9 @@ def progress(i: int, total: int, loss: float, tokens_per_s: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mesh", default="", help="axis sizes, e.g. pp=2,dp=2,cp=2,tp=2 (default 1), "
-                    "or auto: the layout spmd.perf.plan predicts fastest")  # fmt: skip
+                    "or auto: the layout spmd.perf.plan predicts fastest (its schedule, "
+                    "microbatches and ZeRO stage replace --schedule, --microbatches and "
+                    "--zero)")  # fmt: skip
     ap.add_argument("--cost", help="with --mesh auto: a fitted cost model (benchmarks/plan.py's "
                     "JSON); default: the planner's reference fit")  # fmt: skip
     # One stage per rank here (the interleaved schedule's chunks would each need their roles).

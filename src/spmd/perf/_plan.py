@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .._errors import SpmdError
 from ._collectives import Links
 from ._simulate import Layout, group_shape
@@ -80,16 +82,20 @@ class Model:
                 rank=None,
             )
 
+    def _per_layer(self) -> tuple[int, int]:
+        """A block's parameters split over ``tp`` (attention's four projections, the MLP's two
+        layers and its first bias) and held whole (two norms, the MLP's second bias)."""
+        d, f = self.hidden, self.ffn * self.hidden
+        return 4 * d * d + 2 * d * f + f, 3 * d
+
     @property
     def params_per_layer(self) -> int:
-        """Attention's four projections, the MLP's two layers and their biases, two norms."""
-        d, f = self.hidden, self.ffn * self.hidden
-        return 4 * d * d + 2 * d * f + f + 3 * d
+        return sum(self._per_layer())
 
     @property
     def shared_params(self) -> int:
         """The embedding, the positions, the final norm and the head (outside the blocks)."""
-        return 2 * self.vocab * self.hidden + self.seq * self.hidden + self.hidden
+        return int(self.local_shared(1))
 
     @property
     def params(self) -> int:
@@ -97,15 +103,14 @@ class Model:
 
     def local_params(self, tp: int = 1, pp: int = 1) -> float:
         """The parameters one rank holds with ``tp``-way tensor and ``pp``-way pipeline
-        parallelism: its stage's blocks with their projections, MLP and first bias split over
-        ``tp`` (norms and the second bias whole), the embedding and the head split over ``tp``
-        (held by every stage), the positions and the final norm whole."""
-        d, f = self.hidden, self.ffn * self.hidden
-        split, whole = 4 * d * d + 2 * d * f + f, 3 * d
+        parallelism: its stage's blocks (:meth:`_per_layer`), and the parameters outside them,
+        which every stage holds (:meth:`local_shared`)."""
+        split, whole = self._per_layer()
         return self.layers / pp * (split / tp + whole) + self.local_shared(tp)
 
     def local_shared(self, tp: int = 1) -> float:
-        """The parameters outside the blocks one rank holds (every pipeline stage holds them)."""
+        """The parameters outside the blocks one rank holds: the embedding and the head split
+        over ``tp``, the positions and the final norm whole."""
         return 2 * self.vocab * self.hidden / tp + self.seq * self.hidden + self.hidden
 
     @property
@@ -126,9 +131,8 @@ class Prediction:
 
     @property
     def mesh(self) -> dict[str, int]:
-        """The axes for ``spmd.Mesh(**plan.mesh)``."""
-        lay = self.layout
-        return {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
+        """The axes for ``spmd.Mesh(**prediction.mesh)``."""
+        return self.layout.axes
 
 
 @dataclass(frozen=True)
@@ -175,8 +179,6 @@ class Machine:
                 f"fitting {len(TERMS)} coefficients needs at least as many runs, got {len(rows)}",
                 rank=None,
             )
-        import numpy as np
-
         a = np.asarray(rows)
         scale = a.max(axis=0)
         scale[scale == 0] = 1.0

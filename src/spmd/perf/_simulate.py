@@ -100,6 +100,11 @@ class Layout:
         ]
         return "-".join(parts) + (f" zero{self.zero}" if self.zero else "")
 
+    @property
+    def axes(self) -> dict[str, int]:
+        """The axes as ``spmd.Mesh(**layout.axes)`` takes them."""
+        return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
+
     def describe(self) -> str:
         """The axes as ``spmd.Mesh`` takes them, the schedule, microbatches, ZeRO stage:
         ``"pp=2 1f1b m=4"``, ``"dp=2 m=1 zero1"``."""
