@@ -18,7 +18,10 @@ def send(sock: socket.socket, obj: Any) -> None:
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     chunks = []
     while n:
-        chunk = sock.recv(min(n, 1 << 20))
+        try:
+            chunk = sock.recv(min(n, 1 << 20))
+        except ConnectionResetError:  # the peer died with our bytes unread: closed, too
+            return None
         if not chunk:
             return None
         chunks.append(chunk)
