@@ -5,7 +5,7 @@ tests/DURATIONS.md).
   code with its older loop emitters, without LLVM's expensive passes (XLA_FLAGS
   ``--xla_cpu_use_fusion_emitters=false --xla_llvm_disable_expensive_passes=true``, where the
   installed jaxlib knows them): the suite's programs are small and run a few steps, and
-  compiling them is most of its CPU time (tests/parallel/test_zero.py alone, without the
+  compiling them is most of its CPU time (tests/transforms/test_zero.py alone, without the
   compilation cache below: 193 CPU-seconds with XLA's defaults, 149 with the first setting, 146
   -> 76 with the flags added, the same tests passing with the same tolerances). Ranks,
   ``spmd-run`` jobs and notebook kernels that tests start inherit them. ``SPMD_TEST_XLA_OPT=1``
@@ -14,7 +14,7 @@ tests/DURATIONS.md).
   compilation cache, in a directory only this user can open (``tempfile.mkdtemp``, mode 0700),
   made for the run and removed at its end (or by the next run, if it was killed). The ranks of a
   check, its parametrizations and the jobs and kernels the tests start share it
-  (tests/parallel/test_zero.py alone: 81 s without it, 57 s with it from empty). Ranks write
+  (tests/transforms/test_zero.py alone: 81 s without it, 57 s with it from empty). Ranks write
   entries at the same time without a lock: one read while another process writes it fails to
   decompress, and JAX warns and compiles instead (pyproject.toml lets that warning pass).
   ``SPMD_TEST_COMPILE_CACHE=0`` compiles everything in every process; a
@@ -103,21 +103,21 @@ _LONGEST_FIRST = [
     "tests/test_examples_3d.py",
     "tests/ops/test_values.py",
     "tests/test_tutorials.py",
-    "tests/parallel/test_pipeline.py",
+    "tests/model_parallel/test_pipeline.py",
     "tests/test_examples.py",
-    "tests/parallel/test_zero.py",
-    "tests/parallel/test_moe.py",
+    "tests/transforms/test_zero.py",
+    "tests/model_parallel/test_moe.py",
     "tests/cli/test_run.py",
     "tests/cli/test_hosts.py",
     "tests/ops/test_transports.py",
     "tests/ops/test_mpi_calls.py",
-    "tests/parallel/test_data_parallel.py",
-    "tests/parallel/test_tensor_parallel.py",
+    "tests/transforms/test_data_parallel.py",
+    "tests/model_parallel/test_tensor_parallel.py",
     "tests/ops/test_errors.py",
     "tests/test_sharded.py",
     "tests/cli/test_slurm.py",
     "tests/runtime/test_communicator.py",
-    "tests/parallel/test_deterministic.py",
+    "tests/transforms/test_deterministic.py",
 ]
 
 

@@ -30,7 +30,7 @@ from spmd.sharded import ShardedArray
 from spmd.testing import run
 
 from ._checkpoint_writer import small_tree
-from .parallel._model import global_batches, init_params, loss_fn
+from .transforms._model import global_batches, init_params, loss_fn
 
 HERE = Path(__file__).resolve().parent
 

@@ -20,9 +20,9 @@ DOCUMENTED = [
     spmd.zero_shard,
     spmd.broadcast_params,
     spmd.no_sync,
-    spmd.parallel.reduce_gradients,
-    spmd.parallel.shard_state,
-    spmd.parallel.chain,
+    spmd.transforms.reduce_gradients,
+    spmd.transforms.shard_state,
+    spmd.transforms.chain,
     spmd.perf,
     *(getattr(spmd.tensor_parallel, name) for name in (
         "column_linear", "row_linear", "copy_to", "vocab_embed", "vocab_cross_entropy",

@@ -17,8 +17,8 @@ ROOT = Path(__file__).parents[1]
 SRC = ROOT / "src" / "spmd"
 
 # From the bottom up (docs/architecture.md, "The layers"): errors and compat, runtime, mesh,
-# ops, sharded, parallel/checkpoint/data, launch, the tools, cli. A module may import modules of
-# its own layer or of layers below it.
+# ops, sharded, transforms/checkpoint/data, the model-parallel layers, launch, the tools, cli. A
+# module may import modules of its own layer or of layers below it.
 LAYERS = [
     ("spmd._errors", "spmd._version"),
     ("spmd._native_lib", "spmd._jax_compat"),
@@ -26,7 +26,8 @@ LAYERS = [
     ("spmd.mesh",),
     ("spmd.ops",),
     ("spmd.sharded",),
-    ("spmd.parallel", "spmd.checkpoint", "spmd.data", "spmd.elastic", "spmd.random"),
+    ("spmd.transforms", "spmd.checkpoint", "spmd.data", "spmd.elastic", "spmd.random"),
+    ("spmd.model_parallel", "spmd.parallel"),
     ("spmd.launch",),
     ("spmd.testing", "spmd.notebook", "spmd.bench", "spmd.perf"),
     ("spmd.cli", "spmd.info", "spmd"),
@@ -229,3 +230,24 @@ def test_cpu_and_gpu_handlers_share_one_call_layer():
         assert '#include "spmd/call.h"' in text, handlers
         for copied in ("DtypeName(", "ElemBytes("):
             assert f"{copied}ffi::DataType" not in text.replace(" ", ""), (handlers, copied)
+
+
+def test_spmd_parallel_keeps_the_names_it_had_before_the_split():
+    """``spmd.parallel`` was one package of transforms and layers; its names stay importable
+    there, the very objects of ``spmd.transforms`` and ``spmd.model_parallel``."""
+    import spmd
+    import spmd.model_parallel
+    import spmd.parallel
+    import spmd.transforms
+
+    assert set(spmd.parallel.__all__) == {*spmd.transforms.__all__, "pipeline_value_and_grad"}
+    for name in spmd.transforms.__all__:
+        assert getattr(spmd.parallel, name) is getattr(spmd.transforms, name), name
+    assert spmd.parallel.pipeline_value_and_grad is spmd.model_parallel.pipeline.value_and_grad
+    for name in ("tensor_parallel", "moe", "pipeline", "context_parallel"):
+        assert (
+            getattr(spmd.parallel, name)
+            is getattr(spmd, name)
+            is getattr(spmd.model_parallel, name)
+        )
+    assert "Step" in spmd.transforms.__all__ and "value_and_grad" in spmd.transforms.__all__

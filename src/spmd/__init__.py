@@ -25,13 +25,20 @@ if TYPE_CHECKING:
     from . import checkpoint as checkpoint
     from . import data as data
     from . import elastic as elastic
+    from . import model_parallel as model_parallel
     from . import ops as ops
     from . import parallel as parallel
     from . import perf as perf
     from . import random as random
     from . import sharded as sharded
+    from . import transforms as transforms
     from .checkpoint import load as load
     from .checkpoint import save as save
+    from .model_parallel import context_parallel as context_parallel
+    from .model_parallel import moe as moe
+    from .model_parallel import pipeline as pipeline
+    from .model_parallel import pipeline_value_and_grad as pipeline_value_and_grad
+    from .model_parallel import tensor_parallel as tensor_parallel
     from .ops import all_to_all as all_to_all
     from .ops import all_to_allv as all_to_allv
     from .ops import allgather as allgather
@@ -44,26 +51,21 @@ if TYPE_CHECKING:
     from .ops import reduce_scatterv as reduce_scatterv
     from .ops import send as send
     from .ops import sendrecv as sendrecv
-    from .parallel import Program as Program
-    from .parallel import broadcast_params as broadcast_params
-    from .parallel import check as check
-    from .parallel import context_parallel as context_parallel
-    from .parallel import data_parallel as data_parallel
-    from .parallel import grad as grad
-    from .parallel import join as join
-    from .parallel import joined as joined
-    from .parallel import moe as moe
-    from .parallel import no_sync as no_sync
-    from .parallel import pipeline as pipeline
-    from .parallel import pipeline_value_and_grad as pipeline_value_and_grad
-    from .parallel import tensor_parallel as tensor_parallel
-    from .parallel import trace as trace
-    from .parallel import value_and_grad as value_and_grad
-    from .parallel import zero_shard as zero_shard
     from .sharded import PartitionSpec as PartitionSpec
     from .sharded import ShardedArray as ShardedArray
     from .sharded import gather as gather
     from .sharded import shard as shard
+    from .transforms import Program as Program
+    from .transforms import broadcast_params as broadcast_params
+    from .transforms import check as check
+    from .transforms import data_parallel as data_parallel
+    from .transforms import grad as grad
+    from .transforms import join as join
+    from .transforms import joined as joined
+    from .transforms import no_sync as no_sync
+    from .transforms import trace as trace
+    from .transforms import value_and_grad as value_and_grad
+    from .transforms import zero_shard as zero_shard
 
 _OPS = (
     "all_to_all",
@@ -100,19 +102,33 @@ _PARALLEL = (
 _SHARDED = ("PartitionSpec", "ShardedArray", "gather", "shard")
 _CHECKPOINT = ("load", "save")
 _MODEL_PARALLEL = ("context_parallel", "moe", "pipeline", "tensor_parallel")
+_PACKAGES = (
+    "checkpoint",
+    "data",
+    "elastic",
+    "model_parallel",
+    "ops",
+    "parallel",
+    "perf",
+    "random",
+    "sharded",
+    "transforms",
+)
 
 
 def __getattr__(name: str) -> Any:
     import importlib
 
-    if name in ("ops", "parallel", "data", "sharded", "checkpoint", "elastic", "perf", "random"):
+    if name in _PACKAGES:
         return importlib.import_module("." + name, __name__)
     if name in _MODEL_PARALLEL:
-        return importlib.import_module(".parallel." + name, __name__)
+        return importlib.import_module(".model_parallel." + name, __name__)
     if name in _OPS:
         return getattr(importlib.import_module(".ops", __name__), name)
+    if name == "pipeline_value_and_grad":
+        return getattr(importlib.import_module(".model_parallel", __name__), name)
     if name in _PARALLEL:
-        return getattr(importlib.import_module(".parallel", __name__), name)
+        return getattr(importlib.import_module(".transforms", __name__), name)
     if name in _SHARDED:
         return getattr(importlib.import_module(".sharded", __name__), name)
     if name in _CHECKPOINT:
@@ -129,11 +145,13 @@ __all__ = [
     "checkpoint",
     "data",
     "elastic",
+    "model_parallel",
     "ops",
     "parallel",
     "perf",
     "random",
     "sharded",
+    "transforms",
     "Communicator",
     "MessageQueue",
     "Mesh",

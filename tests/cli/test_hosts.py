@@ -300,8 +300,8 @@ ON_HOSTS = [
     "tests/ops/test_values.py::test_every_op_dtype_and_form_in_jit[4]",
     "tests/ops/test_values.py::test_send_recv_pairs[4]",
     "tests/ops/test_hierarchical.py::test_two_nodes_of_two[4]",
-    "tests/parallel/test_data_parallel.py::test_parity_with_one_process[4]",
-    "tests/parallel/test_zero.py::test_parity_with_data_parallel[4]",
+    "tests/transforms/test_data_parallel.py::test_parity_with_one_process[4]",
+    "tests/transforms/test_zero.py::test_parity_with_data_parallel[4]",
     "tests/test_checkpoint.py::test_sharded_arrays_round_trip_and_each_shard_is_written_once[4]",
 ]
 

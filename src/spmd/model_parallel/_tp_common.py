@@ -20,6 +20,7 @@ from .._errors import SpmdError
 from ..mesh import Mesh, current_mesh, resolve_group
 from ..runtime import Communicator
 from ..sharded import PartitionSpec, ShardedArray, is_sharded
+from ..transforms.marks import handler_of, is_box_or_sharded
 
 
 @dataclass(frozen=True)
@@ -81,49 +82,6 @@ def local_size(full: int, comm: Communicator, what: str, op: str) -> int:
 
 # -- to and from ShardedArrays -------------------------------------------------------------------
 
-# (is_box, read, write, container), one per framework module imported. read(box) -> [(value,
-# Layout|None)], one entry per array the box holds (an Equinox layer holds two); write(box,
-# values) -> box. A box (linen's, NNX's) becomes its ShardedArray; a container (an Equinox
-# layer) keeps its place, with ShardedArrays in its fields.
-_HANDLERS: list[
-    tuple[Callable[[Any], bool], Callable[[Any], Any], Callable[[Any, Any], Any], bool]
-] = []
-
-
-def register(
-    is_box: Callable[[Any], bool],
-    read: Callable[[Any], Any],
-    write: Callable[[Any, Any], Any],
-    container: bool = False,
-) -> None:
-    _HANDLERS.append((is_box, read, write, container))
-
-
-def _handler(x: Any) -> Any:
-    return next((h for h in _HANDLERS if h[0](x)), None)
-
-
-def _is_leaf(x: Any) -> bool:
-    return is_sharded(x) or _handler(x) is not None
-
-
-def is_block_box(x: Any) -> bool:
-    """A framework box (linen's ``Partitioned``) that holds one array and its layout."""
-    h = _handler(x)
-    return h is not None and not h[3]
-
-
-def box_groups(x: Any) -> tuple[tuple[int, ...], ...] | None:
-    """For a box of :func:`is_block_box`, the groups of world ranks over which its blocks
-    differ (those of its mesh axis in the active mesh), as ``_grad.shard_groups`` gives for a
-    ShardedArray; None for a replicated parameter or outside a mesh."""
-    h = _handler(x)
-    layout = h[1](x)[0][1] if h is not None else None
-    mesh = current_mesh()
-    if layout is None or mesh is None or layout.group not in mesh.shape:
-        return None
-    return tuple(tuple(int(r) for r in g) for g in mesh.rank_lists(layout.group))
-
 
 def _mesh() -> Mesh:
     mesh = current_mesh()
@@ -157,14 +115,14 @@ def to_sharded(tree: Any) -> Any:
     mesh = _mesh()
 
     def one(x: Any) -> Any:
-        h = _handler(x)
+        h = handler_of(x)
         if h is None:
             return x
         fields = h[1](x)
         values = [_to_sharded(v, layout, mesh) for v, layout in fields]
         return h[2](x, values) if h[3] else values[0]
 
-    return jax.tree_util.tree_map(one, tree, is_leaf=_is_leaf)
+    return jax.tree_util.tree_map(one, tree, is_leaf=is_box_or_sharded)
 
 
 def _from_sharded(x: Any, layout: Layout | None, mesh: Mesh) -> Any:
@@ -181,10 +139,10 @@ def _from_sharded(x: Any, layout: Layout | None, mesh: Mesh) -> Any:
 def from_sharded(tree: Any, like: Any) -> Any:
     mesh = _mesh()
     mine = jax.tree_util.tree_leaves(tree, is_leaf=is_sharded)
-    boxes, structure = jax.tree_util.tree_flatten(like, is_leaf=_is_leaf)
+    boxes, structure = jax.tree_util.tree_flatten(like, is_leaf=is_box_or_sharded)
     # Per box: its handler and the layout of each array it holds (None: a plain leaf).
     fields = [(b, h, [lay for _, lay in h[1](b)] if h else [None]) for b in boxes
-              for h in [_handler(b)]]  # fmt: skip
+              for h in [handler_of(b)]]  # fmt: skip
     need = sum(len(layouts) for _, _, layouts in fields)
     if len(mine) != need:
         raise SpmdError(

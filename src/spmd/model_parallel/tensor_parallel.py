@@ -42,7 +42,7 @@ from .._errors import SpmdError, SpmdTypeError
 from ..mesh import Mesh, current_mesh, resolve_group
 from ..runtime import Communicator
 from ..sharded import PartitionSpec, ShardedArray, is_sharded, normalize_spec, shard
-from ._column import mark_column
+from ..transforms.marks import mark_column
 from ._tp_common import join_qkv, sharded, split_qkv, unsharded
 
 __all__ = [

@@ -26,8 +26,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from ..transforms.marks import register
 from . import tensor_parallel as tp
-from ._tp_common import Layout, block_of, group_name, group_of, local_size, register
+from ._tp_common import Layout, block_of, group_name, group_of, local_size
 
 __all__ = ["ColumnLinear", "LayerNorm", "RowLinear", "VocabEmbedding"]
 

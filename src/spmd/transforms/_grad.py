@@ -32,7 +32,7 @@ from .._jax_compat import ad, batching, core, mlir
 from ..runtime import Communicator, this_rank
 from ..sharded import is_sharded, spec_axes
 from ._boundary import split_for_grad
-from ._tp_common import box_groups, is_block_box
+from ._boxes import box_groups, is_block_box
 
 __all__ = ["grad", "mark_p", "marking", "value_and_grad"]
 

@@ -28,8 +28,9 @@ import flax.linen as nn
 import jax.numpy as jnp
 from flax import struct
 
+from ..transforms.marks import register
 from . import tensor_parallel as tp
-from ._tp_common import Layout, block_init, group_name, group_of, local_size, register
+from ._tp_common import Layout, block_init, group_name, group_of, local_size
 
 __all__ = ["ColumnDense", "LayerNorm", "RowDense", "VocabEmbed"]
 

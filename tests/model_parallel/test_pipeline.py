@@ -162,7 +162,7 @@ def test_the_interleaved_orders_complete_and_keep_megatrons_warm_up():
     once, receives waiting for their message), completes for p = 1..8, v = 1..4, m = 1..16;
     where m is a multiple of p it is Megatron-LM's (warm-up 2 (p - r - 1) + (v - 1) p), and
     each pass of each chunk and microbatch runs once, each forward before its backward."""
-    from spmd.parallel import _interleaved as il
+    from spmd.model_parallel import _interleaved as il
 
     for p in range(1, 9):
         for v in range(1, 5):
@@ -257,7 +257,7 @@ def test_the_backward_split_computes_nothing_twice():
     """ZB-H1's B and W of a two-layer stage: B holds the two input-gradient products, W the two
     weight-gradient ones, and together they are the backward pass's equations, each once; B
     and W give the gradients of jax.vjp."""
-    from spmd.parallel._backward_split import BackwardSplit
+    from spmd.model_parallel._backward_split import BackwardSplit
 
     layers = _layers()[:2]
     x, _ = _data()

@@ -23,13 +23,13 @@ from ..mesh import Mesh, current_mesh
 from ..runtime import Communicator
 from ..sharded import ShardedArray, is_sharded, make_spec, normalize_spec, shard, spec_axes
 from ._boundary import shard_nodes
+from ._boxes import box_groups, is_block_box
 from ._grad import marking
 from ._join import current_join
 from ._partition import shard_state
 from ._passes import Pass, block_groups, chain, marked_params
 from ._program import arg_names, path_name, trace_program
 from ._step import Step, Traced, check_same, syncing
-from ._tp_common import box_groups, is_block_box
 
 __all__ = ["ZeroShard", "zero_shard"]
 

@@ -82,7 +82,7 @@ def test_linen_moe_starts_and_trains_as_one_process(comm):
             full = spmd.gather(spmd.tensor_parallel.sharded(params))
             jax.tree_util.tree_map(np.testing.assert_array_equal, full, want)
             step, state = make(update), tx.init(params)
-            if isinstance(step, spmd.parallel.ZeroShard):
+            if isinstance(step, spmd.transforms.ZeroShard):
                 params, state = step.shard(params, state)
             for i in range(3):
                 params, state, _ = step(params, state, xs[i, comm.rank], ts[i, comm.rank])

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import spmd
-from spmd.parallel import reduce_gradients
 from spmd.testing import multirank
+from spmd.transforms import reduce_gradients
 
 from ._model import global_batches, init_params, loss_fn, make_step, optimizers
 

@@ -183,7 +183,7 @@ def test_trains_with_data_parallel(comm):
             step = make()
             params = {"router": _router(), "experts": spmd.moe.shard_experts(_experts())}
             state = tx.init(params)
-            if isinstance(step, spmd.parallel.ZeroShard):
+            if isinstance(step, spmd.transforms.ZeroShard):
                 params, state = step.shard(params, state)
             for i, (xs, ts) in enumerate(zip(batches, targets, strict=True)):
                 params, state, _ = step(params, state, xs[comm.rank], ts[comm.rank])

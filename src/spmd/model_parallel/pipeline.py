@@ -57,9 +57,9 @@ from .._errors import SpmdError
 from ..mesh import resolve_group
 from ..ops import after, broadcast, recv, send, sendrecv
 from ..runtime import Communicator
+from ..transforms.marks import active, mark_tree
 from . import _interleaved
 from ._backward_split import BackwardSplit
-from ._grad import active, mark_tree
 from ._stages import agree_settings, at, describe, split, stage_layers, sum_shared
 
 __all__ = ["SCHEDULES", "split", "stage_layers", "value_and_grad"]
