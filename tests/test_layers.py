@@ -251,3 +251,17 @@ def test_spmd_parallel_keeps_the_names_it_had_before_the_split():
             is getattr(spmd.model_parallel, name)
         )
     assert "Step" in spmd.transforms.__all__ and "value_and_grad" in spmd.transforms.__all__
+
+
+def test_spmd_elastic_is_the_module_beside_the_checkpoints():
+    code = (
+        "import spmd.elastic, spmd.checkpoint.elastic as e, spmd\n"
+        "from spmd import elastic\n"
+        "assert spmd.elastic is e is elastic, (spmd.elastic, e, elastic)\n"
+        "assert e.resume.__module__ == 'spmd.checkpoint.elastic'\n"
+    )
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr

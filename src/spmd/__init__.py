@@ -24,7 +24,6 @@ from .runtime import set_default_communicator as set_default_communicator
 if TYPE_CHECKING:
     from . import checkpoint as checkpoint
     from . import data as data
-    from . import elastic as elastic
     from . import model_parallel as model_parallel
     from . import ops as ops
     from . import parallel as parallel
@@ -32,6 +31,7 @@ if TYPE_CHECKING:
     from . import random as random
     from . import sharded as sharded
     from . import transforms as transforms
+    from .checkpoint import elastic as elastic
     from .checkpoint import load as load
     from .checkpoint import save as save
     from .model_parallel import context_parallel as context_parallel

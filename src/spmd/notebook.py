@@ -23,13 +23,13 @@ line's source, then the summary naming it), and the cell raises :class:`CellFail
 notebook run top to bottom stops there. Interrupting the kernel stops the job.
 
 **A pool that keeps its ranks.** ``%spmd start -n N`` starts N ranks that live across cells
-(the test harness's rank pool, :class:`spmd.testing.RankPool`, under the MPI launcher); a
-``%%spmd`` cell without ``-n`` runs on them, each rank keeping its variables from one cell to
-the next, and shows each rank's output in rank order when the cell ends; ``--out NAME [NAME
-...]`` puts a list of the ranks' values of NAME (JAX arrays as NumPy arrays) into the notebook;
-``--push`` works as below. A cell that raises shows every failing rank's traceback and leaves
-the pool running; a rank that dies stops the pool (``%spmd start`` starts a new one). ``%spmd
-stop`` stops it, and so does the kernel's exit.
+(the rank pool the test harness also uses, :class:`spmd.launch.RankPool`, under the MPI
+launcher); a ``%%spmd`` cell without ``-n`` runs on them, each rank keeping its variables from
+one cell to the next, and shows each rank's output in rank order when the cell ends; ``--out
+NAME [NAME ...]`` puts a list of the ranks' values of NAME (JAX arrays as NumPy arrays) into
+the notebook; ``--push`` works as below. A cell that raises shows every failing rank's
+traceback and leaves the pool running; a rank that dies stops the pool (``%spmd start`` starts
+a new one). ``%spmd stop`` stops it, and so does the kernel's exit.
 
 Options of a one-shot job: ``-n N`` (ranks), ``--nodes K`` (simulate K nodes), ``--timeout S``
 (stop the job after S seconds; on a pool, the seconds a cell may take, default 300),
@@ -291,7 +291,7 @@ def start_pool(nprocs: int) -> None:
     The pool stops with ``%spmd stop`` or when the kernel exits."""
     import atexit
 
-    from .testing import RankPool
+    from .launch import RankPool
 
     global _POOL
     stop_pool()

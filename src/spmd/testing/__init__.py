@@ -17,8 +17,8 @@ finish and showing their stacks::
         assert spmd.testing.run(gather_ranks, 3) == [0, 1, 2]
 """
 
-from ._harness import MultiRankError as MultiRankError
-from ._harness import RankPool as RankPool
+from ..launch import MultiRankError as MultiRankError
+from ..launch import RankPool as RankPool
 from ._harness import default_timeout as default_timeout
 from ._harness import run as run
 from ._harness import shutdown_pools as shutdown_pools

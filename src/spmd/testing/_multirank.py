@@ -6,7 +6,8 @@ import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ._harness import Launcher, run
+from ..launch import Launcher
+from ._harness import run
 
 
 def _call_with_world(body: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,7 +1,8 @@
-"""A rank of a test pool: runs the functions the harness sends until told to stop.
+"""A rank of a pool (:mod:`._pool`): runs the functions, and the notebook's Python source, that
+the pool's owner sends until told to stop.
 
-Started by the harness as ``python -m spmd.testing._worker`` on every rank (under mpiexec, or
-with torchrun-style variables); connects to the harness over a Unix socket.
+Started by the pool as ``python -m spmd.launch._worker`` on every rank (under mpiexec, or with
+torchrun-style variables); connects to the pool's owner over a Unix socket.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..launch import launch_rank
 from ..runtime import format_rank_traceback
 from . import _wire
+from ._protocol import launch_rank
 
 
 def _load_module(name: str, file: str) -> ModuleType:
