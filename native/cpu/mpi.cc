@@ -6,10 +6,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <thread>
 #include <type_traits>
 
 #include "board.h"
@@ -791,25 +793,120 @@ int StartRecv(void* buf, size_t bytes, int peer, int tag, H comm, std::vector<H>
 }
 }  // namespace
 
-Status MpiComm::RetireSends(size_t keep) const {
-  while (!pending_.empty()) {
-    PendingSend& oldest = pending_.front();
-    if (pending_.size() > keep) {
-      SPMD_RETURN_IF_ERROR(Wait(oldest.requests.data(), static_cast<int>(oldest.requests.size()),
-                                "send"));
-    } else {
-      // (MPI_Test of a request already completed, now MPI_REQUEST_NULL, says it is done.)
-      for (H& r : oldest.requests) {
-        int done = 0;
-        alignas(16) char status[256];
-        SPMD_RETURN_IF_ERROR(Check(fns.Test(&r, &done, status), "send"));
-        if (!done) return Status::Ok();  // the oldest is still under way
-      }
+namespace {
+// Drops the sends of `q` that are done, oldest first, up to the first still under way (under
+// q.mu). MPI_Test also moves every message of the process a step on.
+Status DropDone(MpiSendQueue& q) {
+  while (!q.sends.empty()) {
+    MpiSendQueue::Pending& oldest = q.sends.front();
+    // (MPI_Test of a request already completed, now MPI_REQUEST_NULL, says it is done.)
+    for (H& r : oldest.requests) {
+      int done = 0;
+      alignas(16) char status[256];
+      SPMD_RETURN_IF_ERROR(Check(fns.Test(&r, &done, status), "send"));
+      if (!done) return Status::Ok();  // the oldest is still under way
     }
-    if (spare_.size() < kSpareSends) spare_.push_back(std::move(oldest.data));
-    pending_.pop_front();
+    if (q.spare.size() < MpiSendQueue::kSpare) q.spare.push_back(std::move(oldest.data));
+    q.sends.pop_front();
   }
   return Status::Ok();
+}
+
+// The send progress thread (MpiSendProgress in mpi.h). Its state is never destroyed: the thread
+// may outlive static destruction at exit (it is detached).
+struct Progress {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::weak_ptr<MpiSendQueue>> queues;  // those that have had a pending send
+  bool on = false, running = false, stop = false, wake = false;
+};
+
+Progress& progress() {
+  static Progress* p = new Progress;
+  return *p;
+}
+
+void ProgressLoop() {
+  Progress& p = progress();
+  std::unique_lock<std::mutex> lock(p.mu);
+  while (!p.stop) {
+    std::vector<std::shared_ptr<MpiSendQueue>> live;
+    for (const auto& w : p.queues) {
+      if (auto q = w.lock()) live.push_back(std::move(q));
+    }
+    p.queues.assign(live.begin(), live.end());
+    p.wake = false;
+    lock.unlock();
+    bool pending = false;
+    for (const auto& q : live) {
+      // A rank's own call on the communicator holds the queue while it sends or waits for its
+      // sends (moving them itself): skip it this round.
+      std::unique_lock<std::mutex> held(q->mu, std::try_to_lock);
+      if (!held.owns_lock()) {
+        pending = true;
+        continue;
+      }
+      // An error stays with the send: the rank's next call on the communicator meets it.
+      (void)DropDone(*q);
+      pending = pending || !q->sends.empty();
+    }
+    live.clear();  // (a communicator released meanwhile frees its queue)
+    lock.lock();
+    if (p.stop) break;
+    if (pending) {
+      p.cv.wait_for(lock, std::chrono::microseconds(50), [&] { return p.stop; });
+    } else {
+      p.cv.wait(lock, [&] { return p.stop || p.wake; });
+    }
+  }
+  p.running = false;
+  p.cv.notify_all();
+}
+
+// A send was queued on `q` (held by the caller): the thread, if on, tests it from now on.
+void ProgressWatch(const std::shared_ptr<MpiSendQueue>& q) {
+  Progress& p = progress();
+  std::lock_guard<std::mutex> lock(p.mu);
+  if (!p.on || p.stop) return;
+  if (!q->watched) {
+    q->watched = true;
+    p.queues.push_back(q);
+  }
+  p.wake = true;
+  if (!p.running) {
+    p.running = true;
+    std::thread(ProgressLoop).detach();
+  }
+  p.cv.notify_all();
+}
+}  // namespace
+
+void MpiSendProgress(bool on) {
+  Progress& p = progress();
+  std::lock_guard<std::mutex> lock(p.mu);
+  p.on = on;
+}
+
+void MpiSendProgressStop() {
+  Progress& p = progress();
+  std::unique_lock<std::mutex> lock(p.mu);
+  p.on = false;
+  p.stop = true;
+  p.cv.notify_all();
+  p.cv.wait(lock, [&] { return !p.running; });
+}
+
+Status MpiComm::RetireSends(size_t keep) const {
+  MpiSendQueue& q = *sends_;
+  std::lock_guard<std::mutex> lock(q.mu);
+  while (q.sends.size() > keep) {
+    MpiSendQueue::Pending& oldest = q.sends.front();
+    SPMD_RETURN_IF_ERROR(
+        Wait(oldest.requests.data(), static_cast<int>(oldest.requests.size()), "send"));
+    if (q.spare.size() < MpiSendQueue::kSpare) q.spare.push_back(std::move(oldest.data));
+    q.sends.pop_front();
+  }
+  return DropDone(q);
 }
 
 Status MpiComm::FlushSends() const { return RetireSends(0); }
@@ -829,18 +926,21 @@ Status MpiComm::SendRecv(const void* send, const MessageShape& send_shape, int d
         "recv"));
   }
   if (dst >= 0) {
-    PendingSend& out = pending_.emplace_back();
+    MpiSendQueue& q = *sends_;
+    std::lock_guard<std::mutex> lock(q.mu);
+    MpiSendQueue::Pending& out = q.sends.emplace_back();
     out.shape = send_shape;
     const char* from = static_cast<const char*>(send);
-    if (!spare_.empty()) {  // a completed send's buffer, reused
-      out.data = std::move(spare_.back());
-      spare_.pop_back();
+    if (!q.spare.empty()) {  // a completed send's buffer, reused
+      out.data = std::move(q.spare.back());
+      q.spare.pop_back();
     }
     out.data.assign(from, from + send_shape.bytes);
     SPMD_RETURN_IF_ERROR(Check(
         StartSend(&out.shape, sizeof(MessageShape), dst, kShapeTag, comm, &out.requests), "send"));
     SPMD_RETURN_IF_ERROR(Check(
         StartSend(out.data.data(), send_shape.bytes, dst, kTag, comm, &out.requests), "send"));
+    ProgressWatch(sends_);
   }
   std::string bad;
   std::vector<char> scratch;

@@ -99,6 +99,36 @@ bool MpiOversubscribed();
 // SPMD_STALL_WARN in seconds (30 unset; 0: never), as the Python side checked it.
 double StallSecondsFromEnv();
 
+// The sends of one communicator still waiting for their receivers, oldest first: each message's
+// copy and shape, and its MPI requests; and buffers of completed sends, for the next sends'
+// copies (no allocation per send in a steady pipeline). Shared with the send progress thread
+// (MpiSendProgress), which tests the oldest now and then, under `mu`.
+struct MpiSendQueue {
+  struct Pending {
+    std::vector<char> data;
+    MessageShape shape;
+    std::vector<MpiHandle> requests;
+  };
+  std::mutex mu;
+  std::deque<Pending> sends;
+  std::vector<std::vector<char>> spare;
+  static constexpr size_t kSpare = 4;  // buffers kept
+  bool watched = false;                // registered with the progress thread (its mutex)
+};
+
+// Whether a thread of this process moves the sends that wait for their receivers while the rank
+// does something else (Python passes: MPI runs with MPI_THREAD_MULTIPLE, and SPMD_MPI_PROGRESS is
+// not 0). MPI moves a message only inside MPI calls: a send larger than MPI's eager limit (MPICH:
+// one shared-memory cell, 64 KiB) returns with most of its data still here, and without such a
+// thread the receiver waits until the sender's next call into MPI, after whatever it computes
+// meanwhile (a GPipe stage's next backward pass: 154 ms steps instead of 103 in
+// benchmarks/results/plan-cpu2-n2.md), or for ever if the sender's next call is a collective over
+// shared memory. The thread tests the oldest pending send of each communicator about every 50 us
+// while any is pending, and sleeps otherwise.
+void MpiSendProgress(bool on);
+// Stops the thread (at interpreter exit, before MPI is finalized): it calls MPI no more.
+void MpiSendProgressStop();
+
 // The collectives spmd runs over MPI, on communicator `comm` of `size` ranks. Counts are
 // elements; reductions work on every dtype spmd supports (float16/bfloat16 through float32).
 struct MpiComm {
@@ -126,7 +156,8 @@ struct MpiComm {
   // shape differs from the one expected is received into scratch and is an error naming the
   // sender, its shape and the one expected.
   // The send does not wait for its receiver: the message is copied, and its MPI send completes
-  // while this rank goes on (it is checked at each later call on the communicator). A pipeline
+  // while this rank goes on (moved by the progress thread, MpiSendProgress, and checked at each
+  // later call on the communicator). A pipeline
   // stage then runs ahead of its neighbour instead of meeting it at every message, and two
   // ranks that send to each other before they receive do not wait on each other. At most
   // kSendsAhead sends wait for their receivers at once; one more waits for the oldest.
@@ -193,19 +224,9 @@ struct MpiComm {
   // The group is broken by `error`, this rank's failure of the collective under way (peers on
   // the node are told: `failed`) or, `own` false, a peer's (already told). Returns `error`.
   Status Broke(const Status& error, bool own = true) const;
-  // The sends still waiting for their receivers, oldest first: the message's copy and shape,
-  // and its MPI requests. RetireSends drops those done, and waits for the oldest while more
-  // than `keep` remain.
-  struct PendingSend {
-    std::vector<char> data;
-    MessageShape shape;
-    std::vector<MpiHandle> requests;
-  };
-  mutable std::deque<PendingSend> pending_;
-  // Buffers of sends that completed, for the next sends' copies (no allocation per send in a
-  // steady pipeline): at most kSpareSends kept.
-  static constexpr size_t kSpareSends = 4;
-  mutable std::vector<std::vector<char>> spare_;
+  // The sends still waiting for their receivers (shared with the progress thread).
+  // RetireSends drops those done, and waits for the oldest while more than `keep` remain.
+  std::shared_ptr<MpiSendQueue> sends_ = std::make_shared<MpiSendQueue>();
   Status RetireSends(size_t keep) const;
   // The collective under way (CheckSame to its end; null in point-to-point calls), for the
   // stall report and the timeout, and how many have started.

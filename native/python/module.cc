@@ -219,6 +219,16 @@ PyObject* GroupSetTransport(PyObject*, PyObject* args) {
 PyObject* ShmMarkLeaving(PyObject*, PyObject*) {
   spmd::ShmGroup::MarkAllLeaving();
   spmd::WatchMarkLeaving();
+  spmd::MpiSendProgressStop();  // before mpi4py finalizes MPI
+  Py_RETURN_NONE;
+}
+
+// mpi_send_progress(on): whether a thread moves the sends waiting for their receivers
+// (native/cpu/mpi.h, MpiSendProgress).
+PyObject* MpiSendProgressSet(PyObject*, PyObject* args) {
+  int on;
+  if (!PyArg_ParseTuple(args, "p", &on)) return nullptr;
+  spmd::MpiSendProgress(on != 0);
   Py_RETURN_NONE;
 }
 
@@ -612,6 +622,8 @@ PyMethodDef kMethods[] = {
     {"mpi_load", MpiLoad, METH_VARARGS, "Resolve MPI functions from the library mpi4py loaded."},
     {"mpi_has_large_count", MpiHasLargeCount, METH_VARARGS,
      "Whether an MPI library has the MPI-4 large-count functions."},
+    {"mpi_send_progress", MpiSendProgressSet, METH_VARARGS,
+     "Say whether a thread moves the sends waiting for their receivers."},
     {"group_create", GroupCreate, METH_VARARGS, "Register a group."},
     {"group_attach_shm", GroupAttachShm, METH_VARARGS, "Map a group's shared-memory segment."},
     {"group_attach_mpi", GroupAttachMpi, METH_VARARGS, "Give a group an MPI communicator."},

@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 # Must equal SPMD_NATIVE_ABI_VERSION in native/include/spmd/common.h.
-NATIVE_ABI_VERSION = 19
+NATIVE_ABI_VERSION = 20
 
 
 def _load(name: str) -> ModuleType:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import spmd
-from spmd.runtime._env import mpi_large_count, mpi_max_count
+from spmd.runtime._env import mpi_large_count, mpi_max_count, mpi_progress
 from spmd.testing import run
 from tests import HEAVY
 
@@ -77,6 +77,9 @@ def test_classic_calls_past_2_to_the_31_elements():
 def test_bad_settings_are_refused():
     with pytest.raises(spmd.SpmdError, match=r"SPMD_MPI_LARGE_COUNT='yes'; expected 0 or 1"):
         mpi_large_count({"SPMD_MPI_LARGE_COUNT": "yes"})
+    with pytest.raises(spmd.SpmdError, match=r"SPMD_MPI_PROGRESS='on'; expected 0 or 1"):
+        mpi_progress({"SPMD_MPI_PROGRESS": "on"})
+    assert mpi_progress({}) and not mpi_progress({"SPMD_MPI_PROGRESS": "0"})
     with pytest.raises(spmd.SpmdError, match=r"SPMD_MPI_MAX_COUNT=0: expected a count between"):
         mpi_max_count({"SPMD_MPI_MAX_COUNT": "0"})
     with pytest.raises(spmd.SpmdError, match=r"SPMD_MPI_MAX_COUNT=2147483648"):

@@ -4,6 +4,7 @@ NumPy references; pytrees of all dtypes go in one fused call. Plus RAF's allredu
 from __future__ import annotations
 
 import contextlib
+import time
 
 import jax
 import jax.numpy as jnp
@@ -195,6 +196,31 @@ def test_a_send_does_not_wait_for_its_receiver(comm):
         np.testing.assert_array_equal(got, np.arange(4 << 20, dtype=np.float32) + left)
         for k in range(3):
             np.testing.assert_array_equal(recv(jnp.zeros(5), left), np.full(5, 10.0 * k + left))
+
+
+# MPICH reads a large message straight from its sender's memory (CMA) where the kernel lets it;
+# where it may not (a container that forbids ptrace), the message crosses shared memory in cells
+# that only the sender's MPI calls fill.
+_NO_DIRECT_COPY = {"MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD": "1000000000", "SPMD_TIMEOUT": "20"}
+
+
+@multirank(nprocs=(2,), env=_NO_DIRECT_COPY, fresh=True)
+def test_a_send_moves_while_its_sender_waits_in_a_collective(comm):
+    """Rank 1 sends 32 MiB to rank 0 and then waits in a collective over shared memory, which
+    calls no MPI; rank 0 starts receiving only then, and joins the collective once it has the
+    whole message. Sends that
+    moved only inside their sender's MPI calls left rank 0 waiting for the rest of the message
+    and rank 1 waiting for rank 0, until SPMD_TIMEOUT (the progress thread moves them)."""
+    big = np.arange(8 << 20, dtype=np.float32)
+    assert int(spmd.allreduce(jnp.int32(1))) == 2  # (shared memory set up: it calls MPI)
+    if comm.rank == 1:
+        spmd.send(jnp.asarray(big), dst=0)
+    else:
+        time.sleep(0.5)  # rank 1 is in the collective by now
+        got = spmd.recv(jax.ShapeDtypeStruct(big.shape, big.dtype), src=1)
+        np.testing.assert_array_equal(np.asarray(got), big)
+    assert int(spmd.allreduce(jnp.int32(comm.rank + 1))) == 3
+    assert spmd.ops.get_transport() == "shm"
 
 
 @multirank(nprocs=(3,), fresh=True)

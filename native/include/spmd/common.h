@@ -7,7 +7,7 @@
 
 // Bumped whenever the contract between spmd/ (Python) and the native handlers changes; the Python
 // side refuses a native module built for another version instead of calling into it blindly.
-#define SPMD_NATIVE_ABI_VERSION 19
+#define SPMD_NATIVE_ABI_VERSION 20
 
 #include <cstdint>
 

@@ -280,6 +280,16 @@ def mpi_large_count(env: Mapping[str, str] = os.environ) -> bool:
     return value != "0"
 
 
+def mpi_progress(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether a thread of each rank moves its point-to-point sends on while the rank computes
+    (``SPMD_MPI_PROGRESS``: ``1``, the default, or ``0``: sends move only inside the rank's own
+    calls; where MPI runs without ``MPI_THREAD_MULTIPLE`` there is no such thread either way)."""
+    value = env.get("SPMD_MPI_PROGRESS", "1").strip()
+    if value not in ("", "0", "1"):
+        raise SpmdError(f"SPMD_MPI_PROGRESS={value!r}; expected 0 or 1", rank=None)
+    return value != "0"
+
+
 def mpi_max_count(env: Mapping[str, str] = os.environ) -> int:
     """The most elements one classic MPI call carries; larger calls are split
     (``SPMD_MPI_MAX_COUNT``, for tests of the split; default and largest 2147483647)."""

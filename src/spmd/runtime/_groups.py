@@ -42,7 +42,7 @@ from .._native_lib import native, tables
 from . import _gpu, _recorder
 from ._affinity import recorded_cpus
 from ._device import gpu_active
-from ._env import mpi_large_count, mpi_max_count, timeout_seconds
+from ._env import mpi_large_count, mpi_max_count, mpi_progress, timeout_seconds
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -165,6 +165,8 @@ def _load_mpi() -> None:
         )
     )  # fmt: skip
     large = native.mpi_load(_mpi_library(), constants, mpi_large_count(), mpi_max_count())
+    # The thread calls MPI beside the rank's own calls: only where MPI allows that.
+    native.mpi_send_progress(mpi_progress() and MPI.Query_thread() == MPI.THREAD_MULTIPLE)
     _mpi_loaded = "large-count" if large else "classic"
 
 
