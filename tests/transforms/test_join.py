@@ -107,3 +107,39 @@ def test_errors(comm):
     with pytest.raises(spmd.SpmdError, match=r"spmd.join over the ranks \[\d\] around a step"):
         for batch in spmd.join([b], group=other):
             step(params, opt_state, batch)
+
+
+def test_the_join_pass_weights_each_gradient_where_it_is_produced():
+    """weight_joined on its own (a world of one): the program takes the weight and the factor
+    last; each gradient is multiplied by the factor, or zero on a rank out of batches (a NaN
+    included); the marks stay for the reducing pass after it; and the weighting sits right
+    after the op that produces the gradient, not at the end of the backward pass."""
+    import jax.numpy as jnp
+
+    def f(w, x):
+        return spmd.grad(lambda w: jnp.sum(w**2 * x))(w)
+
+    w, x = jnp.asarray([1.0, 2.0, 3.0]), jnp.asarray([1.0, 1.0, 1.0])
+    program = spmd.trace(f)(w, x)
+    weighted = spmd.transforms.weight_joined()(program)
+    assert weighted.in_names == (*program.in_names, "join.weight", "join.scale")
+    assert len(spmd.transforms.gradient_leaves(weighted)[0]) == 1  # still marked
+    np.testing.assert_array_equal(weighted(w, x, np.float32(1), np.float32(2)), [4.0, 8.0, 12.0])
+    np.testing.assert_array_equal(weighted(w, x, np.float32(0), np.float32(2)), [0.0, 0.0, 0.0])
+    nan = jnp.asarray([np.nan, 1.0, 1.0])
+    np.testing.assert_array_equal(weighted(w, nan, np.float32(0), np.float32(1)), [0.0, 0.0, 0.0])
+    reduced = spmd.transforms.chain(
+        spmd.transforms.weight_joined(), spmd.transforms.reduce_gradients()
+    )(program)
+    np.testing.assert_array_equal(reduced(w, x, np.float32(1), np.float32(3)), [6.0, 12.0, 18.0])
+
+    # Two layers: the second's gradient comes first in the backward pass, and is weighted
+    # before the first's is computed (where the reducing pass can overlap its reduction).
+    def two(p, x):
+        return spmd.grad(lambda p: jnp.sum(jnp.tanh(x @ p["a"]) @ p["b"]))(p)
+
+    p = {"a": jnp.ones((3, 4)), "b": jnp.ones((4, 2))}
+    names = [op.name for op in spmd.transforms.weight_joined()(spmd.trace(two)(p, x[None])).ops]
+    products = [i for i, n in enumerate(names) if n == "dot_general"]
+    selects = [i for i, n in enumerate(names) if n == "select_n"]
+    assert len(selects) == 2 and selects[0] < products[-1] < selects[1], names

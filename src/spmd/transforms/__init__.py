@@ -17,6 +17,7 @@ from ._grad import grad as grad
 from ._grad import value_and_grad as value_and_grad
 from ._join import join as join
 from ._join import joined as joined
+from ._join import weight_joined as weight_joined
 from ._partition import shard_state as shard_state
 from ._passes import Pass as Pass
 from ._passes import chain as chain
@@ -57,5 +58,6 @@ __all__ = [
     "shard_state",
     "trace",
     "value_and_grad",
+    "weight_joined",
     "zero_shard",
 ]

@@ -26,14 +26,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .._errors import SpmdError, SpmdTypeError
-from .._jax_compat import core
 from ..mesh import resolve_group
 from ._boundary import broadcast_nodes
 from ._grad import mark_p
-from ._join import JoinState, current_join
+from ._join import join_inputs, join_state, weight_joined
 from ._passes import (
     NO_GRAD,
     Bucket,
@@ -264,11 +262,8 @@ class DataParallel(Step):
 
     def passes(self, traced: Traced, variant: Any) -> Pass:
         sync, pending, joined = variant or (True, False, False)
-        return chain(
-            reduce_gradients(
-                group=self.group, sync=sync, pending=pending, joined=joined, **self.options
-            )
-        )
+        reduce = reduce_gradients(group=self.group, sync=sync, pending=pending, **self.options)
+        return chain(weight_joined(group=self.group), reduce) if joined else chain(reduce)
 
     def variant(self, traced: Traced) -> Any:
         """None (synchronise), or (sync, pending): whether the call synchronises, and whether it
@@ -284,31 +279,16 @@ class DataParallel(Step):
                 "shards instead",
                 op=self.name,
             )
-        state = current_join()
-        if state is not None:
-            self._check_join(state, sync, pending)
-        return None if sync and not pending and state is None else (sync, pending, bool(state))
-
-    def _check_join(self, state: JoinState, sync: bool, pending: bool) -> None:
-        comm = self.comm()
-        if tuple(comm.ranks) != state.ranks:
-            raise SpmdError(
-                f"spmd.join over the ranks {list(state.ranks)} around a step over "
-                f"{list(comm.ranks)}: pass the step's group to spmd.join(..., group=)",
-                op=self.name,
-            )
-        if not sync or pending or self.shards:
+        state = join_state(self.comm(), self.name)
+        if state is not None and (not sync or pending or self.shards):
             what = "spmd.no_sync()" if not sync or pending else "deterministic=True"
             raise SpmdError(f"spmd.join does not take {what} steps yet", op=self.name)
+        return None if sync and not pending and state is None else (sync, pending, bool(state))
 
     def extra_inputs(self, traced: Traced, variant: Any) -> Sequence[Any]:
-        state = current_join()
-        if state is None:
-            return self._pending or ()
-        # This rank's gradients count (1) or not (0); the average is over the ranks that had a
-        # batch: the pass's average over the group, times size / active.
-        scale = self.comm().size / state.active
-        return [*(self._pending or ()), np.float32(state.weight), np.float32(scale)]
+        if variant is not None and variant[2]:
+            return join_inputs(self.comm())  # (no_sync's are refused under join)
+        return self._pending or ()
 
     def results(self, traced: Traced, variant: Any, outs: Sequence[Any]) -> Any:
         n = traced.program.out_tree.num_leaves
@@ -342,16 +322,14 @@ def reduce_gradients(
     sync: bool = True,
     pending: bool = False,
     deterministic: bool = False,
-    joined: bool = False,
 ) -> Pass:
     """The data-parallel pass: insert bucketed allreduces of the gradients ``spmd.grad`` marked.
 
     Options as :func:`data_parallel`'s. With ``pending=True`` the program takes one more input
     per gradient leaf, added to the gradient before it is reduced; with ``sync=False`` nothing
     is communicated and the program returns the (accumulated) local gradients as a second
-    output. With ``joined=True`` (``spmd.join``) it takes two scalars more, last: a weight (0:
-    this rank's gradients count as zeros) and a factor applied to the averaged gradients.
-    Gradient marks and parameter marks are removed.
+    output. Under ``spmd.join`` the step runs :func:`weight_joined` before it. Gradient marks
+    and parameter marks are removed.
 
     Example: the pass on its own, on a traced gradient function (a world of one)::
 
@@ -374,7 +352,6 @@ def reduce_gradients(
             sync,
             pending,
             deterministic,
-            joined,
         )
 
     return apply
@@ -390,7 +367,6 @@ def _reduce(
     sync: bool,
     pending: bool,
     deterministic: bool = False,
-    joined: bool = False,
 ) -> Program:
     comm = resolve_group(None, group, op="data_parallel")
     leaves, marks = gradient_leaves(program)
@@ -418,24 +394,12 @@ def _reduce(
             "deterministic=True with parameters split over the group (experts): not supported",
             op="data_parallel",
         )
-    if joined and any(sub is not None for sub in subgroups):
-        raise SpmdError(
-            "spmd.join around a step with parameters split over the group (experts): not "
-            "supported yet",
-            op="data_parallel",
-        )
 
     def flush(env: Env, bucket: Bucket, extra: Sequence[Any]) -> None:
         values = [env.read(x.src) for x in bucket.leaves]
         if pending:
             values = [
                 v + extra[x.k] if _reducible(x) else v  # float0 gradients hold nothing
-                for v, x in zip(values, bucket.leaves, strict=True)
-            ]
-        if joined:  # a rank out of batches: its gradients count as zeros (NaNs included)
-            weight = extra[-2]
-            values = [
-                jnp.where(weight > 0, v, jnp.zeros_like(v)) if _reducible(x) else v
                 for v, x in zip(values, bucket.leaves, strict=True)
             ]
         if sync:
@@ -449,7 +413,7 @@ def _reduce(
                     reduce(parts) if sub is None else reduce_blocks(parts, sub, comm.size, average)
                 )
                 for i, r in zip(members, reduced, strict=True):
-                    values[i] = (r * extra[-1]).astype(r.dtype) if joined and average else r
+                    values[i] = r
         else:
             for v, x in zip(values, bucket.leaves, strict=True):
                 local[x.k] = v
@@ -477,10 +441,8 @@ def _reduce(
         return outs if sync else outs + local
 
     extra_in = [x.src.aval for x in leaves] if pending else []
-    if joined:
-        extra_in += [core.ShapedArray((), jnp.float32)] * 2
     jaxpr = retrace(program, body, extra_in)
-    if not pending and sync and not joined:
+    if not pending and sync:
         return program.replace(jaxpr)
     proto = jax.tree_util.tree_unflatten(program.in_tree, [0] * program.in_tree.num_leaves)
     out_proto = jax.tree_util.tree_unflatten(program.out_tree, [0] * program.out_tree.num_leaves)
@@ -492,6 +454,5 @@ def _reduce(
         in_names=[
             *program.in_names,
             *(f"pending{x.path}" for x in leaves if pending),
-            *(["join.weight", "join.scale"] if joined else []),
         ],
     )

@@ -18,14 +18,31 @@ current; a context manager's exit could make the collectives but not update the 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import SpmdError
-from ..mesh import resolve_group
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["JoinState", "current_join", "join", "joined"]
+from .._errors import SpmdError
+from .._jax_compat import core
+from ..mesh import resolve_group
+from ..runtime import Communicator
+from ._grad import mark_p
+from ._passes import Pass, block_groups, gradient_leaves
+from ._program import Env, Program, eval_eqn, retrace
+
+__all__ = [
+    "JoinState",
+    "current_join",
+    "join",
+    "join_inputs",
+    "join_state",
+    "joined",
+    "weight_joined",
+]
 
 
 @dataclass(frozen=True)
@@ -97,3 +114,102 @@ def join(batches: Iterable[Any], *, group: Any = None) -> Iterator[Any]:
             _JOIN.reset(token)
         if own:
             last[:] = [batch]
+
+
+# -- what a transform does under join -------------------------------------------------------------
+
+
+def join_state(comm: Communicator, op: str) -> JoinState | None:
+    """The join state of a step over ``comm`` called now (None outside :func:`join`); an error
+    naming both groups when the loop's group is not the step's."""
+    state = current_join()
+    if state is not None and tuple(comm.ranks) != state.ranks:
+        raise SpmdError(
+            f"spmd.join over the ranks {list(state.ranks)} around a step over "
+            f"{list(comm.ranks)}: pass the step's group to spmd.join(..., group=)",
+            op=op,
+        )
+    return state
+
+
+def join_inputs(comm: Communicator) -> list[Any]:
+    """The two inputs a program made by :func:`weight_joined` takes last, for a step over
+    ``comm`` called now inside :func:`join`: this rank's weight, and the group's size over the
+    number of ranks that have a batch."""
+    state = current_join()
+    assert state is not None
+    return [np.float32(state.weight), np.float32(comm.size / state.active)]
+
+
+def _weighted_input(var: Any, value: Any, done: dict[Any, Any], weighted: Any) -> Any:
+    """A grad mark's input under :func:`weight_joined`: the weighted gradient; a constant one
+    (a literal) weighted where the mark reads it."""
+    if isinstance(var, core.Literal):
+        dtype: Any = getattr(var.aval, "dtype", None)
+        floating = dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+        return weighted(jnp.asarray(value, dtype)) if floating else value
+    return done.get(var, value)
+
+
+def weight_joined(*, group: Any = None) -> Pass:
+    """The :func:`join` pass: the program takes two scalars more, last (:func:`join_inputs`): a
+    weight (0: this rank has run out of batches) and a factor (the group's size over the ranks
+    that have a batch). Every floating gradient that ``spmd.grad`` marked becomes
+    ``where(weight > 0, g, 0) * factor`` (a NaN of a rank out of batches counts as zero too)
+    right after the op that produces it, so that the average a reducing pass after it takes over
+    the group is the average over the ranks that had a batch. The marks stay, for that pass.
+
+    Gradients of blocks split over ranks of the group (experts) are refused: their reduction
+    over the ranks holding each block is not weighted yet.
+    """
+
+    def apply(program: Program) -> Program:
+        comm = resolve_group(None, group, op="spmd.join")
+        leaves, _ = gradient_leaves(program)
+        if any(block_groups(comm.groups, leaf.shards) is not None for leaf in leaves):
+            raise SpmdError(
+                "spmd.join around a step with parameters split over the group (experts): not "
+                "supported yet",
+                op="spmd.join",
+            )
+        floating = {
+            leaf.src
+            for leaf in leaves
+            if not isinstance(leaf.src, core.Literal)
+            and jnp.issubdtype(leaf.src.aval.dtype, jnp.inexact)
+        }
+        jaxpr = program.jaxpr.jaxpr
+        n_in = len(jaxpr.invars)
+
+        def body(env: Env, xs: Sequence[Any]) -> list[Any]:
+            weight, factor = xs[n_in:]
+
+            def weighted(v: Any) -> Any:
+                keep = jnp.broadcast_to(weight > 0, jnp.shape(v))
+                return (jax.lax.select(keep, v, jnp.zeros_like(v)) * factor).astype(v.dtype)
+
+            done: dict[Any, Any] = {}  # gradient var -> its weighted value
+
+            def produced(vs: Sequence[Any], vals: Sequence[Any]) -> None:
+                for v, val in zip(vs, vals, strict=True):
+                    env.write(v, val)
+                    if v in floating:
+                        done[v] = weighted(val)
+
+            produced(jaxpr.invars, xs[:n_in])
+            for eqn in jaxpr.eqns:
+                ins = [env.read(a) for a in eqn.invars]
+                if eqn.primitive is mark_p and eqn.params["kind"] == "grad":
+                    ins = [
+                        _weighted_input(a, x, done, weighted)
+                        for a, x in zip(eqn.invars, ins, strict=True)
+                    ]
+                produced(eqn.outvars, eval_eqn(eqn, ins))
+            return [env.read(v) for v in jaxpr.outvars]
+
+        scalar = core.ShapedArray((), jnp.float32)
+        return program.with_inputs(
+            retrace(program, body, [scalar, scalar]), ["join.weight", "join.scale"]
+        )
+
+    return apply

@@ -35,7 +35,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -336,7 +335,6 @@ def shard_state(
     bucket_mb: float = 25.0,
     overlap: bool = True,
     state_outputs: frozenset[int] = frozenset(),
-    joined: bool = False,
 ) -> Pass:
     """The ZeRO pass: a program traced with global shapes, run on row shards.
 
@@ -359,7 +357,7 @@ def shard_state(
     """
 
     def apply(program: Program) -> Program:
-        return _partition(program, stage, group, bucket_mb, overlap, state_outputs, joined)
+        return _partition(program, stage, group, bucket_mb, overlap, state_outputs)
 
     return apply
 
@@ -371,7 +369,6 @@ def _partition(
     bucket_mb: float,
     overlap: bool,
     state_outputs: frozenset[int],
-    joined: bool = False,
 ) -> Program:
     sharded_inputs = {i: s for i, s in enumerate(program.in_sharding) if s is not None}
     comm = resolve_group(None, group, op="zero_shard")
@@ -391,7 +388,6 @@ def _partition(
         for i, v in enumerate(jaxpr.invars)
     ]  # fmt: skip
     out_layout: list[tuple[int, ...] | None] = []
-    join: list[Any] = []  # spmd.join: [weight, scale] (see reduce_gradients)
 
     def reduce(p: _Partitioner, bucket: Any) -> None:
         from ..ops import allreduce, reduce_scatter
@@ -410,21 +406,6 @@ def _partition(
             sub = block_groups(comm.groups, x.shards)
             if sub is not None:
                 blocks.setdefault(sub, []).append(x)
-        if join and blocks:
-            raise SpmdError(
-                "spmd.join around a step with parameters split over the group (experts): not "
-                "supported yet",
-                op="zero_shard",
-            )
-
-        def mine(x: Any) -> Any:
-            """This rank's gradient, as zeros on a rank out of batches (spmd.join)."""
-            v = p.full(x.src)
-            return jnp.where(join[0] > 0, v, jnp.zeros_like(v)) if join else v
-
-        def scaled(v: Any) -> Any:
-            return (v * join[1]).astype(v.dtype) if join else v
-
         for sub, members in blocks.items():
             values = reduce_blocks([p.full(x.src) for x in members], sub, comm.size)
             for x, val in zip(members, values, strict=True):
@@ -438,20 +419,20 @@ def _partition(
             split = [x for x in live if x.src.aval.ndim >= 1]
             whole = [x for x in live if x.src.aval.ndim == 0]
         if whole:
-            out = [mine(x) for x in whole]
+            out = [p.full(x.src) for x in whole]
             if comm.size > 1:
                 out = list(allreduce(out, "avg", group=comm))
             for x, val in zip(whole, out, strict=True):
-                p.write(x.dst, scaled(val))
+                p.write(x.dst, val)
         if split:
             shapes = [tuple(x.src.aval.shape) for x in split]
             padded = [
-                pad_dim(mine(x), 0, rows.chunk(s[0]) * comm.size)
+                pad_dim(p.full(x.src), 0, rows.chunk(s[0]) * comm.size)
                 for x, s in zip(split, shapes, strict=True)
             ]
             for x, val, s in zip(split, reduce_scatter(padded, "avg", group=comm), shapes,
                                  strict=True):  # fmt: skip
-                p.write(x.dst, scaled(val), s)
+                p.write(x.dst, val, s)
 
     def body(env: Any, xs: Sequence[Any]) -> list[Any]:
         names = dict(zip(jaxpr.invars, program.in_names, strict=True))
@@ -459,9 +440,7 @@ def _partition(
         p.plan(eqns)
         for v, c in zip(jaxpr.constvars, program.jaxpr.consts, strict=True):
             p.write(v, c)
-        n_in = len(jaxpr.invars)
-        join[:] = list(xs[n_in:])
-        for i, (v, x) in enumerate(zip(jaxpr.invars, xs[:n_in], strict=True)):
+        for i, (v, x) in enumerate(zip(jaxpr.invars, xs, strict=True)):
             p.write(v, x, sharded_inputs.get(i))
             if v in param_vars:
                 p.param_dep.add(v)
@@ -493,18 +472,5 @@ def _partition(
             outs[k] = val
         return outs
 
-    if not joined:
-        new = retrace(program, body, in_avals=local_avals)
-        return program.replace(new, out_sharding=out_layout)
-    scalar = core.ShapedArray((), jnp.float32)
-    new = retrace(program, body, [scalar, scalar], in_avals=local_avals)
-    proto = jax.tree_util.tree_unflatten(program.in_tree, [0] * program.in_tree.num_leaves)
-    return Program(
-        new,
-        jax.tree_util.tree_structure((proto, [0, 0])),
-        program.out_tree,
-        name=program.name,
-        in_names=[*program.in_names, "join.weight", "join.scale"],
-        in_sharding=[*program.in_sharding, None, None],
-        out_sharding=out_layout,
-    )
+    new = retrace(program, body, in_avals=local_avals)
+    return program.replace(new, out_sharding=out_layout)

@@ -105,6 +105,28 @@ class Program:
             out_sharding=out_sharding,
         )
 
+    def with_inputs(self, jaxpr: ClosedJaxpr, names: Sequence[str]) -> Program:
+        """The same program taking more inputs, last, full (not sharded): ``jaxpr`` reads the
+        program's inputs and then one input per name of ``names``. Called with them as more
+        positional arguments (where it takes no keyword arrays; a step passes them after the
+        arguments' leaves)."""
+        args, kwargs = jax.tree_util.tree_unflatten(self.in_tree, [0] * self.in_tree.num_leaves)
+        more = [0] * len(names)
+        tree = (
+            ((*args, *more), kwargs)
+            if not jax.tree_util.tree_leaves(kwargs)
+            else ((args, kwargs), more)  # (flattened in the jaxpr's order all the same)
+        )
+        return Program(
+            jaxpr,
+            jax.tree_util.tree_structure(tree),
+            self.out_tree,
+            name=self.name,
+            in_names=[*self.in_names, *names],
+            in_sharding=[*self.in_sharding, *(None for _ in names)],
+            out_sharding=self.out_sharding,
+        )
+
     @property
     def ops(self) -> list[Op]:
         """The ops, in program order (the jaxpr's top-level equations)."""

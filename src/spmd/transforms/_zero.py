@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .._errors import SpmdError
 from ..mesh import Mesh, current_mesh
@@ -25,7 +24,7 @@ from ..sharded import ShardedArray, is_sharded, make_spec, normalize_spec, shard
 from ._boundary import shard_nodes
 from ._boxes import box_groups, is_block_box
 from ._grad import marking
-from ._join import current_join
+from ._join import join_inputs, join_state, weight_joined
 from ._partition import shard_state
 from ._passes import Pass, block_groups, chain, marked_params
 from ._program import arg_names, path_name, trace_program
@@ -232,35 +231,21 @@ class ZeroShard(Step):
         return traced
 
     def passes(self, traced: Traced, variant: Any) -> Pass:
-        return chain(
-            shard_state(
-                stage=self.stage,
-                group=self.group,
-                bucket_mb=self.bucket_mb,
-                overlap=self.overlap,
-                state_outputs=traced.info["state_outputs"],
-                joined=bool(variant),
-            )
+        shard = shard_state(
+            stage=self.stage,
+            group=self.group,
+            bucket_mb=self.bucket_mb,
+            overlap=self.overlap,
+            state_outputs=traced.info["state_outputs"],
         )
+        return chain(weight_joined(group=self.group), shard) if variant else chain(shard)
 
     def variant(self, traced: Traced) -> Any:
         """None, or "join" under spmd.join (the program takes its weight and scale)."""
-        state = current_join()
-        if state is None:
-            return None
-        if tuple(self.comm().ranks) != state.ranks:
-            raise SpmdError(
-                f"spmd.join over the ranks {list(state.ranks)} around a step over "
-                f"{list(self.comm().ranks)}: pass the step's group to spmd.join(..., group=)",
-                op=self.name,
-            )
-        return "join"
+        return None if join_state(self.comm(), self.name) is None else "join"
 
     def extra_inputs(self, traced: Traced, variant: Any) -> Sequence[Any]:
-        state = current_join()
-        if not variant or state is None:
-            return ()
-        return [np.float32(state.weight), np.float32(self.comm().size / state.active)]
+        return join_inputs(self.comm()) if variant else ()
 
     def results(self, traced: Traced, variant: Any, outs: Sequence[Any]) -> Any:
         placements = traced.info.get("outputs")
