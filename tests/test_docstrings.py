@@ -23,6 +23,8 @@ DOCUMENTED = [
     spmd.transforms.reduce_gradients,
     spmd.transforms.shard_state,
     spmd.transforms.chain,
+    spmd.transforms.add_accumulated,
+    spmd.transforms.return_local,
     spmd.perf,
     *(getattr(spmd.tensor_parallel, name) for name in (
         "column_linear", "row_linear", "copy_to", "vocab_embed", "vocab_cross_entropy",

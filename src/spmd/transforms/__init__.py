@@ -18,6 +18,8 @@ from ._grad import value_and_grad as value_and_grad
 from ._join import join as join
 from ._join import joined as joined
 from ._join import weight_joined as weight_joined
+from ._local import add_accumulated as add_accumulated
+from ._local import return_local as return_local
 from ._partition import shard_state as shard_state
 from ._passes import Pass as Pass
 from ._passes import chain as chain
@@ -43,6 +45,7 @@ __all__ = [
     "Step",
     "Traced",
     "ZeroShard",
+    "add_accumulated",
     "broadcast_params",
     "chain",
     "check",
@@ -55,6 +58,7 @@ __all__ = [
     "no_sync",
     "reduce_gradients",
     "retrace",
+    "return_local",
     "shard_state",
     "trace",
     "value_and_grad",

@@ -32,6 +32,7 @@ from ..mesh import resolve_group
 from ._boundary import broadcast_nodes
 from ._grad import mark_p
 from ._join import join_inputs, join_state, weight_joined
+from ._local import add_accumulated, return_local
 from ._passes import (
     NO_GRAD,
     Bucket,
@@ -261,9 +262,15 @@ class DataParallel(Step):
         self._pending_for: Traced | None = None
 
     def passes(self, traced: Traced, variant: Any) -> Pass:
+        """The chain of a call's variant: under ``spmd.join``, its weighting first; where
+        ``no_sync`` accumulated gradients, their addition; then the reduction, or inside
+        ``no_sync()`` the local gradients returned."""
         sync, pending, joined = variant or (True, False, False)
-        reduce = reduce_gradients(group=self.group, sync=sync, pending=pending, **self.options)
-        return chain(weight_joined(group=self.group), reduce) if joined else chain(reduce)
+        return chain(
+            *([weight_joined(group=self.group)] if joined else []),
+            *([add_accumulated()] if pending else []),
+            reduce_gradients(group=self.group, **self.options) if sync else return_local(),
+        )
 
     def variant(self, traced: Traced) -> Any:
         """None (synchronise), or (sync, pending): whether the call synchronises, and whether it
@@ -319,17 +326,14 @@ def reduce_gradients(
     average: bool = True,
     compression: str | None = None,
     overlap: bool = True,
-    sync: bool = True,
-    pending: bool = False,
     deterministic: bool = False,
 ) -> Pass:
     """The data-parallel pass: insert bucketed allreduces of the gradients ``spmd.grad`` marked.
 
-    Options as :func:`data_parallel`'s. With ``pending=True`` the program takes one more input
-    per gradient leaf, added to the gradient before it is reduced; with ``sync=False`` nothing
-    is communicated and the program returns the (accumulated) local gradients as a second
-    output. Under ``spmd.join`` the step runs :func:`weight_joined` before it. Gradient marks
-    and parameter marks are removed.
+    Options as :func:`data_parallel`'s. What ``no_sync`` accumulated is added by
+    :func:`add_accumulated` before it, and a step inside ``no_sync()`` runs
+    :func:`return_local` instead; under ``spmd.join`` the step runs :func:`weight_joined`
+    before it. Gradient marks and parameter marks are removed.
 
     Example: the pass on its own, on a traced gradient function (a world of one)::
 
@@ -349,8 +353,6 @@ def reduce_gradients(
             average,
             compression,
             overlap,
-            sync,
-            pending,
             deterministic,
         )
 
@@ -364,8 +366,6 @@ def _reduce(
     average: bool,
     compression: str | None,
     overlap: bool,
-    sync: bool,
-    pending: bool,
     deterministic: bool = False,
 ) -> Program:
     comm = resolve_group(None, group, op="data_parallel")
@@ -375,8 +375,6 @@ def _reduce(
     at = place_buckets(leaves, marks, bucket_mb, overlap)
     eqns = program.jaxpr.jaxpr.eqns
     invars = program.jaxpr.jaxpr.invars
-    n_in = len(invars)
-    local: list[Any] = [None] * len(leaves)
 
     def reduce(values: list[Any]) -> list[Any]:
         from ..ops import allreduce
@@ -395,37 +393,27 @@ def _reduce(
             op="data_parallel",
         )
 
-    def flush(env: Env, bucket: Bucket, extra: Sequence[Any]) -> None:
+    def flush(env: Env, bucket: Bucket) -> None:
         values = [env.read(x.src) for x in bucket.leaves]
-        if pending:
-            values = [
-                v + extra[x.k] if _reducible(x) else v  # float0 gradients hold nothing
-                for v, x in zip(values, bucket.leaves, strict=True)
-            ]
-        if sync:
-            live = [i for i, x in enumerate(bucket.leaves) if _reducible(x)]
-            by_group: dict[Any, list[int]] = {}
-            for i in live:
-                by_group.setdefault(subgroups[bucket.leaves[i].k], []).append(i)
-            for sub, members in by_group.items():
-                parts = [values[i] for i in members]
-                reduced = (
-                    reduce(parts) if sub is None else reduce_blocks(parts, sub, comm.size, average)
-                )
-                for i, r in zip(members, reduced, strict=True):
-                    values[i] = r
-        else:
-            for v, x in zip(values, bucket.leaves, strict=True):
-                local[x.k] = v
+        live = [i for i, x in enumerate(bucket.leaves) if _reducible(x)]
+        by_group: dict[Any, list[int]] = {}
+        for i in live:
+            by_group.setdefault(subgroups[bucket.leaves[i].k], []).append(i)
+        for sub, members in by_group.items():
+            parts = [values[i] for i in members]
+            reduced = (
+                reduce(parts) if sub is None else reduce_blocks(parts, sub, comm.size, average)
+            )
+            for i, r in zip(members, reduced, strict=True):
+                values[i] = r
         for v, x in zip(values, bucket.leaves, strict=True):
             env.write(x.dst, v)
 
     def body(env: Env, xs: Sequence[Any]) -> list[Any]:
-        for v, x in zip(invars, xs[:n_in], strict=True):
+        for v, x in zip(invars, xs, strict=True):
             env.write(v, x)
-        extra = xs[n_in:]
         for b in at.get(-1, []):
-            flush(env, b, extra)
+            flush(env, b)
         for i, eqn in enumerate(eqns):
             if eqn.primitive is mark_p:
                 if eqn.params["kind"] == "param":
@@ -436,23 +424,7 @@ def _reduce(
                                   strict=True):  # fmt: skip
                     env.write(o, val)
             for b in at.get(i, []):
-                flush(env, b, extra)
-        outs = [env.read(v) for v in program.jaxpr.jaxpr.outvars]
-        return outs if sync else outs + local
+                flush(env, b)
+        return [env.read(v) for v in program.jaxpr.jaxpr.outvars]
 
-    extra_in = [x.src.aval for x in leaves] if pending else []
-    jaxpr = retrace(program, body, extra_in)
-    if not pending and sync:
-        return program.replace(jaxpr)
-    proto = jax.tree_util.tree_unflatten(program.in_tree, [0] * program.in_tree.num_leaves)
-    out_proto = jax.tree_util.tree_unflatten(program.out_tree, [0] * program.out_tree.num_leaves)
-    return Program(
-        jaxpr,
-        jax.tree_util.tree_structure((proto, [0] * len(extra_in))),
-        jax.tree_util.tree_structure((out_proto, [0] * (0 if sync else len(leaves)))),
-        name=program.name,
-        in_names=[
-            *program.in_names,
-            *(f"pending{x.path}" for x in leaves if pending),
-        ],
-    )
+    return program.replace(retrace(program, body))
