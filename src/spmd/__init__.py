@@ -117,6 +117,15 @@ _PACKAGES = (
 
 
 def __getattr__(name: str) -> Any:
+    """A public name, imported when first used and then kept in the module, so that later uses
+    (``spmd.allreduce`` in a loop) are plain attribute reads (4 us each through this function
+    before)."""
+    value = _resolve(name)
+    globals()[name] = value
+    return value
+
+
+def _resolve(name: str) -> Any:
     import importlib
 
     if name in _PACKAGES:
