@@ -1,7 +1,9 @@
 """``@spmd.data_parallel``: RAF's AutoDataParallel for JAX, with PyTorch DDP's engineering.
 
-A :class:`~spmd.parallel.Step` with one pass, :func:`reduce_gradients`, which inserts fused
-allreduces that average the gradients ``spmd.grad`` marked over the data-parallel group:
+A :class:`~spmd.transforms.Step` whose chain ends in :func:`reduce_gradients`, which inserts
+fused allreduces that average the gradients ``spmd.grad`` marked over the data-parallel group
+(before it: :func:`~spmd.transforms.add_accumulated` after ``no_sync`` steps,
+:func:`~spmd.transforms.weight_joined` under ``spmd.join``):
 
 - buckets: gradient leaves in reverse parameter order (the order backward produces them), packed
   up to ``bucket_mb`` MiB per bucket; ``bucket_mb=0`` gives one allreduce per leaf;
@@ -215,7 +217,8 @@ def data_parallel(
 
 class DataParallel(Step):
     """A data-parallel training step (what ``@spmd.data_parallel`` returns): a
-    :class:`~spmd.parallel.Step` whose pass is :func:`reduce_gradients`."""
+    :class:`~spmd.transforms.Step` whose chain of passes ends in :func:`reduce_gradients`, or in
+    :func:`~spmd.transforms.return_local` inside ``no_sync()`` (:meth:`passes`)."""
 
     transform = "data_parallel"
 
@@ -286,7 +289,7 @@ class DataParallel(Step):
                 "shards instead",
                 op=self.name,
             )
-        state = join_state(self.comm(), self.name)
+        state = join_state(self.comm, self.name)
         if state is not None and (not sync or pending or self.shards):
             what = "spmd.no_sync()" if not sync or pending else "deterministic=True"
             raise SpmdError(f"spmd.join does not take {what} steps yet", op=self.name)
@@ -339,7 +342,7 @@ def reduce_gradients(
 
         >>> import jax.numpy as jnp, spmd
         >>> program = spmd.trace(spmd.grad(lambda w: jnp.sum(w**2)))(jnp.ones(2))
-        >>> averaged = spmd.parallel.reduce_gradients(bucket_mb=0)(program)
+        >>> averaged = spmd.transforms.reduce_gradients(bucket_mb=0)(program)
         >>> averaged(jnp.ones(2))
         Array([2., 2.], dtype=float32)
     """

@@ -18,7 +18,7 @@ current; a context manager's exit could make the collectives but not update the 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +30,8 @@ from .._errors import SpmdError
 from .._jax_compat import core
 from ..mesh import resolve_group
 from ..runtime import Communicator
-from ._grad import mark_p
-from ._passes import Pass, block_groups, gradient_leaves
-from ._program import Env, Program, eval_eqn, retrace
+from ._passes import Pass, block_groups, gradient_leaves, map_gradients
+from ._program import Program
 
 __all__ = [
     "JoinState",
@@ -119,14 +118,18 @@ def join(batches: Iterable[Any], *, group: Any = None) -> Iterator[Any]:
 # -- what a transform does under join -------------------------------------------------------------
 
 
-def join_state(comm: Communicator, op: str) -> JoinState | None:
-    """The join state of a step over ``comm`` called now (None outside :func:`join`); an error
-    naming both groups when the loop's group is not the step's."""
+def join_state(comm: Callable[[], Communicator], op: str) -> JoinState | None:
+    """The join state of a step called now (None outside :func:`join`); an error naming both
+    groups when the loop's group is not the step's (``comm()``, resolved only inside a join:
+    a step's every call asks)."""
     state = current_join()
-    if state is not None and tuple(comm.ranks) != state.ranks:
+    if state is None:
+        return None
+    ranks = tuple(comm().ranks)
+    if ranks != state.ranks:
         raise SpmdError(
             f"spmd.join over the ranks {list(state.ranks)} around a step over "
-            f"{list(comm.ranks)}: pass the step's group to spmd.join(..., group=)",
+            f"{list(ranks)}: pass the step's group to spmd.join(..., group=)",
             op=op,
         )
     return state
@@ -139,16 +142,6 @@ def join_inputs(comm: Communicator) -> list[Any]:
     state = current_join()
     assert state is not None
     return [np.float32(state.weight), np.float32(comm.size / state.active)]
-
-
-def _weighted_input(var: Any, value: Any, done: dict[Any, Any], weighted: Any) -> Any:
-    """A grad mark's input under :func:`weight_joined`: the weighted gradient; a constant one
-    (a literal) weighted where the mark reads it."""
-    if isinstance(var, core.Literal):
-        dtype: Any = getattr(var.aval, "dtype", None)
-        floating = dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
-        return weighted(jnp.asarray(value, dtype)) if floating else value
-    return done.get(var, value)
 
 
 def weight_joined(*, group: Any = None) -> Pass:
@@ -172,44 +165,13 @@ def weight_joined(*, group: Any = None) -> Pass:
                 "supported yet",
                 op="spmd.join",
             )
-        floating = {
-            leaf.src
-            for leaf in leaves
-            if not isinstance(leaf.src, core.Literal)
-            and jnp.issubdtype(leaf.src.aval.dtype, jnp.inexact)
-        }
-        jaxpr = program.jaxpr.jaxpr
-        n_in = len(jaxpr.invars)
 
-        def body(env: Env, xs: Sequence[Any]) -> list[Any]:
-            weight, factor = xs[n_in:]
-
-            def weighted(v: Any) -> Any:
-                keep = jnp.broadcast_to(weight > 0, jnp.shape(v))
-                return (jax.lax.select(keep, v, jnp.zeros_like(v)) * factor).astype(v.dtype)
-
-            done: dict[Any, Any] = {}  # gradient var -> its weighted value
-
-            def produced(vs: Sequence[Any], vals: Sequence[Any]) -> None:
-                for v, val in zip(vs, vals, strict=True):
-                    env.write(v, val)
-                    if v in floating:
-                        done[v] = weighted(val)
-
-            produced(jaxpr.invars, xs[:n_in])
-            for eqn in jaxpr.eqns:
-                ins = [env.read(a) for a in eqn.invars]
-                if eqn.primitive is mark_p and eqn.params["kind"] == "grad":
-                    ins = [
-                        _weighted_input(a, x, done, weighted)
-                        for a, x in zip(eqn.invars, ins, strict=True)
-                    ]
-                produced(eqn.outvars, eval_eqn(eqn, ins))
-            return [env.read(v) for v in jaxpr.outvars]
+        def weighted(g: Any, leaf: Any, extra: Sequence[Any]) -> Any:
+            weight, factor = extra
+            keep = jnp.broadcast_to(weight > 0, jnp.shape(g))
+            return (jax.lax.select(keep, g, jnp.zeros_like(g)) * factor).astype(g.dtype)
 
         scalar = core.ShapedArray((), jnp.float32)
-        return program.with_inputs(
-            retrace(program, body, [scalar, scalar]), ["join.weight", "join.scale"]
-        )
+        return map_gradients(program, weighted, [("join.weight", scalar), ("join.scale", scalar)])
 
     return apply

@@ -9,18 +9,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from .._jax_compat import core
 from ._grad import mark_p
-from ._passes import GradientLeaf, Pass, gradient_leaves
+from ._passes import Pass, gradient_leaves, map_gradients
 from ._program import Env, Program, eval_eqn, retrace
 
 __all__ = ["add_accumulated", "return_local"]
-
-
-def _floating(leaf: GradientLeaf) -> bool:
-    return bool(jnp.issubdtype(leaf.src.aval.dtype, jnp.inexact))
 
 
 def add_accumulated() -> Pass:
@@ -39,46 +33,11 @@ def add_accumulated() -> Pass:
 
     def apply(program: Program) -> Program:
         leaves, _ = gradient_leaves(program)
-        jaxpr = program.jaxpr.jaxpr
-        n_in = len(jaxpr.invars)
-        # The gradient vars, each with its accumulator's input; a constant one (a literal) is
-        # added to where its mark reads it.
-        by_var: dict[Any, list[int]] = {}
-        for leaf in leaves:
-            if _floating(leaf) and not isinstance(leaf.src, core.Literal):
-                by_var.setdefault(leaf.src, []).append(leaf.k)
-        literal = {
-            leaf.k for leaf in leaves if _floating(leaf) and isinstance(leaf.src, core.Literal)
-        }
-
-        def body(env: Env, xs: Sequence[Any]) -> list[Any]:
-            acc = xs[n_in:]
-            added: dict[Any, Any] = {}
-
-            def produced(vs: Sequence[Any], vals: Sequence[Any]) -> None:
-                for v, val in zip(vs, vals, strict=True):
-                    env.write(v, val)
-                    if v in by_var:  # (one var may be the gradient of two leaves)
-                        added[v] = [val + acc[k] for k in by_var[v]]
-
-            produced(jaxpr.invars, xs[:n_in])
-            marked = 0
-            for eqn in jaxpr.eqns:
-                ins = [env.read(a) for a in eqn.invars]
-                if eqn.primitive is mark_p and eqn.params["kind"] == "grad":
-                    for i, a in enumerate(eqn.invars):
-                        k = leaves[marked + i].k
-                        if k in literal:
-                            ins[i] = ins[i] + acc[k]
-                        elif not isinstance(a, core.Literal) and a in added:
-                            ins[i] = added[a][by_var[a].index(k)]
-                    marked += len(eqn.invars)
-                produced(eqn.outvars, eval_eqn(eqn, ins))
-            return [env.read(v) for v in jaxpr.outvars]
-
-        avals = [leaf.src.aval for leaf in leaves]
-        names = [f"pending{leaf.path}" for leaf in leaves]
-        return program.with_inputs(retrace(program, body, avals), names)
+        return map_gradients(
+            program,
+            lambda g, leaf, acc: g + acc[leaf.k],
+            [(f"pending{leaf.path}", leaf.src.aval) for leaf in leaves],
+        )
 
     return apply
 

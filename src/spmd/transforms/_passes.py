@@ -1,14 +1,14 @@
 """Passes: functions ``Program -> Program``, how they compose, and what the built-in ones share.
 
 A pass factory takes a transform's options and returns a pass; a transform is a step (a
-subclass of :class:`spmd.parallel.Step`) whose ``passes`` method returns a chain of passes, as
+subclass of :class:`spmd.transforms.Step`) whose ``passes`` method returns a chain of passes, as
 optax builds an optimizer from a chain of gradient transformations::
 
-    class Unbucketed(spmd.parallel.Step):
+    class Unbucketed(spmd.transforms.Step):
         def passes(self, traced, variant):
             return chain(reduce_gradients(bucket_mb=0))
 
-Most passes re-evaluate a program's ops under a fresh trace (:func:`spmd.parallel.retrace`),
+Most passes re-evaluate a program's ops under a fresh trace (:func:`spmd.transforms.retrace`),
 adding or replacing ops on the way. The gradient marks that ``spmd.grad`` leaves in a traced
 step tell them which values are gradients, of which parameters (:func:`gradient_leaves`); the
 data-parallel and ZeRO passes both reduce them in the same buckets, at the same places
@@ -22,11 +22,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from .._jax_compat import core
 from ._grad import mark_p
-from ._program import Program
+from ._program import Env, Program, eval_eqn, retrace
 
 Pass = Callable[[Program], Program]
 
@@ -46,8 +47,8 @@ def chain(*passes: Pass) -> Pass:
     Example::
 
         >>> import spmd
-        >>> identity = spmd.parallel.chain()
-        >>> double = spmd.parallel.chain(identity, identity)
+        >>> identity = spmd.transforms.chain()
+        >>> double = spmd.transforms.chain(identity, identity)
     """
 
     def chained(program: Program) -> Program:
@@ -217,3 +218,52 @@ def place_buckets(
         i = max(x.producer for x in b.leaves) if overlap else marks[b.leaves[0].call] - 1
         at.setdefault(i, []).append(b)
     return at
+
+
+def map_gradients(
+    program: Program,
+    f: Callable[[Any, GradientLeaf, Sequence[Any]], Any],
+    more: Sequence[tuple[str, Any]] = (),
+) -> Program:
+    """``program`` with each floating gradient ``g`` that ``spmd.grad`` marked replaced by
+    ``f(g, leaf, extra)`` right after the op that produces it (so that a reducing pass after
+    this one still overlaps the backward pass; a constant gradient where its mark reads it).
+    ``more``: (name, aval) of inputs the program takes more, last; ``extra`` holds their values.
+    The marks stay."""
+    leaves, _ = gradient_leaves(program)
+    floating = [bool(jnp.issubdtype(leaf.src.aval.dtype, jnp.inexact)) for leaf in leaves]
+    of_var: dict[Any, list[GradientLeaf]] = {}  # (one value may be the gradient of two leaves)
+    for leaf, fl in zip(leaves, floating, strict=True):
+        if fl and not isinstance(leaf.src, core.Literal):
+            of_var.setdefault(leaf.src, []).append(leaf)
+    jaxpr = program.jaxpr.jaxpr
+    n_in = len(jaxpr.invars)
+
+    def body(env: Env, xs: Sequence[Any]) -> list[Any]:
+        extra = xs[n_in:]
+        new: dict[int, Any] = {}  # leaf.k -> its gradient, mapped
+
+        def produced(vs: Sequence[Any], vals: Sequence[Any]) -> None:
+            for v, val in zip(vs, vals, strict=True):
+                env.write(v, val)
+                for leaf in of_var.get(v, ()):
+                    new[leaf.k] = f(val, leaf, extra)
+
+        produced(jaxpr.invars, xs[:n_in])
+        k = 0  # the first leaf of the next grad mark (gradient_leaves' order)
+        for eqn in jaxpr.eqns:
+            ins = [env.read(a) for a in eqn.invars]
+            if eqn.primitive is mark_p and eqn.params["kind"] == "grad":
+                for i, leaf in enumerate(leaves[k : k + len(ins)]):
+                    if leaf.k in new:
+                        ins[i] = new[leaf.k]
+                    elif floating[leaf.k]:  # a literal
+                        ins[i] = f(jnp.asarray(ins[i], leaf.src.aval.dtype), leaf, extra)
+                k += len(ins)
+            produced(eqn.outvars, eval_eqn(eqn, ins))
+        return [env.read(v) for v in jaxpr.outvars]
+
+    jaxpr_out = retrace(program, body, [aval for _, aval in more])
+    if not more:
+        return program.replace(jaxpr_out, out_sharding=program.out_sharding)
+    return program.with_inputs(jaxpr_out, [name for name, _ in more])

@@ -59,7 +59,8 @@ def zero_shard(
         params, opt_state = step.shard(params, opt_state)
         params, opt_state, loss = step(params, opt_state, batch)
 
-    It is a :class:`~spmd.parallel.Step` with one pass, :func:`spmd.parallel.shard_state`.
+    It is a :class:`~spmd.transforms.Step` whose pass is :func:`spmd.transforms.shard_state`
+    (after :func:`spmd.transforms.weight_joined` under ``spmd.join``).
 
     Args:
         fn: the step; it computes its gradients with ``spmd.(value_and_)grad``.
@@ -242,7 +243,7 @@ class ZeroShard(Step):
 
     def variant(self, traced: Traced) -> Any:
         """None, or "join" under spmd.join (the program takes its weight and scale)."""
-        return None if join_state(self.comm(), self.name) is None else "join"
+        return None if join_state(self.comm, self.name) is None else "join"
 
     def extra_inputs(self, traced: Traced, variant: Any) -> Sequence[Any]:
         return join_inputs(self.comm()) if variant else ()
