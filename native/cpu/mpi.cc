@@ -828,13 +828,14 @@ Progress& progress() {
 
 void ProgressLoop() {
   Progress& p = progress();
+  std::vector<std::shared_ptr<MpiSendQueue>> live;  // (its capacity kept from round to round)
   std::unique_lock<std::mutex> lock(p.mu);
   while (!p.stop) {
-    std::vector<std::shared_ptr<MpiSendQueue>> live;
+    live.clear();
     for (const auto& w : p.queues) {
       if (auto q = w.lock()) live.push_back(std::move(q));
     }
-    p.queues.assign(live.begin(), live.end());
+    if (live.size() != p.queues.size()) p.queues.assign(live.begin(), live.end());
     p.wake = false;
     lock.unlock();
     bool pending = false;
