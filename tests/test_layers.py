@@ -260,11 +260,7 @@ def test_spmd_elastic_is_the_module_beside_the_checkpoints():
         "assert spmd.elastic is e is elastic, (spmd.elastic, e, elastic)\n"
         "assert e.resume.__module__ == 'spmd.checkpoint.elastic'\n"
     )
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+    _in_a_fresh_process(code)
 
 
 def test_a_public_name_is_resolved_once_and_then_kept_in_the_package():
@@ -280,6 +276,11 @@ def test_a_public_name_is_resolved_once_and_then_kept_in_the_package():
         "assert vars(spmd)['tensor_parallel'] is tp is spmd.model_parallel.tensor_parallel\n"
         "assert sorted(n for n in spmd.__all__ if not hasattr(spmd, n)) == []\n"
     )
+    _in_a_fresh_process(code)
+
+
+def _in_a_fresh_process(code: str) -> None:
+    """Runs ``code`` in a new Python (whose imports start from nothing); fails with its error."""
     import subprocess
     import sys
 

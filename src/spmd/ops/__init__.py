@@ -11,7 +11,7 @@ MPI or both on CPU; the custom all-reduce or NCCL on GPU). ``ARRAY_LIKE``, ``SUP
 ``chain_config``, ``holds_collective``, ``after``, ``collective_calls`` (with ``PreflightCall``),
 ``all_to_allv_indexed``, ``tree_reduce`` and the MoE exchange (``moe_dispatch``, ``moe_combine``,
 ``moe_native``, ``weighted_sum``) serve the layers above
-(spmd.parallel, spmd.cli) and are not in ``__all__``.
+(spmd.transforms, spmd.model_parallel, spmd.cli) and are not in ``__all__``.
 """
 
 from typing import Any

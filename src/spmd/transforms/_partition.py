@@ -352,7 +352,7 @@ def shard_state(
 
         >>> import jax.numpy as jnp, spmd
         >>> program = spmd.trace(spmd.grad(lambda w: jnp.sum(w**2)))(jnp.ones(2))
-        >>> spmd.parallel.shard_state(stage=1)(program)(jnp.ones(2))
+        >>> spmd.transforms.shard_state(stage=1)(program)(jnp.ones(2))
         Array([2., 2.], dtype=float32)
     """
 

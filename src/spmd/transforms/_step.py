@@ -5,7 +5,7 @@ A :class:`Step` wraps a training step ``fn``. On a call it
 1. refuses JAX tracers (a step compiles itself: called under ``jax.jit`` its Python state, the
    replica check and the no_sync accumulator, would be frozen into the trace);
 2. traces ``fn`` once per input signature (pytree structure, shapes and dtypes, the active
-   mesh) into a :class:`~spmd.parallel.Program`, with ``spmd.grad``'s marks;
+   mesh) into a :class:`~spmd.transforms.Program`, with ``spmd.grad``'s marks;
 3. on its first call, checks that the parameters ``spmd.grad`` differentiates are the same on
    every rank of the group (CRC32 checksums; ``check_params=False`` skips it), and that the
    ranks of the group would make the same collectives (:mod:`._check`);
